@@ -1,0 +1,5 @@
+import sys
+
+from cputrain.cli import main
+
+sys.exit(main())

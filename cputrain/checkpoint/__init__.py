@@ -1,0 +1,1 @@
+"""Step folders that count only once complete, sharded state through DCP, the final HF export."""

@@ -1,0 +1,38 @@
+"""Model and optimizer state through torch.distributed.checkpoint (DCP).
+
+DCP writes each rank's shards once and re-shards on load, so a checkpoint saved by 2 ranks
+loads on 1 or 4, and the same calls serve the single, DDP and FSDP strategies.
+get_state_dict/set_state_dict turn any of those models into plain fully-qualified names.
+"""
+
+from __future__ import annotations
+
+import fsspec
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+
+def _storage(path: str, write: bool):
+    protocol = fsspec.core.url_to_fs(path)[0].protocol
+    protocol = protocol[0] if isinstance(protocol, tuple) else protocol
+    if protocol in ("file", "local"):
+        local = fsspec.core.url_to_fs(path)[1]
+        return dcp.FileSystemWriter(local) if write else dcp.FileSystemReader(local)
+    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+
+    return FsspecWriter(path) if write else FsspecReader(path)
+
+
+def save_dcp(model, optimizer, path: str) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_storage(path, write=True))
+
+
+def load_dcp(model, optimizer, path: str) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=_storage(path, write=False))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=True),
+    )

@@ -1,0 +1,180 @@
+"""`cputrain` command line: train, doctor, generate, eval.
+
+Every user error ends as one line on stderr and exit code 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from cputrain.errors import UserError
+
+log = logging.getLogger("cputrain")
+
+EXAMPLES = """examples:
+  cputrain train                                   # the built-in demo: small Llama on Python's docs
+  cputrain train configs/finetune-local.yaml train.max_steps=20
+  cputrain doctor
+  cputrain generate runs/default --prompt "The list"
+  cputrain eval runs/default
+"""
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cputrain",
+        description="Train and fine-tune Hugging Face causal language models on CPUs.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="train or fine-tune a model (resumes from the newest checkpoint in output_dir)",
+        description="Train from a YAML config with dotted key=value overrides; no config runs the built-in demo. "
+        "Re-running the same command resumes from the newest complete checkpoint.",
+        epilog="overrides: any config key, e.g. train.max_steps=20 data.seq_len=512 hardware.precision=fp32\n"
+        "           `cputrain train --help-config` lists every key with its default and meaning.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("config", nargs="?", help="YAML config file (optional)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=20")
+    train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    _add_common(train)
+
+    doctor = sub.add_parser("doctor", help="show the hardware, the torch build and what `auto` settings resolve to")
+    doctor.add_argument("--json", action="store_true", help="print the facts as JSON")
+    _add_common(doctor)
+
+    gen = sub.add_parser("generate", help="sample text from a run folder or an exported model folder")
+    gen.add_argument("path", help="run folder (its model/ is used) or Hugging Face model folder")
+    gen.add_argument("--prompt", default="The", help="text to continue (default: %(default)r)")
+    gen.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    _add_common(gen)
+
+    ev = sub.add_parser("eval", help="validation loss and perplexity of a run or model on a dataset")
+    ev.add_argument("path", help="run folder (its model/ is used) or Hugging Face model folder")
+    ev.add_argument("config", nargs="?", help="YAML config whose data: section names the dataset "
+                    "(default: the run's own config.yaml, else the built-in data)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.source=val.jsonl")
+    ev.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: %(default)s)")
+    ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences")
+    _add_common(ev)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def cmd_train(args) -> int:
+    from cputrain.config import describe_fields, load_config
+    from cputrain.worker import run_worker
+
+    if args.help_config:
+        for key, default, doc in describe_fields():
+            print(f"{key:<34} {default:<22} {doc}")
+        return 0
+    overrides = list(args.overrides)
+    config_path = args.config
+    if config_path and "=" in config_path and not os.path.exists(config_path):
+        overrides.insert(0, config_path)  # `cputrain train train.max_steps=5`: no file, only overrides
+        config_path = None
+    cfg = load_config(config_path, overrides)
+    summary = run_worker(cfg)
+    return 0 if summary is not None else 1
+
+
+def cmd_doctor(args) -> int:
+    from cputrain.config import Config
+    from cputrain.dist.env import normalize
+    from cputrain.hardware import detect, report_lines
+    from cputrain.resolve import resolve
+
+    hw = detect()
+    ranks = normalize(dict(os.environ))
+    res = resolve(Config(), hw, world_size=ranks.world_size, local_world_size=ranks.local_world_size)
+    if args.json:
+        from dataclasses import asdict
+
+        facts = asdict(hw)
+        facts["auto"] = {k: {"value": v, "reason": why} for k, v, why in res.reasons}
+        print(json.dumps(facts, indent=2, default=str))
+        return 0
+    for line in report_lines(hw):
+        print(line)
+    print("auto settings for one rank on this machine:")
+    for key, value, why in res.reasons:
+        print(f"  {key} = {value}: {why}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from cputrain.generate import generate_text
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    print(generate_text(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from pathlib import Path
+
+    from cputrain.config import load_config
+    from cputrain.data import packing, sources
+    from cputrain.generate import evaluate_loss, load_for_inference, model_folder
+
+    run_config = Path(args.path) / "config.yaml"
+    config_path = args.config or (str(run_config) if run_config.is_file() else None)
+    cfg = load_config(config_path, args.overrides)
+    model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)
+    fp = sources.fingerprint(cfg.data)
+    key = {"data": fp, "tokenizer": packing.tokenizer_hash(tokenizer), "seq_len": cfg.data.seq_len,
+           "val_fraction": cfg.data.val_fraction, "seed": cfg.seed}
+    data = packing.load_or_pack(cfg.data.cache_dir, key, lambda: sources.read_documents(cfg.data), tokenizer,
+                                cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    split = data.val if args.split == "val" and len(data.val) else data.train
+    result = evaluate_loss(model, split[: args.max_sequences], cfg.train.micro_batch_size)
+    result.update({"model": model_folder(args.path), "data": cfg.data.source, "split": args.split})
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, "eval": cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from cputrain.log import setup_logging
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as err:
+        if args.debug:
+            raise
+        print(f"cputrain: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("cputrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Typed run configuration: YAML file + dotted `key=value` overrides, validated before any work.
+
+Every section is a pydantic model with `extra="forbid"`, so an unknown key is refused; the
+docstring under each field is its documentation (pydantic keeps it as the field description,
+which `cputrain train --help-config` prints). Values left at "auto" are resolved later, with
+a reason, by `cputrain.resolve` once the hardware is known.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cputrain.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str | None = None
+    """Local Hugging Face model folder (or hub id where there is a network) to fine-tune.
+    Leave empty to build a new model with random weights from `arch`."""
+
+    arch: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": True,
+        }
+    )
+    """Architecture of a model built from scratch: keyword arguments of the transformers config
+    class named by `model_type`. `vocab_size` is taken from the tokenizer."""
+
+    tokenizer: str | None = None
+    """Tokenizer folder. Empty: the model folder's tokenizer, or for a model built from scratch a
+    byte-level BPE trained on the training data and cached."""
+
+    tokenizer_vocab_size: int = Field(4096, gt=255)
+    """Vocabulary size of a tokenizer trained on the data (model built from scratch only)."""
+
+    trust_remote_code: bool = False
+    """Run Python code shipped with a model folder. Off unless you trust its author."""
+
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel: PyTorch's scaled_dot_product_attention, or the eager reference."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass: less memory, ~30% more compute."""
+
+    compile: bool = False
+    """Compile the model with torch.compile (inductor). The first steps are slower; later ones faster."""
+
+    compile_cache_dir: str | None = None
+    """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""
+
+
+class DataConfig(Section):
+    source: str = "builtin:pydoc"
+    """What to train on: `builtin:pydoc` (Python's own documentation, ships with Python), a local
+    .txt/.jsonl/.parquet file or a folder of them, or `hf:NAME` for a Hugging Face dataset."""
+
+    hf_config: str | None = None
+    """Configuration name of a Hugging Face dataset (`hf:` sources only)."""
+
+    hf_split: str = "train"
+    """Split of a Hugging Face dataset to read (`hf:` sources only)."""
+
+    text_field: str = "text"
+    """Field holding the text in .jsonl/.parquet/Hugging Face records."""
+
+    seq_len: int = Field(256, gt=1)
+    """Tokens per packed training sequence. Documents are joined with EOS and cut to this length: no padding."""
+
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Fraction of documents held out for validation (chosen by a seeded shuffle)."""
+
+    cache_dir: str = ".cache/cputrain"
+    """Where tokenized data and trained tokenizers are cached, keyed by content."""
+
+    max_documents: int | None = Field(None, gt=0)
+    """Read at most this many documents (for quick trials)."""
+
+
+class TrainConfig(Section):
+    max_steps: int | None = Field(100, gt=0)
+    """Optimizer steps to run. Empty: run `epochs` passes over the data instead."""
+
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the training data; used only when `max_steps` is empty."""
+
+    global_batch_size: int = Field(16, gt=0)
+    """Sequences per optimizer step, summed over all ranks and accumulation steps. Fixed across
+    world sizes, so a run resumed on another number of ranks trains the same way."""
+
+    micro_batch_size: int = Field(8, gt=0)
+    """Sequences per forward pass on one rank. Accumulation = global ÷ (micro × world size)."""
+
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate of AdamW."""
+
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The cosine schedule ends at lr × this."""
+
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps before the cosine decay."""
+
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay, applied to matrices only (not norms or biases)."""
+
+    beta1: float = Field(0.9, gt=0, lt=1)
+    """AdamW beta1."""
+
+    beta2: float = Field(0.95, gt=0, lt=1)
+    """AdamW beta2."""
+
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+
+    eval_every: int = Field(25, gt=0)
+    """Compute validation loss every this many steps (and at the end)."""
+
+    eval_batches: int = Field(8, gt=0)
+    """Micro-batches of validation data per evaluation."""
+
+    log_every: int = Field(5, gt=0)
+    """Write a metrics.jsonl line every this many steps."""
+
+    checkpoint_every: int = Field(50, gt=0)
+    """Save a checkpoint every this many steps (and at the end)."""
+
+    keep_last: int = Field(2, gt=0)
+    """Complete checkpoints to keep; older ones are deleted."""
+
+    sample_tokens: int = Field(80, ge=0)
+    """Tokens of text generated at the end of the run into sample.txt; 0 skips it."""
+
+
+class HardwareConfig(Section):
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision. auto: bf16 only where the CPU has AMX or AVX512-BF16, else fp32."""
+
+    threads: int | Literal["auto"] = "auto"
+    """Compute threads per rank. auto: physical cores on this node ÷ ranks on this node."""
+
+    pin_cores: bool = True
+    """Pin each rank to its own disjoint set of cores (whole NUMA nodes where they divide evenly)."""
+
+    allocator: Literal["auto", "system"] = "auto"
+    """auto: preload an installed tcmalloc or jemalloc for launched ranks; system: leave malloc alone."""
+
+    @model_validator(mode="after")
+    def _positive_threads(self):
+        if isinstance(self.threads, int) and self.threads < 1:
+            raise ValueError("hardware.threads must be a positive integer or 'auto'")
+        return self
+
+
+class ParallelConfig(Section):
+    strategy: Literal["auto", "single", "ddp", "fsdp", "zero3"] = "auto"
+    """How ranks share the work. auto: single for one rank, ddp for several."""
+
+    backend: Literal["auto", "gloo", "ccl"] = "auto"
+    """Collective backend. auto: ccl where oneccl_bindings_for_pytorch imports, else gloo."""
+
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON file to use with strategy zero3; its "auto" values are filled from this config."""
+
+    offload_optimizer: bool = False
+    """zero3: keep optimizer state on the host and step it there (DeepSpeed's CPU Adam)."""
+
+    offload_param: bool = False
+    """zero3: keep parameters off the compute path until needed (DeepSpeed parameter offload)."""
+
+
+class LaunchConfig(Section):
+    nproc_per_node: int = Field(1, gt=0)
+    """Ranks started on this node by the torchrun agent."""
+
+    nnodes: int = Field(1, gt=0)
+    """Nodes taking part."""
+
+    node_rank: int = Field(0, ge=0)
+    """This node's index, 0 … nnodes-1 (static rendezvous)."""
+
+    rdzv_endpoint: str | None = None
+    """host:port of the c10d rendezvous (node 0's address). Empty on one node: a free local port."""
+
+    rdzv_timeout_s: int = Field(120, gt=0)
+    """Seconds to wait for all nodes to join before failing."""
+
+    max_restarts: int = Field(0, ge=0)
+    """Times the agent restarts the whole group after a rank dies; each restart resumes from the newest checkpoint."""
+
+
+class Config(Section):
+    output_dir: str = "runs/default"
+    """Run folder (a local path or an fsspec URL): config, metrics, checkpoints, exported model."""
+
+    seed: int = 1337
+    """Seed for weights, data order and dropout."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _batch_fits(self):
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size ({self.train.micro_batch_size})"
+            )
+        if self.train.max_steps is None and self.train.epochs is None:
+            raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+    def dump_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, dotted + "."))
+    return keys
+
+
+def _nearest_key(key: str) -> str | None:
+    keys = _all_keys(Config)
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not match:  # a right name under the wrong section: "train.seq_len" -> "data.seq_len"
+        leaf = key.rsplit(".", 1)[-1]
+        match = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(
+            leaf, keys, n=1, cutoff=0.75
+        )
+    return match[0] if match else None
+
+
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        hint = _nearest_key(key)
+        return f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
+    if not key:
+        return e["msg"].removeprefix("Value error, ")
+    return f"bad value for '{key}' ({e.get('input')!r}): {e['msg'].removeprefix('Value error, ')}"
+
+
+def _parse_value(text: str) -> Any:
+    # YAML scalars: "20" -> 20, "3e-4" -> 0.0003, "true" -> True, "null" -> None, "[1,2]" -> list
+    value = yaml.safe_load(text) if text != "" else ""
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" as a string; people mean a number
+            return float(value) if any(c in value for c in "eE") and value[0] in "0123456789.-" else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value; write it like train.max_steps=20")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(text)
+    return raw
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' not found; pass an existing YAML file or none for the default run")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"malformed YAML in '{path}'{where}: {problem}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{path}' must hold a mapping of sections (model:, data:, train: …), not {type(raw).__name__}")
+    return raw
+
+
+def validate(raw: dict) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_first_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    raw = read_yaml(path) if path else {}
+    return validate(apply_overrides(raw, list(overrides or [])))
+
+
+def describe_fields(model_cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field: the reference printed by --help-config."""
+    rows = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        dotted = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, dotted + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((dotted, repr(default), " ".join((field.description or "").split())))
+    return rows

@@ -1,0 +1,1 @@
+"""Everything about ranks: who started us, where each rank runs, and the process group."""

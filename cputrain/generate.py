@@ -1,0 +1,64 @@
+"""Sampling text and measuring validation loss with a finished model folder (or a run folder)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from cputrain.errors import ModelError
+
+
+def model_folder(path: str) -> str:
+    """A run folder means its exported model/; a model folder is used as it is."""
+    p = Path(path)
+    if (p / "model" / "config.json").is_file():
+        return str(p / "model")
+    if (p / "config.json").is_file():
+        return str(p)
+    if (p / "checkpoints").is_dir():
+        raise ModelError(f"run '{path}' has no exported model yet (it exports model/ when training ends)")
+    raise ModelError(f"'{path}' is neither a run folder nor a model folder (no config.json)")
+
+
+def load_for_inference(path: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    from cputrain.data.tokenizer import load_tokenizer
+
+    folder = model_folder(path)
+    tokenizer = load_tokenizer(folder, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"could not load the model in '{folder}': {first}") from None
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature: float = 0.8,
+                  top_k: int = 50, seed: int = 0) -> str:
+    model, tokenizer = load_for_inference(path)
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] == 0:
+        ids = torch.tensor([[tokenizer.eos_token_id]])
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or None,
+        top_k=top_k, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def evaluate_loss(model, sequences, micro_batch: int) -> dict:
+    """Mean next-token loss and perplexity over packed `sequences` [n, seq_len]."""
+    total, count = 0.0, 0
+    for start in range(0, len(sequences), micro_batch):
+        tokens = torch.as_tensor(sequences[start : start + micro_batch], dtype=torch.long)
+        total += float(model(input_ids=tokens, labels=tokens).loss) * len(tokens)
+        count += len(tokens)
+    loss = total / max(count, 1)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "sequences": count}

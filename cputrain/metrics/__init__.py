@@ -1,0 +1,1 @@
+"""What a run reports: tokens/s, MFU, memory, communication; as JSONL, a progress bar, plots."""

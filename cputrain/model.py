@@ -1,0 +1,250 @@
+"""The model: a Hugging Face causal LM, built as a skeleton first and filled from safetensors.
+
+Loading a pretrained model goes skeleton-on-meta → (strategy shards it) → materialize → copy
+tensors from the safetensors files. No tensor exists twice: the file is memory-mapped and each
+parameter is copied straight into its final storage (or, under FSDP, only this rank's rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cputrain.config import ModelConfig
+from cputrain.errors import ModelError
+
+log = logging.getLogger("cputrain")
+
+
+@dataclass
+class ModelSource:
+    """Where weights come from: a folder with config.json + *.safetensors, or nothing (random init)."""
+
+    folder: Path | None
+    hf_config: object  # transformers PretrainedConfig
+
+    @property
+    def pretrained(self) -> bool:
+        return self.folder is not None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def resolve_source(cfg: ModelConfig, vocab_size: int | None) -> ModelSource:
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if cfg.name_or_path is None:
+        arch = dict(cfg.arch)
+        model_type = arch.pop("model_type", "llama")
+        if model_type not in CONFIG_MAPPING:
+            raise ModelError(f"model.arch.model_type '{model_type}' is not a transformers model type")
+        try:
+            hf_config = CONFIG_MAPPING[model_type](**arch, vocab_size=vocab_size)
+        except Exception as exc:
+            raise ModelError(f"model.arch does not make a valid {model_type} config: {_first_line(exc)}") from None
+        return ModelSource(None, hf_config)
+    folder = local_folder(cfg.name_or_path)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise ModelError(f"could not read the model config in '{cfg.name_or_path}': {_first_line(exc)}") from None
+    return ModelSource(folder, hf_config)
+
+
+def local_folder(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model folder '{path}' has no config.json; point model.name_or_path at a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise ModelError(f"model.name_or_path '{path}' is a file; it must be a model folder")
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise ModelError(f"model folder '{name_or_path}' not found; check model.name_or_path")
+    # A hub id ("org/name"): fetch only the config, tokenizer and safetensors into the HF cache.
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:
+        raise ModelError(f"model '{name_or_path}' is not a local folder and could not be fetched: {_first_line(exc)}") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(
+            f"'{folder}' has no .safetensors weights; only safetensors are loaded (convert .bin files with "
+            "transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
+    """The model with every parameter on the meta device: structure, no storage."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                source.hf_config,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+                dtype=torch.float32,  # master weights stay fp32; bf16 is a compute choice (autocast)
+            )
+    except Exception as exc:
+        raise ModelError(f"could not build the model from its config: {_first_line(exc)}") from None
+    return model
+
+
+def materialize(model: nn.Module) -> None:
+    """Give meta parameters real (uninitialised) CPU storage and recompute non-persistent buffers."""
+    model.to_empty(device="cpu")
+    # Rotary inverse frequencies are computed, not saved: recompute them (HF's own init does).
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+            model._init_weights(module)
+
+
+def random_init(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter the way transformers does, from `seed` (same on every rank)."""
+    torch.manual_seed(seed)
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+    model.tie_weights()
+
+
+class SafetensorsReader:
+    """Maps parameter names to tensors across a model's safetensors files, without loading them."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.handles, self.where = [], {}
+        for path in safetensors_files(folder):
+            try:
+                handle = safe_open(str(path), framework="pt")
+                keys = list(handle.keys())
+            except Exception as exc:
+                raise ModelError(
+                    f"weights file '{path}' is corrupt or truncated ({_first_line(exc)}); re-download or re-export it"
+                ) from None
+            self.handles.append(handle)
+            for key in keys:
+                self.where[key] = handle
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """The tensor `name`, or only `rows` of its first dimension (what one FSDP shard needs)."""
+        try:
+            if rows is None:
+                return self.where[name].get_tensor(name)
+            return self.where[name].get_slice(name)[rows]
+        except Exception as exc:
+            raise ModelError(f"could not read '{name}' from the weights ({_first_line(exc)}); the file may be truncated") from None
+
+
+def checkpoint_name(param_name: str, reader: SafetensorsReader) -> str | None:
+    """The key under which `param_name` is stored (wrappers add prefixes; some files drop `model.`)."""
+    for candidate in (param_name, param_name.removeprefix("model."), f"model.{param_name}"):
+        if candidate in reader.where:
+            return candidate
+    return None
+
+
+def load_into(
+    model: nn.Module,
+    folder: Path,
+    copy_fn: Callable[[str, torch.Tensor, SafetensorsReader, str], None] | None = None,
+) -> None:
+    """Copy every parameter from the safetensors files into the materialized `model`.
+
+    `copy_fn(param_name, param, reader, key)` lets a strategy copy only what its rank owns; the
+    default copies the whole tensor.
+    """
+    reader = SafetensorsReader(folder)
+    tied = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")} if getattr(
+        model.config, "tie_word_embeddings", False
+    ) else set()
+    missing = []
+    with torch.no_grad():
+        for name, param in model.named_parameters(remove_duplicate=True):
+            key = checkpoint_name(name, reader)
+            if key is None:
+                if id(param) in tied:
+                    continue
+                missing.append(name)
+                continue
+            full_shape = reader.shape(key)
+            if list(_global_shape(param)) != full_shape:
+                raise ModelError(
+                    f"weights for '{name}' have shape {full_shape}, the model expects {list(_global_shape(param))}; "
+                    "the weights do not belong to this model config"
+                )
+            (copy_fn or _copy_whole)(name, param, reader, key)
+    if missing:
+        raise ModelError(f"weights file lacks {len(missing)} parameters of the model (first: '{missing[0]}'); wrong model folder?")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _global_shape(param: torch.Tensor):
+    return param.shape  # a DTensor reports its global shape here too
+
+
+def _copy_whole(name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
+    param.copy_(reader.read(key))
+
+
+def check_vocab(model_config, tokenizer) -> None:
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ModelError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}; "
+            "use the tokenizer that belongs to the model (model.tokenizer)"
+        )
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_model(model: nn.Module, cache_dir: str) -> nn.Module:
+    import os
+
+    # Inductor keeps compiled kernels here between runs, so only the first run pays for compiling.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(cache_dir))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    return torch.compile(model)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Total and non-embedding parameters (the input embedding table is a lookup, not a matmul)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    emb = model.get_input_embeddings().weight
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    # A tied lm_head still does a vocab × hidden matmul per token: keep it in the compute count.
+    non_embedding = total - emb.numel() + (emb.numel() if tied else 0)
+    return {"total": total, "non_embedding": non_embedding, "embedding": emb.numel()}
+
+
+def write_config_json(folder: Path, hf_config) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config.to_dict(), indent=2, default=str))

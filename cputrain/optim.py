@@ -1,0 +1,34 @@
+"""AdamW with decay on matrices only, and the warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from cputrain.config import TrainConfig
+
+
+def build_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # Norm gains and biases are 1-D: decaying them toward zero only hurts (nanoGPT, GPT-3).
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach: one multi-tensor kernel per group instead of a Python loop over parameters.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to min_ratio."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    )

@@ -1,0 +1,100 @@
+"""The protocol every strategy offers the trainer; the trainer never branches on a strategy name.
+
+Build order (see trainer.setup): wrap(skeleton) → load_weights → build_optimizer. Wrapping
+comes before any weight exists so that a sharding strategy materializes only its own shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cputrain.config import Config
+
+
+@dataclass
+class StrategyContext:
+    cfg: Config
+    rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    extras: dict = field(default_factory=dict)
+
+
+class Strategy:
+    name = "base"
+
+    def __init__(self, ctx: StrategyContext):
+        self.ctx = ctx
+
+    # --- build ---------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Wrap the model skeleton (possibly on meta). Return what the trainer calls forward on."""
+        return model
+
+    def load_weights(self, model: nn.Module, folder: Path | None, seed: int) -> None:
+        """Fill the wrapped model: from `folder`'s safetensors, or random init from `seed`."""
+        raise NotImplementedError
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        from cputrain.optim import build_adamw
+
+        return build_adamw(model, self.ctx.cfg.train)
+
+    # --- step ----------------------------------------------------------------------------
+    def autocast(self):
+        """Context for forward passes: bf16 autocast unless the strategy casts parameters itself."""
+        if self.ctx.compute_dtype == torch.bfloat16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def accumulation(self, model: nn.Module, last_micro_batch: bool):
+        """Context around forward+backward of one micro-batch (DDP skips its all-reduce unless last)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+        """Clip, step, zero the gradients; returns the global gradient norm before clipping."""
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # --- reporting -----------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Communication since the last call (time in collectives, bytes sent/received)."""
+        return {}
+
+    def comm_summary(self, rows: list[dict]) -> dict:
+        """Communication figures for summary.json, from the logged rows."""
+        return {}
+
+    # --- checkpoint ----------------------------------------------------------------------
+    def save(self, model: nn.Module, optimizer, path: str) -> None:
+        from cputrain.checkpoint.dcp_state import save_dcp
+
+        save_dcp(model, optimizer, path)
+
+    def load(self, model: nn.Module, optimizer, path: str) -> None:
+        from cputrain.checkpoint.dcp_state import load_dcp
+
+        load_dcp(model, optimizer, path)
+
+    def full_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs, one tensor at a time, for the HF export (rank 0 writes them)."""
+        for name, tensor in model.state_dict().items():
+            yield name, tensor
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,287 @@
+"""The training run: setup() in build order, train_step(), evaluate(), fit().
+
+One Trainer runs in every rank. It never branches on the strategy's name: single, ddp, fsdp
+and zero3 all come through the small protocol in cputrain.parallel.base.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from cputrain.checkpoint.folders import RunFolder
+from cputrain.config import Config
+from cputrain.data import order, packing, sources, tokenizer as tokenizers
+from cputrain.dist import process_group as pg
+from cputrain.dist.env import RankEnv
+from cputrain.hardware import HardwareFacts
+from cputrain.metrics import flops, memory
+from cputrain.metrics.phases import PhaseRecorder
+from cputrain import model as models
+from cputrain.parallel import get_strategy
+from cputrain.parallel.base import StrategyContext
+from cputrain.resolve import grad_accum_steps
+from cputrain.run_state import RunState, check_compatible
+
+log = logging.getLogger("cputrain")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, hw: HardwareFacts, ranks: RankEnv, cpus: list[int] | None = None,
+                 reasons: list | None = None):
+        self.cfg, self.hw, self.ranks, self.cpus = cfg, hw, ranks, cpus
+        self.reasons = reasons or []
+        self.run = RunFolder(cfg.output_dir)
+        self.step = 0  # optimizer steps completed
+        self.phases = PhaseRecorder(ranks.rank)
+
+    # ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, ranks = self.cfg, self.ranks
+        check_compatible(self.run, cfg)  # before anything is written into an existing run folder
+
+        # 1. Process group and this rank's cores: everything after runs on the right threads.
+        pg.set_threads(int(cfg.hardware.threads), self.cpus)
+        if ranks.distributed:
+            pg.init_process_group(cfg.parallel.backend)
+        self.phases.mark("process group")
+
+        # 2. Tokenizer and data. Rank 0 tokenizes (and trains a tokenizer) into the cache first;
+        #    the others then read the cache instead of all doing the same work at once.
+        if ranks.is_main:
+            self._prepare_data()
+        pg.barrier()
+        if not ranks.is_main:
+            self._prepare_data()
+
+        # 3. Model skeleton on the meta device: the structure, no memory.
+        source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
+        models.check_vocab(source.hf_config, self.tokenizer)
+        self.hf_config = source.hf_config
+        skeleton = models.build_skeleton(source, cfg.model)
+        if cfg.model.activation_checkpointing:
+            models.enable_activation_checkpointing(skeleton)
+        self.counts = models.parameter_counts(skeleton)
+        self.phases.mark("model skeleton")
+
+        # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
+        #    materializes only this rank's shard: an 8B model never exists whole in any rank.
+        dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
+        self.strategy = get_strategy(
+            cfg.parallel.strategy, ctx=StrategyContext(cfg, ranks.rank, ranks.world_size, dtype)
+        )
+        self.model = self.strategy.wrap(skeleton)
+        self.strategy.load_weights(self.model, source.folder, cfg.seed)
+        self.phases.mark("sharded weights", model=self.model)
+
+        # 5. Optimizer and learning-rate schedule.
+        self.optimizer = self.strategy.build_optimizer(self.model)
+        self.total_steps = self._total_steps()
+        from cputrain.optim import build_schedule
+
+        self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
+        self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
+
+        # 6. Resume from the newest complete checkpoint, if this run folder has one.
+        self.state = RunState(self.run, cfg, ranks, self.reasons)
+        resumed = self.state.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
+        if resumed is not None:
+            self.step = resumed
+            log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
+        self.state.write_run_files()
+
+        if cfg.model.compile:
+            cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
+            self.model = models.compile_model(self.model, cache)
+
+        self.accum = grad_accum_steps(cfg, ranks.world_size)
+        self.flops_per_token = flops.flops_per_token(
+            self.counts["non_embedding"],
+            self.hf_config.num_hidden_layers,
+            self.hf_config.hidden_size,
+            cfg.data.seq_len,
+        )
+        # MFU is against the cores this rank was given, so it reads the same at any rank count.
+        share = int(cfg.hardware.threads) / max(1, self.hw.physical_cores)
+        self.peak_flops = self.hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
+
+    def _prepare_data(self) -> None:
+        cfg = self.cfg
+        fp = sources.fingerprint(cfg.data)
+        docs_cache: list = []
+
+        def documents():
+            if not docs_cache:
+                docs_cache.append(sources.read_documents(cfg.data))
+            return docs_cache[0]
+
+        self.tokenizer = tokenizers.get_tokenizer(cfg.model, cfg.data, fp, documents)
+        key = {
+            "data": fp,
+            "tokenizer": packing.tokenizer_hash(self.tokenizer),
+            "seq_len": cfg.data.seq_len,
+            "val_fraction": cfg.data.val_fraction,
+            "seed": cfg.seed,
+        }
+        self.data = packing.load_or_pack(
+            cfg.data.cache_dir, key, documents, self.tokenizer, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed
+        )
+        self.order = order.BatchOrder(len(self.data.train), cfg.train.global_batch_size, cfg.seed)
+        if self.ranks.is_main:
+            s = self.data.stats
+            log.info(
+                "data: %d documents, %d tokens → %d train + %d validation sequences of %d tokens "
+                "(useful tokens 100%%: 0 padding, %d tail tokens dropped)",
+                s["documents"], s["tokens"], s["train_sequences"], s["val_sequences"], s["seq_len"], s["dropped_tail_tokens"],
+            )
+
+    def _total_steps(self) -> int:
+        t = self.cfg.train
+        if t.max_steps is not None:
+            return t.max_steps
+        return max(1, math.ceil(t.epochs * len(self.data.train) / t.global_batch_size))
+
+    # ------------------------------------------------------------------------------------
+    def _batch(self, indices: np.ndarray, split: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(split[indices], dtype=np.int64))
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step over this rank's share of the global batch. Returns (loss, grad norm)."""
+        micro_batches = self.order.rank_micro_batches(
+            self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size
+        )
+        self.model.train()
+        loss_sum = torch.zeros(())
+        for i, indices in enumerate(micro_batches):
+            tokens = self._batch(indices, self.data.train)
+            with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
+                with self.strategy.autocast():
+                    # labels=input ids: the model shifts them to predict each next token.
+                    loss = self.model(input_ids=tokens, labels=tokens).loss / len(micro_batches)
+                self.strategy.backward(loss)
+            loss_sum += loss.detach().float()
+        grad_norm = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip)
+        self.schedule.step()
+        self.step += 1
+        return float(loss_sum), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the first eval_batches × micro-batch sequences, split across ranks."""
+        val = self.data.val
+        if len(val) == 0:
+            return float("nan")
+        self.model.eval()
+        mbs, world, rank = self.cfg.train.micro_batch_size, self.ranks.world_size, self.ranks.rank
+        n = min(len(val), self.cfg.train.eval_batches * mbs * world)
+        n -= n % world  # every rank runs the same number of forwards (collectives must match)
+        if n == 0:
+            n = len(val)
+        per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
+        total, count = 0.0, 0
+        for start in range(0, len(per_rank), mbs):
+            idx = per_rank[start : start + mbs]
+            tokens = self._batch(idx, val)
+            with self.strategy.autocast():
+                total += float(self.model(input_ids=tokens, labels=tokens).loss) * len(idx)
+            count += len(idx)
+        return pg.all_reduce_mean(total / max(count, 1))
+
+    # ------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        main = self.ranks.is_main
+        if self.step >= self.total_steps:
+            log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
+            return self.state.read_summary() or {}
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        metrics_file = self.run.path("metrics.jsonl")
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc="train", unit="step",
+                   dynamic_ncols=True, mininterval=1.0)
+        start_step, wall0 = self.step, time.perf_counter()
+        window_t0, window_steps = time.perf_counter(), 0
+        first_step_done = False
+        last_val = None
+        memory.reset_peak()
+        while self.step < self.total_steps:
+            loss, grad_norm = self.train_step()
+            window_steps += 1
+            if not first_step_done:
+                self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
+                first_step_done = True
+            record = None
+            if self.step % t.log_every == 0 or self.step == self.total_steps:
+                elapsed = time.perf_counter() - window_t0
+                tps = window_steps * tokens_per_step / elapsed
+                mfu = flops.mfu(tps, self.flops_per_token, self.peak_flops)
+                record = {
+                    "step": self.step,
+                    "loss": pg.all_reduce_mean(loss),
+                    "lr": self.schedule.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tps,
+                    "mfu": mfu,
+                    "step_time_s": elapsed / window_steps,
+                    "rss_gib": memory.rss_gib(),
+                    "peak_rss_gib": memory.peak_rss_gib(),
+                    "epoch": self.order.epoch_of(self.step),
+                }
+                record.update(self.strategy.comm_stats())
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
+                window_t0, window_steps = time.perf_counter(), 0
+            if self.step % t.eval_every == 0 or self.step == self.total_steps:
+                last_val = self.evaluate()
+                record = record or {"step": self.step}
+                record["val_loss"] = last_val
+                record["val_ppl"] = math.exp(min(last_val, 50))
+                window_t0 = time.perf_counter()  # evaluation time is not training throughput
+            if record and main:
+                with self.run.fs.open(metrics_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps:
+                self.state.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+                window_t0 = time.perf_counter()
+            bar.update(1)
+        bar.close()
+        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer, use_peak=True)
+        wall_s = time.perf_counter() - wall0
+        return self._finish(wall_s, start_step, last_val)
+
+    def _finish(self, wall_s: float, start_step: int, val_loss) -> dict:
+        rows = self.state.read_metrics()
+        train_rows = [r for r in rows if "tokens_per_s" in r]
+        steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
+        summary = {
+            "final_step": self.step,
+            "final_loss": train_rows[-1]["loss"] if train_rows else None,
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
+            "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
+            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steady])) if steady else 0.0,
+            "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
+            "peak_rss_gib": max([memory.peak_rss_gib()] + [r.get("peak_rss_gib", 0) for r in rows]),
+            "wall_time_s": wall_s,
+            "steps_this_session": self.step - start_step,
+            "world_size": self.ranks.world_size,
+            "strategy": self.cfg.parallel.strategy,
+            "precision": self.cfg.hardware.precision,
+            "threads_per_rank": self.cfg.hardware.threads,
+            "parameters": self.counts["total"],
+            "flops_per_token": self.flops_per_token,
+            "peak_flops": self.peak_flops,
+        }
+        summary.update(self.strategy.comm_summary(steady))
+        self.phases.write(self.run, self.ranks)
+        self.state.export(self.strategy, self.model, self.hf_config, self.tokenizer)
+        if self.ranks.is_main:
+            self.run.write_text(json.dumps(summary, indent=2), "summary.json")
+            self.state.after_export()
+        return summary

@@ -1,0 +1,61 @@
+"""What every rank runs: resolve the config for this machine, then setup() and fit()."""
+
+from __future__ import annotations
+
+import logging
+
+from cputrain.config import Config
+from cputrain.dist.env import normalize
+from cputrain.hardware import detect
+from cputrain.log import setup_logging
+from cputrain.resolve import resolve
+
+log = logging.getLogger("cputrain")
+
+
+def run_worker(cfg: Config) -> dict:
+    ranks = normalize()  # also sets LOCAL_RANK & co. so no library dies on a KeyError
+    setup_logging(ranks.rank)
+    hw = detect()
+    res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size)
+    if ranks.is_main:
+        log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
+                 hw.physical_cores, hw.memory_gib)
+        for key, value, why in res.reasons:
+            log.info("auto: %s = %s (%s)", key, value, why)
+    from cputrain.dist.placement import cpus_for_rank
+    from cputrain.trainer import Trainer
+
+    cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
+    trainer = Trainer(res.config, hw, ranks, cpus=cpus, reasons=res.reasons)
+    trainer.setup()
+    summary = trainer.fit()
+    if ranks.is_main and summary:
+        for line in summary_table(summary):
+            log.info(line)
+        log.info("run folder: %s", cfg.output_dir)
+    from cputrain.dist.process_group import destroy
+
+    destroy()
+    return summary
+
+
+def summary_table(s: dict) -> list[str]:
+    def fmt(v, spec):
+        return "n/a" if v is None else format(v, spec)
+
+    rows = [
+        ("steps", fmt(s.get("final_step"), "d")),
+        ("final train loss", fmt(s.get("final_loss"), ".4f")),
+        ("validation loss", f"{fmt(s.get('first_val_loss'), '.4f')} → {fmt(s.get('val_loss'), '.4f')}"),
+        ("validation perplexity", fmt(s.get("val_ppl"), ".2f")),
+        ("useful tokens/s", fmt(s.get("tokens_per_s"), ",.0f")),
+        ("MFU", fmt(s.get("mfu"), ".1%")),
+        ("peak RSS (GiB)", fmt(s.get("peak_rss_gib"), ".2f")),
+        ("wall time (s)", fmt(s.get("wall_time_s"), ".1f")),
+        ("ranks × threads", f"{s.get('world_size')} × {s.get('threads_per_rank')} ({s.get('strategy')}, {s.get('precision')})"),
+    ]
+    if "comm_fraction" in s:
+        rows.append(("time in communication", fmt(s.get("comm_fraction"), ".1%")))
+    width = max(len(k) for k, _ in rows)
+    return ["summary"] + [f"  {k:<{width}}  {v}" for k, v in rows]
