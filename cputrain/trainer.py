@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -204,7 +205,9 @@ class Trainer:
             return self.state.read_summary() or {}
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         metrics_file = self.run.path("metrics.jsonl")
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc="train", unit="step",
+        # A live bar where a person watches a terminal; plain log lines in CI logs and pod logs.
+        live = main and sys.stderr.isatty()
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not live, desc="train", unit="step",
                    dynamic_ncols=True, mininterval=1.0)
         start_step, wall0 = self.step, time.perf_counter()
         window_t0, window_steps = time.perf_counter(), 0
@@ -236,6 +239,9 @@ class Trainer:
                 }
                 record.update(self.strategy.comm_stats())
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
+                if main and not live:
+                    log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", self.step, self.total_steps,
+                             record["loss"], record["lr"], f"{tps:,.0f}", 100 * mfu)
                 window_t0, window_steps = time.perf_counter(), 0
             if self.step % t.eval_every == 0 or self.step == self.total_steps:
                 last_val = self.evaluate()
