@@ -99,9 +99,12 @@ class Trainer:
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
         self.state.write_run_files()
 
+        # Forward passes go through `forward_model`; checkpoints and export use the plain module,
+        # so compiled and eager runs share one checkpoint format.
+        self.forward_model = self.model
         if cfg.model.compile:
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
-            self.model = models.compile_model(self.model, cache)
+            self.forward_model = models.compile_model(self.model, cache)
 
         self.accum = grad_accum_steps(cfg, ranks.world_size)
         self.flops_per_token = flops.flops_per_token(
@@ -166,7 +169,7 @@ class Trainer:
             with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
                 with self.strategy.autocast():
                     # labels=input ids: the model shifts them to predict each next token.
-                    loss = self.model(input_ids=tokens, labels=tokens).loss / len(micro_batches)
+                    loss = self.forward_model(input_ids=tokens, labels=tokens).loss / len(micro_batches)
                 self.strategy.backward(loss)
             loss_sum += loss.detach().float()
         grad_norm = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip)
@@ -192,7 +195,7 @@ class Trainer:
             idx = per_rank[start : start + mbs]
             tokens = self._batch(idx, val)
             with self.strategy.autocast():
-                total += float(self.model(input_ids=tokens, labels=tokens).loss) * len(idx)
+                total += float(self.forward_model(input_ids=tokens, labels=tokens).loss) * len(idx)
             count += len(idx)
         return pg.all_reduce_mean(total / max(count, 1))
 
