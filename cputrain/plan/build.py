@@ -1,0 +1,47 @@
+"""From a run config to a whole plan: model shape → per-rank bytes → the smallest cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cputrain.config import Config
+from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, resolve_inputs
+from cputrain.plan.fit import ClusterFit, smallest_cluster
+from cputrain.plan.instances import Instance
+from cputrain.plan.model_shape import ModelShape, model_shape
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    inputs: PlanInputs
+    ranks: list[RankPlan]
+    fit: ClusterFit | None  # None when no instance table was asked for (inside a running job)
+    notes: list[str]
+
+    @property
+    def peak_rank(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+
+def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
+              instances: list[Instance] | None = None, config_json: str | None = None,
+              vocab_size: int | None = None, shape: ModelShape | None = None) -> Plan:
+    shape = shape or model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json)
+    inputs = resolve_inputs(
+        cfg.parallel.strategy, cfg.hardware.precision, world_size,
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
+    )
+    notes = []
+    if cfg.hardware.precision == "auto":
+        notes.append("hardware.precision=auto planned as bf16 (what it resolves to on AMX instances)")
+    if inputs.offload_optimizer or inputs.offload_param:
+        notes.append("offload moves state to host memory, which on a CPU node is the same RAM: "
+                     "it does not lower the per-rank total")
+    ranks = plan_all_ranks(shape, inputs)
+    fit = None
+    if instances is not None:
+        fit = smallest_cluster(instances, max(r.total_bytes for r in ranks), world_size, nproc_per_node)
+    return Plan(shape, inputs, ranks, fit, notes)

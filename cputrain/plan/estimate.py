@@ -1,0 +1,111 @@
+"""One rank's memory plan: stored state, working set, buffers and the fixed process cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cputrain.errors import ConfigError
+from cputrain.plan.accounting import FP32_BYTES, SHARDED, state_bytes
+from cputrain.plan.activations import activation_bytes
+from cputrain.plan.model_shape import ModelShape
+
+GIB = 2**30
+
+# RSS of a rank before it builds the model: Python, torch, transformers, the tokenizer, the
+# packed data and the gloo process group. Measured as the "process group" phase of memory.json
+# on x86-64 Linux with torch 2.13 (0.33 GiB after imports alone); it hardly depends on the model.
+PROCESS_OVERHEAD_BYTES = int(0.45 * GIB)
+
+# DDP copies gradients into flat buckets for its all-reduce; with gradient_as_bucket_view the
+# .grad tensors are views of those buckets instead, and the copy disappears.
+DDP_GRAD_AS_BUCKET_VIEW = False
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    strategy: str  # single | ddp | fsdp | zero3 (already resolved from "auto")
+    precision: str  # fp32 | bf16
+    world_size: int
+    micro_batch: int
+    seq_len: int
+    activation_checkpointing: bool = False
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Bytes one rank needs; `total_bytes` is the expected peak RSS."""
+
+    rank: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    optimizer_step_bytes: int  # temporaries of the optimizer step (freed before the next forward)
+    comm_buffer_bytes: int
+    process_overhead_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        # The forward/backward working set and the optimizer step's temporaries are never alive
+        # together: the step runs after the backward has freed the activations.
+        working = max(self.activation_bytes, self.optimizer_step_bytes)
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + working + self.comm_buffer_bytes
+                + self.process_overhead_bytes)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def resolve_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
+    if world_size < 1:
+        raise ConfigError(f"world size must be at least 1 (got {world_size}); set --world-size or --nnodes × --nproc-per-node")
+    if strategy == "auto":
+        strategy = "single" if world_size == 1 else "ddp"  # as cputrain.resolve decides
+    if strategy == "single" and world_size > 1:
+        raise ConfigError(f"parallel.strategy=single runs one rank, but the world size is {world_size}; "
+                          "choose ddp, fsdp or zero3")
+    if precision == "auto":
+        precision = "bf16"  # the built-in instance families all have AMX, where auto picks bf16
+    return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
+
+
+def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int:
+    units = m.unit_params()
+    blocks = [n for u, n in units.items() if u != "root"] or [0]
+    root = units.get("root", 0)
+    if inp.strategy == "ddp":
+        return 0 if DDP_GRAD_AS_BUCKET_VIEW else m.total_params * FP32_BYTES
+    if inp.strategy in ("fsdp", "zero3"):
+        # Unsharded (all-gathered) parameters in the compute dtype: the root unit (embeddings,
+        # final norm, head) stays gathered through the step, plus the current block and the one
+        # prefetched; the backward adds one block's unsharded gradients before the reduce-scatter.
+        gathered_bytes = 2 if inp.precision == "bf16" else 4
+        return (root + 2 * max(blocks)) * gathered_bytes + max(blocks) * gathered_bytes
+    return 0
+
+
+def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
+    state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank)
+    # Autocast keeps bf16 copies of the weights it casts; sharded strategies gather (and cast)
+    # one unit at a time, which the communication buffers already count.
+    weights_cast = 0 if SHARDED[inp.strategy] else m.total_params
+    act = activation_bytes(m, inp.micro_batch, inp.seq_len, inp.precision, inp.activation_checkpointing,
+                           weights_cast)
+    # foreach AdamW computes sqrt(exp_avg_sq) for a whole parameter group in one temporary.
+    step_tmp = state.local_params * FP32_BYTES
+    return RankPlan(
+        rank=rank,
+        param_bytes=state.param_bytes,
+        grad_bytes=state.grad_bytes,
+        optimizer_bytes=state.optimizer_bytes,
+        activation_bytes=act.saved_bytes + act.weight_copy_bytes,
+        optimizer_step_bytes=step_tmp,
+        comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
+        process_overhead_bytes=PROCESS_OVERHEAD_BYTES,
+    )
+
+
+def plan_all_ranks(m: ModelShape, inp: PlanInputs) -> list[RankPlan]:
+    return [plan_rank(m, inp, r) for r in range(inp.world_size)]
