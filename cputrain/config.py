@@ -13,9 +13,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cputrain.errors import ConfigError
+
+
+# The demo's model: a small Llama (~5M parameters with a 4096-token vocabulary).
+DEFAULT_ARCH: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+}
 
 
 class Section(BaseModel):
@@ -27,20 +40,10 @@ class ModelConfig(Section):
     """Local Hugging Face model folder (or hub id where there is a network) to fine-tune.
     Leave empty to build a new model with random weights from `arch`."""
 
-    arch: dict[str, Any] = Field(
-        default_factory=lambda: {
-            "model_type": "llama",
-            "hidden_size": 256,
-            "intermediate_size": 688,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 1024,
-            "tie_word_embeddings": True,
-        }
-    )
+    arch: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_ARCH))
     """Architecture of a model built from scratch: keyword arguments of the transformers config
-    class named by `model_type`. `vocab_size` is taken from the tokenizer."""
+    class named by `model_type`. `vocab_size` is taken from the tokenizer. A llama arch given in
+    part (`model.arch.num_hidden_layers=2`) keeps the demo's values for the keys it leaves out."""
 
     tokenizer: str | None = None
     """Tokenizer folder. Empty: the model folder's tokenizer, or for a model built from scratch a
@@ -63,6 +66,15 @@ class ModelConfig(Section):
 
     compile_cache_dir: str | None = None
     """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _fill_arch(cls, value):
+        # Without this, one override replaces the whole dict and the rest falls back to
+        # transformers' own defaults (a 7B-sized Llama) instead of the small demo model.
+        if isinstance(value, dict) and value.get("model_type", DEFAULT_ARCH["model_type"]) == DEFAULT_ARCH["model_type"]:
+            return {**DEFAULT_ARCH, **value}
+        return value
 
 
 class DataConfig(Section):
@@ -144,6 +156,10 @@ class TrainConfig(Section):
 
     sample_tokens: int = Field(80, ge=0)
     """Tokens of text generated at the end of the run into sample.txt; 0 skips it."""
+
+    stop_at_step: int | None = Field(None, gt=0)
+    """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)
+    untouched: for time-boxed or preemptible jobs. Run again without it to continue."""
 
 
 class HardwareConfig(Section):

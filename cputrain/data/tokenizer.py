@@ -45,9 +45,18 @@ def train_bpe(documents: list[str], vocab_size: int, folder: Path):
     return fast
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.tokenizer"):
     from transformers import AutoTokenizer
 
+    # A local path gets a plain answer; otherwise transformers would report it as a bad hub id.
+    local = Path(path).expanduser()
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(f"'{path}' holds no tokenizer ({', '.join(TOKENIZER_FILES)}); set {key} to a tokenizer folder")
+    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        raise ModelError(f"tokenizer folder '{path}' not found; check {key}")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -60,9 +69,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 def get_tokenizer(model_cfg, data_cfg, fingerprint: str, documents_fn):
     """The tokenizer for this run; `documents_fn()` is called only if one must be trained."""
-    explicit = model_cfg.tokenizer or model_cfg.name_or_path
-    if explicit:
-        return load_tokenizer(explicit, model_cfg.trust_remote_code)
+    if model_cfg.tokenizer:
+        return load_tokenizer(model_cfg.tokenizer, model_cfg.trust_remote_code)
+    if model_cfg.name_or_path:
+        from cputrain.model import local_folder
+
+        # The model folder is checked first, so a wrong path is reported as the model's.
+        folder = local_folder(model_cfg.name_or_path)
+        return load_tokenizer(str(folder), model_cfg.trust_remote_code)
     folder = Path(data_cfg.cache_dir) / "tokenizers" / f"bpe-{model_cfg.tokenizer_vocab_size}-{fingerprint}"
     if (folder / "tokenizer.json").exists():
         log.info("tokenizer: cached BPE %s", folder)

@@ -1,0 +1,149 @@
+"""Config: YAML + dotted overrides, refused early with one line naming the key; `auto` resolved with reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import yaml
+
+from cputrain.config import Config, describe_fields, load_config
+from cputrain.errors import ConfigError
+from cputrain.hardware import detect
+from cputrain.resolve import EMULATED_BF16_WARNING, resolve
+
+
+def test_defaults_and_overrides_apply_dotted_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: 7\ndata:\n  seq_len: 64\n")
+    cfg = load_config(path, ["train.max_steps=20", "train.lr=3e-4", "model.arch.hidden_size=32", "output_dir=/x"])
+    assert cfg.train.max_steps == 20  # the override wins over the file
+    assert cfg.data.seq_len == 64  # the file wins over the default
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    # One arch key changes only that key; the rest of the demo's small Llama stays.
+    assert cfg.model.arch == {**Config().model.arch, "hidden_size": 32}
+    assert cfg.output_dir == "/x"
+
+
+def test_dump_round_trips():
+    cfg = load_config(None, ["train.max_steps=3", "hardware.threads=2"])
+    again = Config.model_validate(yaml.safe_load(cfg.dump_yaml()))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.max_step=5", "unknown config key 'train.max_step'; did you mean 'train.max_steps'?"),
+        ("train.seq_len=64", "unknown config key 'train.seq_len'; did you mean 'data.seq_len'?"),
+        ("trian.lr=1", "unknown config key 'trian'"),
+    ],
+)
+def test_unknown_key_names_it_and_the_nearest(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(expected)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=0", "train.lr"),
+        ("train.lr=-1e-3", "train.lr"),
+        ("train.micro_batch_size=0", "train.micro_batch_size"),
+        ("train.global_batch_size=-8", "train.global_batch_size"),
+        ("data.seq_len=0", "data.seq_len"),
+        ("train.max_steps=-5", "train.max_steps"),
+        ("hardware.threads=0", "hardware.threads"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("hardware.precision=fp8", "hardware.precision"),
+        ("train.max_steps=ten", "train.max_steps"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+def test_batch_must_divide():
+    with pytest.raises(ConfigError, match="multiple of train.micro_batch_size"):
+        load_config(None, ["train.global_batch_size=10", "train.micro_batch_size=4"])
+
+
+def test_override_without_equals_and_value_as_section():
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(None, ["train.max_steps"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["seed=1", "seed.x=1"])
+
+
+def test_malformed_yaml_gives_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_steps: [1, 2\n  lr: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "malformed YAML" in str(err.value) and "line" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yaml_that_is_not_a_mapping_and_missing_file(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_every_field_has_a_docstring():
+    rows = describe_fields()
+    assert len(rows) > 30
+    undocumented = [key for key, _, doc in rows if not doc]
+    assert undocumented == []
+
+
+def _facts(**flags):
+    hw = detect()
+    return dataclasses.replace(hw, flags={k: flags.get(k, False) for k in hw.flags})
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [({"amx_bf16": True, "amx_tile": True}, "bf16"), ({"avx512_bf16": True, "avx512f": True}, "bf16"),
+     ({"avx512f": True}, "fp32"), ({"avx2": True, "fma": True}, "fp32")],
+)
+def test_auto_precision_follows_bf16_hardware(flags, expected):
+    res = resolve(Config(), _facts(**flags), world_size=1, local_world_size=1)
+    assert res.config.hardware.precision == expected
+    reasons = {key: why for key, _, why in res.reasons}
+    assert reasons["hardware.precision"]  # the choice comes with its reason
+
+
+def test_forced_bf16_on_emulating_cpu_warns():
+    cfg = load_config(None, ["hardware.precision=bf16"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve(cfg, _facts(avx2=True, fma=True), world_size=1, local_world_size=1)
+    assert any(str(w.message) == EMULATED_BF16_WARNING for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where bf16 runs in hardware
+        resolve(cfg, _facts(amx_bf16=True), world_size=1, local_world_size=1)
+
+
+def test_auto_threads_split_cores_between_ranks():
+    hw = detect()
+    res = resolve(Config(), hw, world_size=2, local_world_size=2)
+    assert res.config.hardware.threads == max(1, hw.physical_cores // 2)
+    assert res.config.parallel.strategy == "ddp"
+    resolved = res.config
+    assert "auto" not in (resolved.hardware.precision, resolved.hardware.threads, resolved.parallel.backend)
+    assert {key for key, _, _ in res.reasons} >= {"hardware.precision", "hardware.threads", "parallel.strategy"}
+
+
+def test_world_size_must_divide_the_batch():
+    cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve(cfg, detect(), world_size=3, local_world_size=3)

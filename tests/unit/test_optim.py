@@ -1,0 +1,76 @@
+"""AdamW parameter groups and the warm-up + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cputrain.config import TrainConfig
+from cputrain.optim import build_adamw, build_schedule, lr_factor
+
+
+def test_warmup_is_linear_then_cosine_to_min_ratio():
+    warm, total, floor = 4, 20, 0.1
+    factors = [lr_factor(s, warm, total, floor) for s in range(total + 3)]
+    assert factors[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert factors[4] == pytest.approx(1.0)
+    middle = warm + (total - warm) // 2
+    assert factors[middle] == pytest.approx(floor + (1 - floor) * 0.5)
+    assert factors[total] == pytest.approx(floor) and factors[-1] == pytest.approx(floor)
+    decay = factors[warm:total + 1]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))  # never rises after warm-up
+
+
+def test_no_warmup_starts_at_peak():
+    assert lr_factor(0, 0, 10, 0.0) == pytest.approx(1.0)
+    assert lr_factor(5, 0, 10, 0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_schedule_drives_the_optimizer_and_restores():
+    model = nn.Linear(4, 4)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=2, max_steps=10, min_lr_ratio=0.0)
+    opt = build_adamw(model, cfg)
+    sched = build_schedule(opt, cfg, total_steps=10)
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen[:3] == pytest.approx([5e-3, 1e-2, 1e-2])
+    state = sched.state_dict()
+    opt2 = build_adamw(model, cfg)
+    sched2 = build_schedule(opt2, cfg, total_steps=10)
+    sched2.load_state_dict(state)
+    assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
+
+
+def test_weight_decay_only_on_matrices():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2, bias=False))
+    cfg = TrainConfig(weight_decay=0.1, beta1=0.8, beta2=0.9)
+    opt = build_adamw(model, cfg)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {p.dim() for p in decay["params"]} == {2}
+    assert {p.dim() for p in no_decay["params"]} == {1}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert decay["betas"] == (0.8, 0.9)
+
+
+def test_clipping_bounds_the_update():
+    # grad_clip goes through the strategy; the single strategy clips with torch's own clip_grad_norm_.
+    from cputrain.config import Config
+    from cputrain.parallel.base import StrategyContext
+    from cputrain.parallel.single import SingleStrategy
+
+    model = nn.Linear(3, 1, bias=False)
+    model.weight.grad = torch.full_like(model.weight, 10.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = model.weight.detach().clone()
+    strategy = SingleStrategy(StrategyContext(Config(), 0, 1, torch.float32))
+    norm = strategy.step(model, opt, grad_clip=1.0)
+    assert norm == pytest.approx(10.0 * math.sqrt(3))
+    assert torch.linalg.vector_norm(model.weight - before).item() == pytest.approx(1.0, rel=1e-4)
+    assert model.weight.grad is None
