@@ -217,7 +217,9 @@ class Trainer:
         first_step_done = False
         last_val = None
         memory.reset_peak()
-        while self.step < self.total_steps:
+        # stop_at_step ends this session early; the schedule still runs to total_steps.
+        stop_at = min(self.total_steps, t.stop_at_step or self.total_steps)
+        while self.step < stop_at:
             loss, grad_norm = self.train_step()
             window_steps += 1
             if not first_step_done:
@@ -255,7 +257,7 @@ class Trainer:
             if record and main:
                 with self.run.fs.open(metrics_file, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps:
+            if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
                 self.state.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
                 window_t0 = time.perf_counter()
             bar.update(1)
