@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config file (optional)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=20")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    # torchrun's flags; each maps onto config section `launch` (PET_* variables give their defaults).
+    dist = train.add_argument_group("ranks and nodes (torchrun's flags; default from PET_* variables)")
+    dist.add_argument("--nproc-per-node", type=int, help="ranks on this node, started by the torchrun agent")
+    dist.add_argument("--nnodes", type=int, help="nodes taking part")
+    dist.add_argument("--node-rank", type=int, help="this node's index, 0 … nnodes-1 (node 0 hosts the rendezvous)")
+    dist.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous on node 0")
+    dist.add_argument("--max-restarts", type=int, help="restart the ranks this many times after one dies")
+    dist.add_argument("--dry-run", action="store_true", help="print each rank's threads, cores and settings; start nothing")
     _add_common(train)
 
     doctor = sub.add_parser("doctor", help="show the hardware, the torch build and what `auto` settings resolve to")
@@ -72,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: %(default)s)")
     ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences")
     _add_common(ev)
+
+    from cputrain.k8s import command as k8s_command
+    from cputrain.plan import command as plan_command
+
+    plan_command.add_parser(sub, _add_common)
+    k8s_command.add_parser(sub, _add_common)
     return parser
 
 
@@ -80,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from cputrain.config import describe_fields, load_config
-    from cputrain.worker import run_worker
-
     if args.help_config:
         for key, default, doc in describe_fields():
             print(f"{key:<34} {default:<22} {doc}")
@@ -91,8 +103,16 @@ def cmd_train(args) -> int:
     if config_path and "=" in config_path and not os.path.exists(config_path):
         overrides.insert(0, config_path)  # `cputrain train train.max_steps=5`: no file, only overrides
         config_path = None
+    from cputrain.dist.launcher import launch, pet_overrides
+
+    flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
+             "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}
+    # Precedence: config file < PET_* variables < key=value overrides < flags.
+    overrides = pet_overrides() + overrides + [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
     cfg = load_config(config_path, overrides)
-    summary = run_worker(cfg)
+    # Ranks started by the agent re-run this same command, config and overrides included.
+    worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else [])
+    summary = launch(cfg, worker_args, dry_run=args.dry_run)
     return 0 if summary is not None else 1
 
 
@@ -155,6 +175,21 @@ def cmd_eval(args) -> int:
 COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, "eval": cmd_eval}
 
 
+def cmd_plan(args) -> int:
+    from cputrain.plan.command import run
+
+    return run(args)
+
+
+def cmd_k8s(args) -> int:
+    from cputrain.k8s.command import run
+
+    return run(args)
+
+
+COMMANDS.update(plan=cmd_plan, k8s=cmd_k8s)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -170,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"cputrain: error: {err}", file=sys.stderr)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under the agent: hand it the message
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(err)
         return err.exit_code
     except KeyboardInterrupt:
         print("cputrain: interrupted", file=sys.stderr)

@@ -36,6 +36,14 @@ class RankEnv:
         return self.world_size > 1
 
 
+def started_by_launcher(environ: dict | None = None) -> bool:
+    """True when torchrun, mpirun or another launcher already made this process one rank of a group."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return True
+    return any(rank_k in env and size_k in env for rank_k, size_k, _, _ in _MPI_NAMES)
+
+
 def normalize(environ: dict | None = None) -> RankEnv:
     """Read the launcher's variables, write the torchrun names into `environ`, return the ranks."""
     env = os.environ if environ is None else environ

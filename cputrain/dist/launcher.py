@@ -1,0 +1,268 @@
+"""Starting the ranks: in this process, or N per node through torchrun's elastic agent.
+
+    started by torchrun / mpirun (RANK or OMPI_COMM_WORLD_RANK … set)  → run the worker here
+    launch.nproc_per_node × launch.nnodes > 1                          → torchrun's agent starts
+                                                                         `python -m cputrain train …`
+    otherwise                                                          → one rank, here
+
+The agent is torch.distributed.run's own (its argument parser, LaunchConfig and
+elastic_launch), with a c10d rendezvous: the node with node_rank 0 hosts the store at
+rdzv_endpoint, the others connect to it. Restarts after a lost rank (launch.max_restarts)
+are the agent's; each restarted rank resumes from the newest complete checkpoint. Before
+anything starts, the plan is checked (node rank in range, batch divisible, port free) so a
+bad flag fails at once on every node instead of as a hang.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+from cputrain.config import Config
+from cputrain.dist.allocator import AllocatorChoice, choose_allocator, preload_env
+from cputrain.dist.env import started_by_launcher
+from cputrain.dist.placement import core_sets
+from cputrain.errors import ConfigError, UserError
+from cputrain.hardware import HardwareFacts
+
+log = logging.getLogger("cputrain")
+
+
+class LaunchError(UserError):
+    """The ranks could not be started, or they failed."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# torchrun reads PET_<FLAG> for each of its flags; Kubeflow Trainer sets these on every node.
+_PET_KEYS = {
+    "PET_NNODES": "launch.nnodes",
+    "PET_NPROC_PER_NODE": "launch.nproc_per_node",
+    "PET_NODE_RANK": "launch.node_rank",
+    "PET_RDZV_ENDPOINT": "launch.rdzv_endpoint",
+    "PET_MAX_RESTARTS": "launch.max_restarts",
+}
+
+
+def pet_overrides(environ: dict | None = None) -> list[str]:
+    """torchrun's PET_* variables as config overrides (they yield to explicit flags and key=value)."""
+    env = os.environ if environ is None else environ
+    out = []
+    for var, key in _PET_KEYS.items():
+        value = env.get(var)
+        if value is None or value == "":
+            continue
+        if key != "launch.rdzv_endpoint" and not value.isdigit():
+            raise ConfigError(f"{var}={value!r} must be a whole number (cputrain needs a fixed {key})")
+        out.append(f"{key}={value}")
+    if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR"):
+        out.append(f"launch.rdzv_endpoint={env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', '29500')}")
+    return out
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    local_rank: int
+    threads: int
+    cpus: list[int] | None
+
+
+@dataclass
+class LaunchPlan:
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int
+    endpoint: str
+    is_host: bool
+    allocator: AllocatorChoice
+    reasons: list[tuple[str, str, str]]
+    placement_reason: str
+    ranks: list[RankPlan] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def lines(self) -> list[str]:
+        out = [f"launch plan for node {self.node_rank} of {self.nnodes}: {self.nproc_per_node} rank(s) here, "
+               f"world size {self.world_size}, rendezvous c10d at {self.endpoint}"
+               + (" (this node hosts it)" if self.is_host else "")]
+        for key, value, why in self.reasons:
+            out.append(f"  {key} = {value}: {why}")
+        out.append(f"  cores: {self.placement_reason}")
+        lib = self.allocator.library or "none"
+        out.append(f"  allocator: {lib} ({self.allocator.reason})")
+        for r in self.ranks:
+            cpus = "any (not pinned)" if r.cpus is None else ",".join(map(str, r.cpus))
+            out.append(f"  rank {r.rank} (local {r.local_rank}): {r.threads} thread(s), OMP_NUM_THREADS={r.threads}, "
+                       f"cpus {cpus}")
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"launch.rdzv_endpoint '{endpoint}' must be host:port, e.g. 10.0.0.1:29400")
+    return host, int(port)
+
+
+def make_plan(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> LaunchPlan:
+    """Everything decided before a rank starts, with reasons; raises on bad input."""
+    from cputrain.dist.placement import cpus_for_rank
+    from cputrain.resolve import resolve
+
+    env = os.environ if environ is None else environ
+    launch = cfg.launch
+    if launch.node_rank >= launch.nnodes:
+        raise LaunchError(f"--node-rank {launch.node_rank} is out of range for --nnodes {launch.nnodes}; "
+                          f"use 0 … {launch.nnodes - 1}")
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address), "
+                          "or PET_MASTER_ADDR and PET_MASTER_PORT")
+    endpoint = launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    _split_endpoint(endpoint)
+    world = launch.nnodes * launch.nproc_per_node
+    res = resolve(cfg, hw, world, launch.nproc_per_node)  # raises if the world size does not divide the batch
+    res.note("launch.nproc_per_node", launch.nproc_per_node,
+             "ranks on this node, each with threads = cores ÷ ranks (not torchrun's OMP_NUM_THREADS=1)")
+    threads = int(res.config.hardware.threads)
+    sets = core_sets(hw, launch.nproc_per_node)
+    plan = LaunchPlan(
+        nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, node_rank=launch.node_rank,
+        endpoint=endpoint, is_host=launch.node_rank == 0,
+        allocator=choose_allocator(res.config.hardware.allocator, env),
+        reasons=res.reasons, placement_reason=sets.reason if res.config.hardware.pin_cores else "pinning off (hardware.pin_cores=false)",
+    )
+    for local in range(launch.nproc_per_node):
+        cpus = cpus_for_rank(hw, local, launch.nproc_per_node, res.config) if res.config.hardware.pin_cores else None
+        plan.ranks.append(RankPlan(launch.node_rank * launch.nproc_per_node + local, local, threads, cpus))
+    return plan
+
+
+def check_port_free(endpoint: str) -> None:
+    """The hosting node binds the rendezvous port; fail now, naming it, if something holds it."""
+    host, port = _split_endpoint(endpoint)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("" if host not in ("127.0.0.1", "localhost") else host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LaunchError(f"port {port} of the rendezvous endpoint {endpoint} is already in use; "
+                                  "choose another port in --rdzv-endpoint") from None
+            raise LaunchError(f"cannot listen on the rendezvous endpoint {endpoint}: {exc.strerror}") from None
+
+
+def torchrun_args(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> list[str]:
+    """The torchrun command line (without `torchrun`) that starts this node's ranks."""
+    timeout = cfg.launch.rdzv_timeout_s
+    # One rendezvous id per run folder, so every node of a run joins the same rendezvous.
+    run_id = "cputrain-" + uuid.uuid5(uuid.NAMESPACE_URL, cfg.output_dir).hex[:12]
+    return [
+        f"--nnodes={plan.nnodes}",
+        f"--nproc-per-node={plan.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={plan.endpoint}",
+        f"--rdzv-id={run_id}",
+        # is_host: node 0 hosts the store (no guessing from host names, which fails in containers);
+        # read_timeout bounds how long a node waits to reach an endpoint that is not there.
+        f"--rdzv-conf=is_host={int(plan.is_host)},join_timeout={timeout},read_timeout={timeout}",
+        f"--max-restarts={cfg.launch.max_restarts}",
+        "--monitor-interval=0.5",
+        "-m", "cputrain", "train", *worker_args,
+    ]
+
+
+def _failure_message(err) -> LaunchError:
+    """One line from the agent's ChildFailedError: the first failed rank's own error message."""
+    failures = sorted(err.failures.items())
+    rank, first = failures[0]
+    message = first.message if isinstance(first.message, str) else ""
+    if message == "<NONE>" or message.startswith("To enable traceback"):
+        message = ""  # no error file: the rank died without a cputrain error (signal, crash, bug)
+    for prefix in ("ConfigError: ", "DataError: ", "ModelError: ", "RunFolderError: ", "UserError: ", "LaunchError: "):
+        message = message.removeprefix(prefix)
+    exit_codes = {f.exitcode for _, f in failures}
+    if not message:
+        signal = first.signal_name() if first.exitcode < 0 else None
+        message = f"exited with {signal}" if signal else f"exited with code {first.exitcode}"
+    user_error = exit_codes == {2}
+    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank}: {message.splitlines()[0]}",
+                       exit_code=2 if user_error else 1)
+
+
+def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    if plan.is_host:
+        check_port_free(plan.endpoint)
+    # Each rank's environment: threads = cores ÷ ranks (torchrun would set 1), and the allocator.
+    os.environ["OMP_NUM_THREADS"] = str(plan.ranks[0].threads)
+    preload_env(plan.allocator, os.environ)
+    args = parse_args(torchrun_args(plan, cfg, worker_args))
+    config, cmd, cmd_args = config_from_args(args)
+    log.info("starting %d rank(s) on this node through the torchrun agent (rendezvous %s, max restarts %d)",
+             plan.nproc_per_node, plan.endpoint, cfg.launch.max_restarts)
+    try:
+        return elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as err:
+        raise _failure_message(err) from None
+    except RendezvousTimeoutError:
+        raise LaunchError(f"rendezvous at {plan.endpoint} timed out after {cfg.launch.rdzv_timeout_s}s: not all "
+                          f"{plan.nnodes} nodes joined; start `cputrain train --nnodes {plan.nnodes}` on every node "
+                          "or raise launch.rdzv_timeout_s") from None
+    except RendezvousError as err:
+        cause = str(err.__cause__ or err).strip().splitlines()[0] if str(err.__cause__ or err).strip() else ""
+        raise LaunchError(f"could not reach the rendezvous endpoint {plan.endpoint} within "
+                          f"{cfg.launch.rdzv_timeout_s}s ({cause[:160]}); check that node 0 runs "
+                          "`cputrain train --node-rank 0` there and that the port is open") from None
+
+
+def launch(cfg: Config, worker_args: list[str], dry_run: bool = False) -> dict | None:
+    """Run `cputrain train` here or through the agent; returns rank 0's summary when it ran here."""
+    from cputrain.hardware import detect
+
+    outside = started_by_launcher()
+    if outside or cfg.launch.nproc_per_node * cfg.launch.nnodes == 1:
+        if dry_run:
+            from cputrain.dist.env import normalize
+
+            ranks = normalize(dict(os.environ))
+            single = cfg.model_copy(deep=True)
+            single.launch.nnodes, single.launch.nproc_per_node = 1, ranks.local_world_size
+            single.launch.node_rank = 0
+            plan = make_plan(single, detect())
+            plan.ranks = [r for r in plan.ranks if r.local_rank == ranks.local_rank]
+            for r in plan.ranks:
+                r.rank = ranks.rank
+            print(f"started by {ranks.launcher}: rank {ranks.rank} of {ranks.world_size}")
+            print("\n".join(plan.lines()))
+            return {}
+        from cputrain.worker import run_worker
+
+        return run_worker(cfg)
+    plan = make_plan(cfg, detect())
+    if dry_run:
+        print("\n".join(plan.lines()))
+        print("  agent: torchrun " + " ".join(torchrun_args(plan, cfg, worker_args)))
+        return {}
+    for line in plan.lines():
+        log.info(line)
+    run_agent(plan, cfg, worker_args)
+    return {}

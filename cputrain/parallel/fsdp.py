@@ -1,0 +1,126 @@
+"""FSDP2: each rank keeps 1/W of every parameter, gradient and optimizer state.
+
+`fully_shard` goes on each decoder block, then on the root (embeddings, final norm, head), so
+a block's full weights exist only while that block runs. It is applied to the skeleton on the
+meta device, before any weight exists: materializing then allocates only this rank's shard,
+and loading copies only this rank's rows from the safetensors files. That is what keeps the
+peak memory of loading near model_bytes ÷ world_size instead of model_bytes in every rank.
+
+A model built from scratch is the exception: its random init is computed whole (on CPU, from
+the seed) and each rank keeps its rows, so that every strategy starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from cputrain.dist.comm import CommMeter, summarize
+from cputrain.model import SafetensorsReader, load_into, materialize, random_init
+from cputrain.parallel.base import Strategy, StrategyContext
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (model.model.layers in Llama-style HF models)."""
+    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        node = model
+        for part in attr.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
+
+
+def owned_rows(param: DTensor) -> slice:
+    """Rows of dim 0 this rank holds under FSDP2's Shard(0): torch.chunk's split, last ones may be empty."""
+    rows = param.shape[0]
+    world = param.device_mesh.size()
+    rank = param.device_mesh.get_local_rank()
+    per = -(-rows // world)
+    start = min(rows, rank * per)
+    return slice(start, min(rows, start + per))
+
+
+def _copy_owned_rows(name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
+    local = param.to_local()
+    rows = owned_rows(param)
+    if rows.stop > rows.start:
+        local.copy_(reader.read(key, rows=rows))
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        self.meter = CommMeter.install()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        kwargs = {}
+        if self.ctx.compute_dtype == torch.bfloat16:
+            # bf16 compute, fp32 master weights and fp32 gradient reduction (bf16 sums lose bits).
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in decoder_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def load_weights(self, model: nn.Module, folder: Path | None, seed: int) -> None:
+        materialize(model)  # allocates only this rank's shard of every parameter
+        if folder is not None:
+            load_into(model, folder, copy_fn=_copy_owned_rows)
+            return
+        full = self._full_random_init(model, seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if isinstance(param, DTensor):
+                    # src_data_rank=None: every rank computed the same init, so no scatter is needed.
+                    shard = distribute_tensor(full[name], param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(shard.to_local())
+                else:
+                    param.copy_(full[name])
+
+    @staticmethod
+    def _full_random_init(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            replica = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        materialize(replica)
+        random_init(replica, seed)
+        return dict(replica.named_parameters())
+
+    def autocast(self):
+        # The mixed-precision policy casts parameters to bf16 itself; autocast on top would only add casts.
+        return contextlib.nullcontext()
+
+    def comm_stats(self) -> dict:
+        return self.meter.window()
+
+    def comm_summary(self, rows: list[dict]) -> dict:
+        return summarize(rows)
+
+    def save(self, model, optimizer, path: str) -> None:
+        with self.meter.suspended():
+            super().save(model, optimizer, path)
+
+    def full_state_dict(self, model: nn.Module):
+        """One gathered parameter at a time: at most one full tensor beside this rank's shards."""
+        with self.meter.suspended():
+            for name, tensor in model.state_dict().items():
+                yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    def close(self) -> None:
+        self.meter.uninstall()
+
+
+def build(ctx: StrategyContext) -> Strategy:
+    return FSDPStrategy(ctx)
+
