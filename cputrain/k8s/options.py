@@ -1,0 +1,124 @@
+"""The cluster side of a run: which image, how many nodes and ranks, where, with what storage."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cputrain.k8s.checks import (ManifestError, check_count, check_env_name, check_image, check_name,
+                                 check_quantity, quantity_value)
+
+GIB = 2**30
+RDZV_PORT = 29500
+NODE_RESERVED_CPUS = 1  # kubelet and daemons; requests are whole CPUs so the static CPU manager pins them
+
+
+@dataclass
+class ClusterOptions:
+    name: str
+    image: str | None
+    nnodes: int
+    nproc_per_node: int
+    namespace: str = "default"
+    instance_type: str | None = None  # None: the smallest instance the plan fits
+    node_pool: str = "cputrain-amx"
+    cluster_name: str = "cputrain"  # Karpenter discovery tag and node role of the EC2NodeClass
+    pvc: str | None = None  # an existing claim for the run folder; None renders `<name>-output`
+    storage_class: str = "fsx-sc"
+    storage: str = "1200Gi"  # FSx for Lustre's smallest file system
+    hf_token_secret: str | None = None
+    hf_token_key: str = "token"
+    secret_env: list[tuple[str, str, str]] = field(default_factory=list)  # (VAR, secret, key)
+    cpu: str | None = None  # None: the instance's vCPUs minus what the node keeps
+    memory: str | None = None  # None: the plan's pod memory plus /dev/shm
+    shm_size: str = "8Gi"
+    karpenter: bool = True
+
+    def check(self) -> "ClusterOptions":
+        check_name(self.name, "--name", max_len=50)  # pods are <name>-<index>-<suffix>: room for suffixes
+        check_name(self.namespace, "--namespace")
+        check_name(self.node_pool, "--node-pool")
+        check_name(self.cluster_name, "--cluster-name")
+        if self.pvc is not None:
+            check_name(self.pvc, "--pvc")
+        check_name(self.storage_class, "--storage-class")
+        check_quantity(self.storage, "--storage")
+        check_quantity(self.shm_size, "--shm-size")
+        check_image(self.image)
+        check_count(self.nnodes, "--nnodes")
+        check_count(self.nproc_per_node, "--nproc-per-node")
+        if self.cpu is not None:
+            check_quantity(self.cpu, "--cpu")
+        if self.memory is not None:
+            check_quantity(self.memory, "--memory")
+        if self.hf_token_secret is not None:
+            check_name(self.hf_token_secret, "--hf-token-secret")
+        for var, secret, key in self.secret_env:
+            check_env_name(var, "--secret-env")
+            check_name(secret, f"--secret-env {var}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def pvc_name(self) -> str:
+        return self.pvc or f"{self.name}-output"
+
+    @property
+    def service_name(self) -> str:
+        return self.name  # the headless Service that gives pod 0 its DNS name
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"app.kubernetes.io/name": "cputrain", "app.kubernetes.io/instance": self.name}
+
+
+def parse_secret_env(items: list[str]) -> list[tuple[str, str, str]]:
+    """`VAR=secret:key` → (VAR, secret, key). Only references: a value is never accepted."""
+    out = []
+    for item in items:
+        var, _, ref = item.partition("=")
+        secret, _, key = ref.partition(":")
+        if not var or not secret or not key:
+            raise ManifestError(f"--secret-env '{item.split('=')[0]}=…' must be VAR=SECRET_NAME:KEY, a reference "
+                                "to a Kubernetes Secret (values are never written into manifests)")
+        out.append((var, secret, key))
+    return out
+
+
+@dataclass(frozen=True)
+class PodResources:
+    cpu: str
+    memory: str
+    shm_size: str
+
+
+def pod_resources(opts: ClusterOptions, pod_memory_bytes: int, vcpus: int | None, allocatable_gib: float | None
+                  ) -> PodResources:
+    """Requests = limits (Guaranteed QoS: the CPU manager then gives the pod whole cores)."""
+    if opts.cpu is not None:
+        cpu = opts.cpu
+    elif vcpus is not None:
+        cpu = str(max(opts.nproc_per_node, vcpus - NODE_RESERVED_CPUS))
+    else:
+        raise ManifestError("--cpu is required when --instance-type is not in the instance table")
+    shm_bytes = int(quantity_value(opts.shm_size, "--shm-size"))
+    if opts.memory is not None:
+        memory = opts.memory
+        if quantity_value(memory, "--memory") < pod_memory_bytes:
+            raise ManifestError(f"--memory {memory} is below the plan's {pod_memory_bytes / GIB:.1f} GiB for "
+                                f"{opts.nproc_per_node} rank(s) per pod; raise it or leave it out to use the plan")
+    else:
+        # /dev/shm is memory-backed: what ranks write there counts against the pod's limit.
+        memory = f"{math.ceil((pod_memory_bytes + shm_bytes) / GIB)}Gi"
+    if allocatable_gib is not None and quantity_value(memory, "--memory") > allocatable_gib * GIB:
+        raise ManifestError(
+            f"--instance-type: {opts.instance_type} allocates {allocatable_gib:.0f} GiB to pods but a pod with "
+            f"{opts.nproc_per_node} rank(s) needs {memory}; choose a bigger instance type, fewer --nproc-per-node, "
+            "or leave --instance-type out to take the smallest that fits"
+        )
+    if allocatable_gib is not None and vcpus is not None and float(quantity_value(cpu, "--cpu")) > vcpus:
+        raise ManifestError(f"--cpu {cpu} is more than {opts.instance_type}'s {vcpus} vCPUs")
+    return PodResources(cpu=cpu, memory=memory, shm_size=opts.shm_size)

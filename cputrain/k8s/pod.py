@@ -1,0 +1,64 @@
+"""The container every variant runs, and the pod-level pieces they share.
+
+The command is `cputrain train /config/train.yaml`; the node count, ranks per node, node rank
+and master address arrive as the PET_* variables torchrun reads (Kubeflow's torch runtime
+injects them; the Indexed Job sets them itself). Secrets are only ever `secretKeyRef`s.
+"""
+
+from __future__ import annotations
+
+from cputrain.k8s.options import ClusterOptions, PodResources
+
+CONTAINER = "node"  # the container name Kubeflow's torch-distributed runtime patches
+CONFIG_DIR = "/config"
+CONFIG_FILE = "train.yaml"
+OUTPUT_DIR = "/output"
+COMMAND = ["cputrain", "train", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+AMX_TAINT_KEY = "intel.com/amx"
+AMX_LABEL = {"intel.com/amx": "true"}
+DO_NOT_DISRUPT = {"karpenter.sh/do-not-disrupt": "true"}
+
+
+def secret_env(opts: ClusterOptions) -> list[dict]:
+    refs = list(opts.secret_env)
+    if opts.hf_token_secret:
+        refs.insert(0, ("HF_TOKEN", opts.hf_token_secret, opts.hf_token_key))
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for var, secret, key in refs]
+
+
+def base_env() -> list[dict]:
+    # Offline-safe defaults for tokenizers and unbuffered logs (kubectl logs shows lines as they come).
+    return [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+
+
+def resources(res: PodResources) -> dict:
+    both = {"cpu": res.cpu, "memory": res.memory}
+    return {"requests": dict(both), "limits": dict(both)}
+
+
+def volume_mounts() -> list[dict]:
+    return [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "output", "mountPath": OUTPUT_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+
+
+def volumes(opts: ClusterOptions, res: PodResources) -> list[dict]:
+    return [
+        {"name": "config", "configMap": {"name": f"{opts.name}-config"}},
+        {"name": "output", "persistentVolumeClaim": {"claimName": opts.pvc_name}},
+        # The container runtime's default /dev/shm is 64 MiB; collectives and data loaders need more.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": res.shm_size}},
+    ]
+
+
+def node_selector(opts: ClusterOptions) -> dict[str, str]:
+    sel = {"karpenter.sh/nodepool": opts.node_pool, **AMX_LABEL}
+    if opts.instance_type:
+        sel["node.kubernetes.io/instance-type"] = opts.instance_type
+    return sel
+
+
+def tolerations() -> list[dict]:
+    return [{"key": AMX_TAINT_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}]

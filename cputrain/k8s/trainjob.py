@@ -1,0 +1,54 @@
+"""Kubeflow Trainer v2: a TrainJob on the `torch-distributed` runtime.
+
+The runtime starts one pod per node and injects PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+PET_MASTER_ADDR and PET_MASTER_PORT. numProcPerNode is always an explicit integer: "auto"
+would start one rank per CPU of the pod — dozens of ranks, each with its own copy of the
+model state — which is how hand-written jobs run out of memory or deadlock.
+Pod-level settings (volumes, node selection, the do-not-disrupt annotation) go in a
+runtime patch on the runtime's "node" job.
+"""
+
+from __future__ import annotations
+
+from cputrain.k8s import pod
+from cputrain.k8s.options import ClusterOptions, PodResources
+
+API_VERSION = "trainer.kubeflow.org/v1alpha1"
+RUNTIME = "torch-distributed"
+REPLICATED_JOB = "node"  # the torch-distributed runtime's one replicated job
+PATCH_MANAGER = "cputrain.k8s/render"
+
+
+def trainjob(opts: ClusterOptions, res: PodResources) -> dict:
+    pod_spec = {
+        "nodeSelector": pod.node_selector(opts),
+        "tolerations": pod.tolerations(),
+        "volumes": pod.volumes(opts, res),
+        "containers": [{"name": pod.CONTAINER, "volumeMounts": pod.volume_mounts()}],
+    }
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TrainJob",
+        "metadata": {"name": opts.name, "namespace": opts.namespace, "labels": opts.labels},
+        "spec": {
+            "runtimeRef": {"name": RUNTIME, "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime"},
+            "trainer": {
+                "image": opts.image,
+                "command": list(pod.COMMAND),
+                "numNodes": opts.nnodes,
+                "numProcPerNode": opts.nproc_per_node,
+                "resourcesPerNode": pod.resources(res),
+                "env": pod.base_env() + pod.secret_env(opts),
+            },
+            "runtimePatches": [{
+                "manager": PATCH_MANAGER,
+                "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{
+                    "name": REPLICATED_JOB,
+                    "template": {"spec": {"template": {
+                        "metadata": {"labels": opts.labels, "annotations": dict(pod.DO_NOT_DISRUPT)},
+                        "spec": pod_spec,
+                    }}},
+                }]}}},
+            }],
+        },
+    }

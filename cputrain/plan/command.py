@@ -1,0 +1,69 @@
+"""`cputrain plan CONFIG [key=value ...]`: memory per rank and the smallest cluster that fits."""
+
+from __future__ import annotations
+
+import os
+
+
+def load_run_config(config_path: str | None, overrides: list[str]):
+    """The same config `cputrain train` would read: a YAML file and dotted key=value overrides."""
+    from cputrain.config import load_config
+
+    overrides = list(overrides)
+    if config_path and "=" in config_path and not os.path.exists(config_path):
+        overrides.insert(0, config_path)  # only overrides, no file
+        config_path = None
+    return load_config(config_path, overrides)
+
+
+def world_size_of(args, cfg) -> tuple[int, int | None]:
+    """(world size, ranks per node or None to let the planner choose)."""
+    from cputrain.errors import ConfigError
+
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size must be at least 1 (got {args.world_size})")
+        if args.nnodes is not None and args.nproc_per_node is not None and args.nnodes * args.nproc_per_node != args.world_size:
+            raise ConfigError(f"--world-size {args.world_size} is not --nnodes × --nproc-per-node "
+                              f"({args.nnodes} × {args.nproc_per_node}); give one or the other")
+        return args.world_size, args.nproc_per_node
+    nnodes = args.nnodes if args.nnodes is not None else cfg.launch.nnodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.launch.nproc_per_node
+    if nnodes < 1 or nproc < 1:
+        raise ConfigError("--nnodes and --nproc-per-node must be at least 1")
+    return nnodes * nproc, nproc
+
+
+def add_parser(sub, add_common) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory per rank for a model × strategy × world size, and the smallest cluster that fits",
+        description="Estimate what each rank holds (parameters, gradients, optimizer state, activations, "
+        "buffers) from the model's config alone (no weights), then pick the smallest cluster from an "
+        "instance table. Reads the same CONFIG.yaml and key=value overrides as `cputrain train`.",
+    )
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.strategy=fsdp")
+    p.add_argument("--world-size", type=int, help="total ranks (default: --nnodes × --nproc-per-node)")
+    p.add_argument("--nproc-per-node", type=int, help="ranks per node (default: the planner chooses)")
+    p.add_argument("--nnodes", type=int, help="nodes")
+    p.add_argument("--model-config", help="a config.json file (or a folder holding one) to plan for; "
+                   "default: the config's model.name_or_path or model.arch")
+    p.add_argument("--instances-file", help="YAML/JSON list of {name, vcpus, memory_gib, amx} (default: built-in c7i/m7i/r7i)")
+    p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
+    add_common(p)
+
+
+def run(args) -> int:
+    from cputrain.plan.build import make_plan
+    from cputrain.plan.instances import load_instances
+    from cputrain.plan.report import plan_json, table_lines
+
+    cfg = load_run_config(args.config, args.overrides)
+    world_size, nproc = world_size_of(args, cfg)
+    if args.world_size is None and args.nproc_per_node is None and args.nnodes is None:
+        nproc = None  # nothing said about the layout: let the planner choose ranks per node
+    plan = make_plan(cfg, world_size, nproc_per_node=nproc, instances=load_instances(args.instances_file),
+                     config_json=args.model_config)
+    print(plan_json(plan) if args.json else "\n".join(table_lines(plan)))
+    return 0

@@ -1,0 +1,90 @@
+"""Bad cluster options are refused with one line naming the field; secrets never reach a file."""
+
+from __future__ import annotations
+
+import pytest
+
+from cputrain.errors import UserError
+from cputrain.k8s.checks import quantity_value
+
+from conftest import cli_env, run_cli
+
+from .rendering import ARCH, render_case
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(name="Llama_FT"), "--name"),
+    (dict(name="-bad"), "--name"),
+    (dict(namespace="a" * 64), "--namespace"),
+    (dict(nnodes=0), "--nnodes"),
+    (dict(nproc_per_node=0), "--nproc-per-node"),
+    (dict(image=None), "--image"),
+    (dict(image=""), "--image"),
+    (dict(memory="64GB"), "--memory"),
+    (dict(cpu="two"), "--cpu"),
+    (dict(shm_size="-1Gi"), "--shm-size"),
+    (dict(memory="1Gi"), "--memory"),  # a valid quantity below the plan
+    (dict(instance_type="c7i.8xlarge", nproc_per_node=16), "--instance-type"),
+    (dict(instance_type="x9.huge"), "--instance-type"),
+])
+def test_refused_with_the_field_named(changes, field):
+    with pytest.raises(UserError) as err:
+        render_case("job-ddp-4x1", **changes)
+    assert field in str(err.value)
+
+
+def test_quantities_follow_kubernetes_grammar():
+    assert quantity_value("64Gi", "f") == 64 * 2**30
+    assert quantity_value("1.5G", "f") == 1_500_000_000
+    assert quantity_value("15500m", "f") == 15.5
+    assert quantity_value("1e3", "f") == 1000
+    for bad in ("64GB", "Gi", "1.2.3", "64 Gi", "ten"):
+        with pytest.raises(UserError, match="not a Kubernetes quantity"):
+            quantity_value(bad, "--memory")
+
+
+def test_world_size_that_fits_no_instance(tmp_path):
+    # ddp keeps all 16 bytes/param in every rank: 2 ranks per pod of a 100M model do not fit a
+    # table whose only instance has 2 GiB.
+    table = tmp_path / "tiny.yaml"
+    table.write_text("- {name: t3.small, vcpus: 2, memory_gib: 2, amx: false}\n")
+    proc = run_cli("plan", *ARCH, "parallel.strategy=ddp", "--world-size", "2", "--instances-file", table)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("cputrain: error: world size 2:") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_errors_are_one_line():
+    proc = run_cli("k8s", *ARCH, "--name", "ok", "--nnodes", "2", "--nproc-per-node", "1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == proc.stderr.strip().splitlines()[0] and "--image is required" in proc.stderr
+
+
+def test_no_secret_value_is_ever_written(tmp_path):
+    secret_value = "hf_sEcReT_value_0123456789"
+    env = cli_env(HF_TOKEN=secret_value, WANDB_API_KEY=secret_value)
+    out = tmp_path / "manifests"
+    proc = run_cli("k8s", *ARCH, "parallel.strategy=fsdp", "--name", "sec", "--image", "img:1", "--nnodes", "2",
+                   "--nproc-per-node", "2", "--hf-token-secret", "hf-token", "--secret-env", "WANDB_API_KEY=wandb:key",
+                   "--kind", "job", "--output", out, env=env)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(out.iterdir())
+    assert len(files) == 6  # NodePool, EC2NodeClass, ConfigMap, PVC, Service, Job
+    text = "".join(f.read_text() for f in files)
+    assert secret_value not in text
+    assert "secretKeyRef" in text and "name: hf-token" in text and "name: wandb" in text
+    # a value in place of a reference is refused
+    proc = run_cli("k8s", *ARCH, "--name", "sec", "--image", "img:1", "--nnodes", "1", "--nproc-per-node", "1",
+                   "--secret-env", f"HF_TOKEN={secret_value}")
+    assert proc.returncode == 2 and "SECRET_NAME:KEY" in proc.stderr
+    assert secret_value not in proc.stdout
+
+
+def test_output_folder_never_overwrites_other_content(tmp_path):
+    args = ["k8s", *ARCH, "parallel.strategy=fsdp", "--name", "keep", "--image", "img:1", "--nnodes", "2",
+            "--nproc-per-node", "1", "--output", tmp_path]
+    assert run_cli(*args).returncode == 0
+    first = sorted(tmp_path.iterdir())
+    first[0].write_text("# edited by hand\n")
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    assert first[0].read_text() == "# edited by hand\n"
