@@ -189,8 +189,13 @@ def torchrun_args(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> list
 def _failure_message(err) -> LaunchError:
     """One line from the agent's ChildFailedError: the first failed rank's own error message."""
     failures = sorted(err.failures.items())
-    rank, first = failures[0]
-    message = first.message if isinstance(first.message, str) else ""
+    # The agent stops the other ranks once one fails: report a rank that failed by itself
+    # (a cputrain error, exit code 2) rather than one the agent terminated.
+    rank, first = next(((r, f) for r, f in failures if f.exitcode == 2), failures[0])
+    message = first.message
+    if isinstance(message, dict):  # what ErrorHandler.record_exception wrote: {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    message = message if isinstance(message, str) else ""
     if message == "<NONE>" or message.startswith("To enable traceback"):
         message = ""  # no error file: the rank died without a cputrain error (signal, crash, bug)
     for prefix in ("ConfigError: ", "DataError: ", "ModelError: ", "RunFolderError: ", "UserError: ", "LaunchError: "):
@@ -199,7 +204,7 @@ def _failure_message(err) -> LaunchError:
     if not message:
         signal = first.signal_name() if first.exitcode < 0 else None
         message = f"exited with {signal}" if signal else f"exited with code {first.exitcode}"
-    user_error = exit_codes == {2}
+    user_error = 2 in exit_codes
     return LaunchError(f"{len(failures)} rank(s) failed; rank {rank}: {message.splitlines()[0]}",
                        exit_code=2 if user_error else 1)
 

@@ -1,0 +1,67 @@
+"""Bad launch input fails fast with one clear line and a non-zero exit, leaving no process behind."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from conftest import run_cli, tiny_overrides
+from dist_helpers import assert_no_survivors, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("cputrain: error:")]
+    assert lines, proc.stderr[-2000:]
+    return lines[-1]
+
+
+def test_unreachable_endpoint_times_out_naming_it(tmp_path, cache_dir):
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir, **{"launch.rdzv_timeout_s": 3}),
+                   "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                   timeout=120)
+    assert proc.returncode != 0
+    assert endpoint in _error_line(proc)
+    assert_no_survivors(tmp_path / "run")
+
+
+def test_port_in_use(tmp_path, cache_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir),
+                       "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", timeout=120)
+    assert proc.returncode == 2
+    assert f"port {port}" in _error_line(proc) and "in use" in _error_line(proc)
+    assert_no_survivors(tmp_path / "run")
+
+
+def test_world_size_must_divide_global_batch(tmp_path, cache_dir):
+    proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir), "--nproc-per-node", "3", timeout=120)
+    assert proc.returncode == 2
+    assert "global_batch_size (8) is not divisible" in _error_line(proc)
+    assert not (tmp_path / "run").exists()
+
+
+def test_node_rank_out_of_range(tmp_path, cache_dir):
+    proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir), "--nnodes", "2", "--node-rank", "2",
+                   "--rdzv-endpoint", "127.0.0.1:29400", timeout=120)
+    assert proc.returncode == 2
+    assert "--node-rank 2 is out of range for --nnodes 2" in _error_line(proc)
+
+
+def test_checkpoint_of_another_model_fails_on_every_rank(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    run_cli("train", *tiny_overrides(out, cache_dir, **{"train.max_steps": 2, "train.checkpoint_every": 2}), check=True)
+    other = tiny_overrides(out, cache_dir, **{"train.max_steps": 4, "model.arch.hidden_size": 32})
+    proc = run_cli("train", *other, "--nproc-per-node", "2", timeout=300)
+    assert proc.returncode == 2
+    assert "holds checkpoints of another run" in _error_line(proc)
+    # each rank reported it, and the agent summed it up in one line
+    assert proc.stderr.count("holds checkpoints of another run") >= 3
+    assert (out / "checkpoints" / "step-000002").is_dir()  # nothing already on disk was lost
+    assert_no_survivors(out)
