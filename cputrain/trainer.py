@@ -71,6 +71,10 @@ class Trainer:
         if cfg.model.activation_checkpointing:
             models.enable_activation_checkpointing(skeleton)
         self.counts = models.parameter_counts(skeleton)
+        if ranks.is_main:  # plan.json, and a warning now if this node cannot hold the plan
+            from cputrain.plan.runtime import write_run_plan
+
+            write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
         self.phases.mark("model skeleton")
 
         # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy

@@ -16,9 +16,10 @@ bf16 (2 + 2 + 12, the paper's mixed-precision figure).
 "Per rank ÷ N" is the idea; the exact bytes come from how each library splits a tensor, and
 memory.json is compared against these exactly:
 
-- FSDP2 (`fully_shard`) splits every parameter along dim 0 like `torch.chunk`: rank r holds
-  rows [r·c, min((r+1)·c, d0)) with c = ceil(d0 / N). Its storage is padded to c rows, but the
-  tensor a rank holds (the DTensor's local shard) is the unpadded one.
+- FSDP2 (`fully_shard`) splits every parameter along dim 0 like `torch.chunk`: rank r owns
+  rows [r·c, min((r+1)·c, d0)) with c = ceil(d0 / N), but every rank's parameter storage, and
+  the reduce-scatter output its gradients live in, is padded to c rows (dim 0 padded to a
+  multiple of N). AdamW's moments are `zeros_like` the local shard: unpadded rows only.
 - DeepSpeed ZeRO-3 flattens each parameter, pads it to a multiple of N and gives every rank
   ceil(numel / N) elements.
 - AdamW keeps `exp_avg` and `exp_avg_sq` shaped like the (local) parameter, plus one 4-byte
@@ -65,10 +66,12 @@ def fsdp_rows(dim0: int, world_size: int, rank: int) -> int:
     return max(0, min(chunk, dim0 - rank * chunk))
 
 
-def local_numel(shape: tuple[int, ...], strategy: str, world_size: int, rank: int) -> int:
+def local_numel(shape: tuple[int, ...], strategy: str, world_size: int, rank: int, padded: bool = True) -> int:
+    """Elements of one parameter's local piece; `padded` counts FSDP2's padded storage."""
     numel = math.prod(shape)
-    if strategy == "fsdp" and world_size > 1 and shape:
-        return fsdp_rows(shape[0], world_size, rank) * (numel // shape[0] if shape[0] else 0)
+    if strategy == "fsdp" and shape:
+        rows = math.ceil(shape[0] / world_size) if padded else fsdp_rows(shape[0], world_size, rank)
+        return rows * (numel // shape[0] if shape[0] else 0)
     if strategy == "zero3" and world_size > 1:
         return math.ceil(numel / world_size)  # padded to a multiple of N, then split evenly
     return numel
@@ -83,6 +86,7 @@ def state_bytes(shape: ModelShape, strategy: str, precision: str, world_size: in
         # DeepSpeed steps one flat fp32 buffer per parameter group: no per-tensor step scalars.
         optimizer = local * k_bytes
     else:
-        optimizer = local * ADAM_MOMENTS * FP32_BYTES + len(shape.params) * ADAM_STEP_BYTES
+        owned = sum(local_numel(p.shape, strategy, ws, rank, padded=False) for p in shape.params)
+        optimizer = owned * ADAM_MOMENTS * FP32_BYTES + len(shape.params) * ADAM_STEP_BYTES
     return StateBytes(param_bytes=local * p_bytes, grad_bytes=local * g_bytes, optimizer_bytes=optimizer,
                       local_params=local)

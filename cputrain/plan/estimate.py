@@ -13,12 +13,13 @@ GIB = 2**30
 
 # RSS of a rank before it builds the model: Python, torch, transformers, the tokenizer, the
 # packed data and the gloo process group. Measured as the "process group" phase of memory.json
-# on x86-64 Linux with torch 2.13 (0.33 GiB after imports alone); it hardly depends on the model.
-PROCESS_OVERHEAD_BYTES = int(0.45 * GIB)
+# on x86-64 Linux with torch 2.13 (0.33-0.35 GiB with the model code imported); it hardly
+# depends on the model.
+PROCESS_OVERHEAD_BYTES = int(0.35 * GIB)
 
 # DDP copies gradients into flat buckets for its all-reduce; with gradient_as_bucket_view the
 # .grad tensors are views of those buckets instead, and the copy disappears.
-DDP_GRAD_AS_BUCKET_VIEW = False
+DDP_GRAD_AS_BUCKET_VIEW = True  # as cputrain.parallel.ddp builds it
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
         # Unsharded (all-gathered) parameters in the compute dtype: the root unit (embeddings,
         # final norm, head) stays gathered through the step, plus the current block and the one
         # prefetched; the backward adds one block's unsharded gradients before the reduce-scatter.
+        # Gradients are reduced in fp32 (cputrain.parallel.fsdp's MixedPrecisionPolicy).
         gathered_bytes = 2 if inp.precision == "bf16" else 4
-        return (root + 2 * max(blocks)) * gathered_bytes + max(blocks) * gathered_bytes
+        return (root + 2 * max(blocks)) * gathered_bytes + max(blocks) * FP32_BYTES
     return 0
 
 

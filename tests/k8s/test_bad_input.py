@@ -80,11 +80,14 @@ def test_no_secret_value_is_ever_written(tmp_path):
 
 
 def test_output_folder_never_overwrites_other_content(tmp_path):
-    args = ["k8s", *ARCH, "parallel.strategy=fsdp", "--name", "keep", "--image", "img:1", "--nnodes", "2",
-            "--nproc-per-node", "1", "--output", tmp_path]
-    assert run_cli(*args).returncode == 0
-    first = sorted(tmp_path.iterdir())
+    from cputrain.k8s.output import write_folder
+
+    objects = render_case("job-ddp-4x1").objects
+    first = write_folder(objects, tmp_path)
+    assert write_folder(objects, tmp_path) == first  # the same content again is fine
     first[0].write_text("# edited by hand\n")
-    proc = run_cli(*args)
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    with pytest.raises(UserError, match="--overwrite"):
+        write_folder(objects, tmp_path)
     assert first[0].read_text() == "# edited by hand\n"
+    write_folder(objects, tmp_path, overwrite=True)
+    assert first[0].read_text() != "# edited by hand\n"
