@@ -30,29 +30,55 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def tensor_bytes(tensors) -> int:
-    seen, total = set(), 0
+def _storage(t: torch.Tensor):
+    t = _local(t)
+    if t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
+
+
+def storage_bytes(tensors, exclude=()) -> int:
+    """Bytes of the distinct storages behind `tensors`, less those behind `exclude`.
+
+    Storage, not numel: a parameter that is a view into a flat buffer (FSDP2's padded shard,
+    DeepSpeed's partition groups) keeps the whole buffer alive, and two views of one buffer
+    (tied weights, a gradient aliasing a flat partition) are counted once.
+    """
+    skip = {s[0] for s in (_storage(t) for t in exclude if t is not None) if s}
+    seen: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
-        t = _local(t)
-        if t.device.type == "meta" or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+        s = _storage(t)
+        if s and s[0] not in skip:
+            seen[s[0]] = s[1]
+    return sum(seen.values())
 
 
 def state_bytes(model=None, optimizer=None) -> dict[str, int]:
+    """param/grad/optimizer bytes this rank holds right now.
+
+    A model that keeps its state outside module.parameters() (DeepSpeed ZeRO-3: partitions,
+    gradient buffers, fp32 masters) says itself where through `state_bytes()`. Optimizer bytes
+    are its state (AdamW moments) plus master copies of parameters it steps that are not the
+    model's own parameters.
+    """
     out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
+    params: list = []
     if model is not None:
-        params = list(model.parameters())
-        out["param_bytes"] = tensor_bytes(params)
-        out["grad_bytes"] = tensor_bytes(p.grad for p in params)
+        if hasattr(model, "state_bytes"):
+            own = model.state_bytes()
+            out["param_bytes"], out["grad_bytes"] = own["param_bytes"], own["grad_bytes"]
+            out["optimizer_bytes"] += own.get("master_bytes", 0)
+        else:
+            params = list(model.parameters())
+            out["param_bytes"] = storage_bytes(params)
+            out["grad_bytes"] = storage_bytes(p.grad for p in params)
     if optimizer is not None:
-        out["optimizer_bytes"] = tensor_bytes(
-            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-        )
+        moments = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        masters = [p for g in optimizer.param_groups for p in g["params"]]
+        out["optimizer_bytes"] += storage_bytes(moments) + storage_bytes(masters, exclude=params)
     return out
 
 
@@ -60,17 +86,41 @@ class PhaseRecorder:
     def __init__(self, rank: int):
         self.rank = rank
         self.rows: list[dict] = []
-        self.extra_bytes_fn = None  # a strategy may report state it keeps outside torch (DeepSpeed)
+        self.extra_bytes_fn = None  # a strategy may report state it keeps outside torch
+        self._hooked = False
+        self._model = None
+        self._at_step: dict[str, int] | None = None  # bytes held when the optimizer step began
+
+    def _watch(self, model, optimizer) -> None:
+        """Record what is held when the optimizer steps: the only moment gradients all exist
+        (the strategy frees them with zero_grad(set_to_none=True) right after)."""
+        if self._hooked or not hasattr(optimizer, "register_step_pre_hook"):
+            return
+        self._hooked, self._model = True, model
+
+        def before_step(opt, args, kwargs):
+            now = state_bytes(self._model, opt)
+            if self._at_step is None:
+                self._at_step = now
+            else:  # DeepSpeed steps one parameter group at a time: keep the largest
+                self._at_step = {k: max(v, now[k]) for k, v in self._at_step.items()}
+
+        optimizer.register_step_pre_hook(before_step)
 
     def mark(self, phase: str, model=None, optimizer=None, use_peak: bool = False, **extra) -> None:
         assert phase in PHASES, phase
         row = {"phase": phase, "rss_gib": memory.peak_rss_gib() if use_peak else memory.rss_gib(),
                "peak_rss_gib": memory.peak_rss_gib()}
         row.update(state_bytes(model, optimizer))
+        if phase in ("first step done", "training step peak") and self._at_step is not None:
+            # After the step the gradients are gone; their bytes are those measured inside it.
+            row.update({k: max(row[k], v) for k, v in self._at_step.items()})
         if self.extra_bytes_fn is not None:
             row.update({k: v for k, v in self.extra_bytes_fn().items() if v})
         row.update(extra)
         self.rows.append(row)
+        if optimizer is not None:
+            self._watch(model, optimizer)
 
     def write(self, run, ranks) -> None:
         """Gather every rank's rows to rank 0, which writes memory.json and prints the table."""

@@ -7,6 +7,7 @@ comes before any weight exists so that a sharding strategy materializes only its
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,22 @@ import torch
 from torch import nn
 
 from cputrain.config import Config
+
+
+log = logging.getLogger("cputrain")
+
+
+def ignored_settings(strategy: "Strategy", cfg: Config) -> list[str]:
+    """Settings this strategy has no use for, each with the reason (a warning, not an error)."""
+    lines = []
+    if not strategy.supports_offload:
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(cfg.parallel, key):
+                lines.append(f"parallel.{key}=true is ignored: strategy {strategy.name} has no offload "
+                             "(on a CPU host its state is already in host memory; only zero3 offloads, through DeepSpeed)")
+    if cfg.parallel.deepspeed_config and strategy.name != "zero3":
+        lines.append(f"parallel.deepspeed_config is ignored: it configures strategy zero3, not {strategy.name}")
+    return lines
 
 
 @dataclass
@@ -28,9 +45,13 @@ class StrategyContext:
 
 class Strategy:
     name = "base"
+    supports_offload = False  # keeps optimizer state / parameters in host memory on request (zero3)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
+        if ctx.rank == 0:
+            for line in ignored_settings(self, ctx.cfg):
+                log.warning("warning: %s", line)
 
     # --- build ---------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:

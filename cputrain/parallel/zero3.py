@@ -1,0 +1,265 @@
+"""DeepSpeed ZeRO-3: parameters, gradients and optimizer state partitioned across ranks,
+optionally offloaded to host memory (DeepSpeed's CPU Adam steps the optimizer there).
+
+The only module that imports deepspeed. It runs on DeepSpeed's CPU accelerator on top of the
+process group cputrain already made (gloo, or ccl where its bindings import); under plain
+`python` with one rank it makes a one-rank group itself, which is where DeepSpeed alone would
+stop with KeyError: 'LOCAL_RANK'.
+
+Build order as for every strategy: wrap() builds the model under deepspeed.zero.Init, so each
+parameter is partitioned the moment its module is constructed and no rank ever holds the whole
+model; load_weights() fills each rank's partitions; build_optimizer() hands model and optimizer
+to deepspeed.initialize.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+from cputrain.parallel.deepspeed_config import plan_for, require_deepspeed
+
+require_deepspeed()  # a one-line install hint instead of an ImportError traceback
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, when deepspeed picks its accelerator
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from cputrain.errors import ConfigError  # noqa: E402
+from cputrain.metrics.phases import storage_bytes  # noqa: E402
+from cputrain.model import SafetensorsReader, checkpoint_name  # noqa: E402
+from cputrain.errors import ModelError  # noqa: E402
+from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
+from cputrain.resolve import grad_accum_steps  # noqa: E402
+
+log = logging.getLogger("cputrain")
+# DeepSpeed still calls collectives torch has renamed; one warning per call would flood the log.
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated.*")
+TAG = "zero3"  # DeepSpeed's checkpoint tag: the sub-folder of a step's state/
+
+
+class Zero3Model(nn.Module):
+    """What the trainer calls forward on: the DeepSpeed engine once it exists, else the module.
+
+    The engine is kept out of the module tree (it wraps the same parameters), so parameters(),
+    train() and eval() see each parameter once.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.__dict__["engine"] = None
+
+    def forward(self, *args, **kwargs):
+        return (self.engine or self.module)(*args, **kwargs)
+
+    @property
+    def config(self):
+        return self.module.config
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, counted where DeepSpeed keeps them: its partitions (ds_tensor),
+        the gradient partitions and the fp32 master partitions live outside module.parameters()."""
+        params = list({id(p): p for p in self.module.parameters()}.values())
+        param_tensors = [getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params]
+        out = {"param_bytes": storage_bytes(param_tensors), "grad_bytes": 0, "master_bytes": 0}
+        zero = self.engine.optimizer if self.engine is not None else None
+        if zero is None:
+            return out
+        masters = list(getattr(zero, "fp32_partitioned_groups_flat", []))
+        grads = [getattr(zero, "grad_partitions_flat_buffer", None)] + [m.grad for m in masters]
+        out["grad_bytes"] = storage_bytes(grads)
+        out["master_bytes"] = storage_bytes(masters, exclude=param_tensors)
+        return out
+
+
+class Zero3Strategy(Strategy):
+    name = "zero3"
+    supports_offload = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        self.plan = plan_for(cfg, ctx.world_size, grad_accum_steps(cfg, ctx.world_size))
+        self.engine = None
+        self._hidden_size = None
+        for logger in ("DeepSpeed", "deepspeed"):  # its per-step chatter is not cputrain's log
+            logging.getLogger(logger).setLevel(logging.WARNING)
+
+    # --- build ---------------------------------------------------------------------------
+    def _ensure_process_group(self) -> None:
+        if not dist.is_initialized():
+            # One rank (plain `python`): an in-process store, so no port is taken or needed.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
+                                   dist_init_required=False)
+
+    def wrap(self, skeleton: nn.Module) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+        from transformers import initialization as hf_init
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        self._ensure_process_group()
+        hf_config = skeleton.config
+        # Bucket sizes follow the hidden size; the plan is final (and reported) before any weight.
+        self.plan = plan_for(self.ctx.cfg, self.ctx.world_size, grad_accum_steps(self.ctx.cfg, self.ctx.world_size),
+                             getattr(hf_config, "hidden_size", None))
+        if self.ctx.rank == 0:
+            for note in self.plan.notes:
+                log.warning("warning: %s", note)
+            log.info("zero3: DeepSpeed %s, %s backend, optimizer offload %s, parameter offload %s",
+                     deepspeed.__version__, dist.get_backend(), "on" if self.plan.offload_optimizer else "off",
+                     "on" if self.plan.offload_param else "off")
+        # The meta skeleton is not used: zero.Init partitions every parameter as its module is
+        # constructed. Weight init is off here; load_weights fills the partitions.
+        # No dtype= here: zero.Init takes it from the config's bf16 section. An explicit dtype is
+        # overridden with bf16 on a CPU accelerator (an operator-precedence slip in
+        # Init._set_dtype), which would silently round fp32 weights.
+        with hf_init.no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(
+            config_dict_or_path=self.plan.config
+        ):
+            module = AutoModelForCausalLM.from_config(
+                hf_config,
+                attn_implementation=self.ctx.cfg.model.attn_implementation,
+                trust_remote_code=self.ctx.cfg.model.trust_remote_code,
+                dtype=self.ctx.compute_dtype,
+            )
+        if self.ctx.cfg.model.activation_checkpointing:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return Zero3Model(module)
+
+    def load_weights(self, model: Zero3Model, folder: Path | None, seed: int) -> None:
+        module = model.module
+        if folder is None:
+            # transformers' own ZeRO-3 init: each module's parameters are gathered, initialised
+            # on rank 0 in the same order and from the same seed as a single-process run, and
+            # scattered back; only one module's parameters are ever whole at a time.
+            from transformers.integrations.deepspeed import initialize_weights_zero3
+
+            torch.manual_seed(seed)
+            for sub in module.modules():
+                sub._is_hf_initialized = False
+            initialize_weights_zero3(module)
+            module.tie_weights()
+            return
+        self._load_partitions(module, folder)
+
+    def _load_partitions(self, module: nn.Module, folder: Path) -> None:
+        """Each rank reads from the safetensors files only the rows that cover its partition."""
+        reader = SafetensorsReader(folder)
+        tied = getattr(module.config, "tie_word_embeddings", False)
+        missing = []
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                key = checkpoint_name(name, reader)
+                if key is None:
+                    if not (tied and name.endswith("lm_head.weight")):
+                        missing.append(name)
+                    continue
+                shape = list(param.ds_shape)
+                if reader.shape(key) != shape:
+                    raise ModelError(
+                        f"weights for '{name}' have shape {reader.shape(key)}, the model expects {shape}; "
+                        "the weights do not belong to this model config"
+                    )
+                part = param.ds_tensor
+                start = self.ctx.rank * part.numel()  # partitions are equal slices of the flat tensor
+                count = min(part.numel(), max(0, param.ds_numel - start))
+                if count == 0:
+                    continue  # this rank holds only padding of a small parameter
+                row = param.ds_numel // shape[0] if shape else 1
+                first, last = start // row, math.ceil((start + count) / row)
+                rows = reader.read(key, slice(first, last)) if shape else reader.read(key)
+                flat = rows.reshape(-1)[start - first * row : start - first * row + count]
+                part.data[:count].copy_(flat.to(part.dtype))
+        if missing:
+            raise ModelError(f"weights file lacks {len(missing)} parameters of the model (first: '{missing[0]}'); "
+                             "wrong model folder?")
+
+    def build_optimizer(self, model: Zero3Model) -> torch.optim.Optimizer:
+        t = self.ctx.cfg.train
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        # Norm gains and biases are 1-D (ds_shape: a partitioned parameter's own shape is empty).
+        decay = [p for p in params if len(p.ds_shape) >= 2]
+        no_decay = [p for p in params if len(p.ds_shape) < 2]
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.plan.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model.module, optimizer=optimizer, config=self.plan.config, dist_init_required=False
+        )
+        model.__dict__["engine"] = self.engine
+        # The trainer's LR schedule sets lr on these param_groups; DeepSpeed steps this optimizer
+        # over its fp32 partitions with exactly those groups.
+        return optimizer
+
+    # --- step ----------------------------------------------------------------------------
+    def autocast(self):
+        # DeepSpeed holds bf16 parameters itself when bf16 is on; autocast on top would only re-cast.
+        return contextlib.nullcontext()
+
+    def accumulation(self, model: nn.Module, last_micro_batch: bool):
+        # The trainer runs the accumulation loop and calls step() once: tell the engine which
+        # backward ends it, so gradients are reduced and the optimizer steps only then.
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the trainer already divided by the micro-batches
+
+    def step(self, model: nn.Module, optimizer, grad_clip: float) -> float:
+        self.engine.step()  # clips to gradient_clipping, steps, zeroes the gradient partitions
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    # --- checkpoint ----------------------------------------------------------------------
+    @staticmethod
+    def _local(path: str) -> str:
+        if "://" in path and not path.startswith("file://"):
+            raise ConfigError(f"strategy zero3 saves checkpoints through DeepSpeed, which needs a local output_dir, "
+                              f"not '{path}'")
+        return path.removeprefix("file://")
+
+    def save(self, model: nn.Module, optimizer, path: str) -> None:
+        # Every rank writes its own partitions: model states on rank 0, optimizer states per rank.
+        self.engine.save_checkpoint(self._local(path), tag=TAG, save_latest=False)
+
+    def load(self, model: nn.Module, optimizer, path: str) -> None:
+        loaded, _ = self.engine.load_checkpoint(self._local(path), tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{TAG}' under {path}")
+
+    def full_state_dict(self, model: Zero3Model) -> Iterator[tuple[str, torch.Tensor]]:
+        """One parameter gathered at a time (a collective: every rank iterates), returned as fp32."""
+        module = model.module
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                full = param.data.detach().to(torch.float32, copy=True)
+            yield name, full
+        params = {n for n, _ in module.named_parameters()}
+        for name, tensor in module.state_dict().items():
+            if name not in params and not (getattr(module.config, "tie_word_embeddings", False)
+                                           and name.endswith("lm_head.weight")):
+                yield name, tensor  # persistent buffers are never partitioned
+
+    def unwrap(self, model: Zero3Model) -> nn.Module:
+        return model.module
+
+    def close(self) -> None:
+        self.engine = None
+
+
+def build(ctx: StrategyContext) -> Strategy:
+    return Zero3Strategy(ctx)
