@@ -181,9 +181,23 @@ def torchrun_args(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> list
         # read_timeout bounds how long a node waits to reach an endpoint that is not there.
         f"--rdzv-conf=is_host={int(plan.is_host)},join_timeout={timeout},read_timeout={timeout}",
         f"--max-restarts={cfg.launch.max_restarts}",
+        *([f"--local-addr={_route_address(plan.endpoint)}"] if plan.nnodes > 1 else []),
         "--monitor-interval=0.5",
         "-m", "cputrain", "train", *worker_args,
     ]
+
+
+def _route_address(endpoint: str) -> str:
+    """This node's address on the route to the rendezvous host (a UDP connect sends nothing).
+    The agent advertises it to the other nodes; the host name may resolve to an address they
+    cannot reach (containers, several interfaces)."""
+    host, port = _split_endpoint(endpoint)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def _failure_message(err) -> LaunchError:
