@@ -1,0 +1,41 @@
+"""Launcher variables mapped onto RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE."""
+
+from __future__ import annotations
+
+import pytest
+
+from cputrain.dist.env import normalize, started_by_launcher
+from cputrain.dist.launcher import pet_overrides
+from cputrain.errors import ConfigError
+
+
+def test_plain_python_gets_every_variable_a_library_reads():
+    env: dict = {}
+    ranks = normalize(env)
+    assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.launcher) == (0, 1, 0, "python")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        assert key in env
+    assert not started_by_launcher({})
+
+
+def test_openmpi_variables_become_torchrun_names():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert started_by_launcher(env)
+    ranks = normalize(env)
+    assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.local_world_size, ranks.launcher) == (3, 4, 1, 2, "mpirun")
+    assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1"
+
+
+def test_intel_mpi_variables():
+    ranks = normalize({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.launcher) == (1, 2, 1, "mpirun")
+
+
+def test_pet_variables_as_kubeflow_sets_them():
+    env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "trainer-0",
+           "PET_MASTER_PORT": "29400"}
+    assert pet_overrides(env) == ["launch.nnodes=2", "launch.nproc_per_node=4", "launch.node_rank=1",
+                                  "launch.rdzv_endpoint=trainer-0:29400"]
+    with pytest.raises(ConfigError, match="PET_NNODES"):
+        pet_overrides({"PET_NNODES": "1:4"})

@@ -1,0 +1,42 @@
+"""Disjoint core sets per rank, whole NUMA nodes where they divide; the allocator search."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cputrain.dist.allocator import choose_allocator, preload_env
+from cputrain.dist.placement import core_sets
+from cputrain.hardware import Core, detect
+
+
+def _machine(numa_nodes: int, cores_per_node: int):
+    cores = [Core(cpu=n * cores_per_node + i, socket=n, numa_node=n) for n in range(numa_nodes) for i in range(cores_per_node)]
+    return dataclasses.replace(detect(), cores=cores, numa_nodes=numa_nodes, sockets=numa_nodes)
+
+
+def test_ranks_get_whole_numa_nodes_and_never_share_a_core():
+    hw = _machine(numa_nodes=2, cores_per_node=16)
+    plan = core_sets(hw, 2)
+    assert plan.sets == [list(range(16)), list(range(16, 32))]
+    assert "NUMA" in plan.reason
+    four = core_sets(hw, 4).sets
+    assert [len(s) for s in four] == [8, 8, 8, 8]
+    assert len({c for s in four for c in s}) == 32  # disjoint
+    assert all({c // 16 for c in s} in ({0}, {1}) for s in four)  # each inside one node
+
+
+def test_uneven_split_leaves_spare_cores_idle():
+    plan = core_sets(_machine(numa_nodes=1, cores_per_node=8), 3)
+    assert [len(s) for s in plan.sets] == [2, 2, 2] and "idle" in plan.reason
+
+
+def test_allocator_found_and_preloaded(tmp_path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    choice = choose_allocator("auto", environ={}, dirs=[str(tmp_path)])
+    assert choice.library == str(lib)
+    env = {"LD_PRELOAD": "/other.so"}
+    preload_env(choice, env)
+    assert env["LD_PRELOAD"] == f"{lib}:/other.so"
+    assert choose_allocator("system", environ={}, dirs=[str(tmp_path)]).library is None
+    assert choose_allocator("auto", environ={}, dirs=[str(tmp_path / "none")]).library is None
