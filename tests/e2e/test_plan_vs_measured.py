@@ -1,0 +1,60 @@
+"""`cputrain plan` against real runs: state bytes exactly, peak RSS within ±15%.
+
+Two model sizes (a tiny Llama and one of about 100M parameters), 1 and 2 ranks, every
+strategy available here; 2 short steps each. plan.json (written by `cputrain train` at start)
+is compared with the "training step peak" phase of memory.json, and also checked against
+what `cputrain plan --json` prints for the same config before any run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import run_cli
+from cputrain.plan.compare import EXACT, RSS_TOLERANCE, compare_run, markdown_table
+
+SIZES = {
+    "tiny": ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+             "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.tokenizer_vocab_size=512"],
+    "100m": ["model.arch.hidden_size=768", "model.arch.intermediate_size=2048", "model.arch.num_hidden_layers=12",
+             "model.arch.num_attention_heads=12", "model.arch.num_key_value_heads=12",
+             "model.tokenizer_vocab_size=16384"],
+}
+COMMON = ["data.seq_len=32", "data.max_documents=600", "train.max_steps=2", "train.global_batch_size=4",
+          "train.micro_batch_size=2", "train.eval_every=100", "train.eval_batches=1", "train.sample_tokens=0",
+          "train.checkpoint_every=100", "hardware.precision=fp32", "hardware.threads=1"]
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+# One rank runs as `single` (or as a one-rank shard for fsdp/zero3); ddp is for 2 and more.
+LAYOUTS = [("single", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("zero3", 1), ("zero3", 2)]
+CASES = [(s, st, n) for s in SIZES for st, n in LAYOUTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, strategy, ranks", CASES, ids=[f"{s}-{st}-{n}" for s, st, n in CASES])
+def test_plan_matches_memory_json(size, strategy, ranks, tmp_path, cache_dir):
+    if strategy == "zero3" and not HAVE_DEEPSPEED:
+        pytest.skip("strategy zero3 needs the deepspeed extra (scripts/install.sh dev,deepspeed)")
+    overrides = SIZES[size] + COMMON + [f"parallel.strategy={strategy}", f"output_dir={tmp_path / 'run'}",
+                                        f"data.cache_dir={cache_dir}"]
+    launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
+    proc = run_cli("train", *overrides, *launch, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = compare_run(tmp_path / "run")
+    assert len(rows) == ranks
+    table = markdown_table(rows)
+    for row in rows:
+        for key in EXACT:
+            assert row[f"plan_{key}"] == row[f"measured_{key}"], f"{key} differs\n{table}"
+        assert abs(row["rss_error"]) <= RSS_TOLERANCE, f"peak RSS off by {row['rss_error']:+.1%}\n{table}"
+
+    # `cputrain plan` on the same config, before any run, plans the same bytes (the vocabulary
+    # of the tokenizer the run trained is given as the model's config).
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    vocab = written["model"]["vocab_size"]
+    proc = run_cli("plan", *overrides, f"model.tokenizer_vocab_size={vocab}", "--world-size", ranks, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ranks"] == written["ranks"]
