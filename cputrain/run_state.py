@@ -63,10 +63,14 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
         )
     old, new = yaml.safe_load(old_text) or {}, cfg.model_dump(mode="json")
     for key in IDENTITY_KEYS:
-        if _get(old, key) != _get(new, key):
+        there, now = _get(old, key), _get(new, key)
+        if there != now:
+            if isinstance(there, dict) and isinstance(now, dict):  # name the one entry that differs
+                sub = next(k for k in sorted(set(there) | set(now), key=str) if there.get(k) != now.get(k))
+                key, there, now = f"{key}.{sub}", there.get(sub), now.get(sub)
             raise RunFolderError(
-                f"output_dir '{run.url}' holds checkpoints of another run ({key}: {_get(old, key)!r} there, "
-                f"{_get(new, key)!r} now); choose a new output_dir or set {key} back to resume it"
+                f"output_dir '{run.url}' holds checkpoints of another run ({key}: {there!r} there, "
+                f"{now!r} now); choose a new output_dir or set {key} back to resume it"
             )
 
 

@@ -1,0 +1,183 @@
+"""Bad input: one line on stderr naming the problem, exit code 2, no traceback unless --debug,
+and nothing already on disk changed: an earlier run's folder keeps every byte and mtime."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli, tiny_overrides
+
+
+def snapshot(folder) -> dict:
+    """Every file under `folder` with its content hash and modification time."""
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory, cache_dir):
+    """A finished run whose folder must survive every bad command pointed at it."""
+    out = tmp_path_factory.mktemp("bad") / "run"
+    run_cli("train", *tiny_overrides(out, cache_dir, **{"train.max_steps": 4, "train.checkpoint_every": 2,
+                                                         "train.eval_every": 2}), check=True)
+    return out
+
+
+@pytest.fixture
+def fresh_dir(tmp_path):
+    """An output_dir that holds only a file of the user's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    return out
+
+
+def assert_refused(proc, *expected: str, debug: bool = False) -> str:
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("cputrain: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0] == proc.stderr.strip().splitlines()[-1]  # the last word, nothing after it
+    if not debug:
+        assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    for text in expected:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+def tiny(out, cache_dir, **extra) -> list[str]:
+    return tiny_overrides(out, cache_dir, **{"train.max_steps": 2, **extra})
+
+
+# --- config errors: refused before any work, so they can point at the existing run itself ----
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.max_step=5", "unknown config key 'train.max_step'; did you mean 'train.max_steps'?"),
+        ("data.seqlen=64", "did you mean 'data.seq_len'?"),
+        ("train.lr=0", "'train.lr'"),
+        ("train.lr=-3e-4", "'train.lr'"),
+        ("train.micro_batch_size=0", "'train.micro_batch_size'"),
+        ("train.global_batch_size=-8", "'train.global_batch_size'"),
+        ("data.seq_len=-1", "'data.seq_len'"),
+        ("train.warmup_steps=-2", "'train.warmup_steps'"),
+        ("hardware.threads=0", "hardware.threads"),
+        ("train.keep_last=0", "'train.keep_last'"),
+    ],
+    ids=lambda v: v if "=" in v else "",
+)
+def test_bad_keys_and_values(existing_run, cache_dir, override, expected):
+    before = snapshot(existing_run)
+    proc = run_cli("train", *tiny(existing_run, cache_dir), override)
+    assert_refused(proc, expected)
+    assert snapshot(existing_run) == before
+
+
+def test_malformed_yaml(existing_run, tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text(f"output_dir: {existing_run}\ntrain:\n  max_steps: 5\n   lr: 0.1\n")
+    before = snapshot(existing_run)
+    assert_refused(run_cli("train", config), "malformed YAML", "broken.yaml", "line 4")
+    assert_refused(run_cli("train", tmp_path / "absent.yaml"), "not found")
+    assert snapshot(existing_run) == before
+
+
+def test_unknown_key_in_yaml_file(existing_run, tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text(f"output_dir: {existing_run}\ntrain:\n  learning_rate: 0.1\n")
+    assert_refused(run_cli("train", config), "unknown config key 'train.learning_rate'")
+
+
+# --- a run folder of another run -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["data.seq_len=16", "model.arch.hidden_size=32", "seed=7"])
+def test_incompatible_output_dir_is_not_touched(existing_run, cache_dir, change):
+    before = snapshot(existing_run)
+    proc = run_cli("train", *tiny(existing_run, cache_dir), change)
+    assert_refused(proc, "holds checkpoints of another run", change.split("=")[0], "choose a new output_dir")
+    assert snapshot(existing_run) == before
+
+
+def test_checkpoints_without_config_are_not_touched(existing_run, cache_dir, tmp_path):
+    out = tmp_path / "orphan"
+    shutil.copytree(existing_run / "checkpoints", out / "checkpoints")
+    before = snapshot(out)
+    assert_refused(run_cli("train", *tiny(out, cache_dir)), "holds checkpoints but no config.yaml")
+    assert snapshot(out) == before
+
+
+# --- model and data errors: found while loading, before anything is written -------------------
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    """A tokenizer with more tokens (1024) than the tiny model's vocabulary (512)."""
+    from cputrain.data.sources import _pydoc_documents
+    from cputrain.data.tokenizer import train_bpe
+
+    folder = tmp_path_factory.mktemp("tok") / "bpe-1024"
+    train_bpe(_pydoc_documents()[:400], 1024, folder)
+    return folder
+
+
+def _broken_model(src, dst, how):
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 3] if how == "truncated" else b"{" + bytes(range(256)) * 8)
+    return dst
+
+
+CASES = {
+    "missing-model": (lambda t, m, k: [f"model.name_or_path={t / 'no-such-model'}"],
+                      ["model folder", "not found", "model.name_or_path"]),
+    "truncated-weights": (lambda t, m, k: [f"model.name_or_path={_broken_model(m, t / 'trunc', 'truncated')}"],
+                          ["model.safetensors", "corrupt or truncated"]),
+    "garbage-weights": (lambda t, m, k: [f"model.name_or_path={_broken_model(m, t / 'garbage', 'garbage')}"],
+                        ["corrupt or truncated"]),
+    "vocab-mismatch": (lambda t, m, k: [f"model.name_or_path={m}", f"model.tokenizer={k}"],
+                       ["the tokenizer has 1024 tokens but the model's vocabulary is 512"]),
+    "missing-data": (lambda t, m, k: [f"data.source={t / 'absent.jsonl'}"], ["absent.jsonl", "not found"]),
+    "empty-data": (lambda t, m, k: [f"data.source={_write(t / 'empty.txt', '')}"], ["empty.txt", "is empty"]),
+    "no-usable-text": (lambda t, m, k: [f"data.source={_write(t / 'blank.jsonl', chr(10).join([json.dumps({'text': ''}), json.dumps({'text': '   '})]))}"],
+                       ["no usable text"]),
+    "wrong-text-field": (lambda t, m, k: [f"data.source={_write(t / 'other.jsonl', json.dumps({'body': 'hello'}))}"],
+                         ["no field 'text'", "data.text_field"]),
+}
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_model_or_data(case, fresh_dir, tmp_path, cache_dir, tiny_model_dir, big_tokenizer):
+    make_args, expected = CASES[case]
+    args = make_args(tmp_path, tiny_model_dir, big_tokenizer)
+    before = snapshot(fresh_dir)
+    proc = run_cli("train", *tiny(fresh_dir, cache_dir), *args)
+    assert_refused(proc, *expected)
+    after = snapshot(fresh_dir)
+    assert {k: after.get(k) for k in before} == before  # the user's file is untouched
+    assert not any(k.startswith(("checkpoints/", "model/")) or k in ("config.yaml", "metrics.jsonl") for k in after)
+
+
+def test_debug_shows_the_traceback(fresh_dir, cache_dir, tmp_path):
+    proc = run_cli("train", "--debug", *tiny(fresh_dir, cache_dir), f"data.source={tmp_path / 'absent.txt'}")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "DataError" in proc.stderr
+
+
+def test_generate_and_eval_of_a_missing_model(tmp_path):
+    for command in ("generate", "eval"):
+        assert_refused(run_cli(command, tmp_path / "nothing"), "neither a run folder nor a model folder")
+    assert_refused(run_cli("generate", tmp_path, "--max-new-tokens", "0"), "--max-new-tokens")
