@@ -51,8 +51,8 @@ class Trainer:
 
         # 1. Process group and this rank's cores: everything after runs on the right threads.
         pg.set_threads(int(cfg.hardware.threads), self.cpus)
-        if ranks.distributed:
-            pg.init_process_group(cfg.parallel.backend)
+        if ranks.distributed or cfg.parallel.strategy != "single":
+            pg.init_process_group(cfg.parallel.backend, ranks.world_size)
         self.phases.mark("process group")
 
         # 2. Tokenizer and data. Rank 0 tokenizes (and trains a tokenizer) into the cache first;

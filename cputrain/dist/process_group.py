@@ -21,12 +21,18 @@ def set_threads(threads: int, cpus: list[int] | None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-def init_process_group(backend: str, timeout_s: int = 600) -> None:
+def init_process_group(backend: str, world_size: int, timeout_s: int = 600) -> None:
     if dist.is_initialized():
         return
     if backend == "ccl":
         import oneccl_bindings_for_pytorch  # noqa: F401  registers the backend
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world_size == 1:
+        # ddp/fsdp/zero3 on one rank still call collectives: give them a group of one, on an
+        # in-memory store, so no port is opened (and none can clash with another run).
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def barrier() -> None:
