@@ -28,6 +28,24 @@ if ! "$python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith
   "$python" -m pip install --quiet "torch==2.13.0" "${index_args[@]}"
 fi
 
+# DeepSpeed ships as an sdist. In pip's isolated build environment its build would pull a
+# second (CUDA) torch; built against the pinned CPU torch instead, with no ops compiled at
+# install (DS_BUILD_OPS=0). The two ops the CPU path uses (CPU Adam for optimizer offload, the
+# shared-memory collectives) are then built once here, so no training run waits for a compiler.
+if [[ ",$extras," == *",deepspeed,"* ]] && ! "$python" -c 'import deepspeed' 2>/dev/null; then
+  "$python" -m pip install --quiet setuptools wheel
+  DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$python" -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
+fi
+if [[ ",$extras," == *",deepspeed,"* ]]; then  # cached after the first build: quick on re-runs
+  DS_ACCELERATOR=cpu "$python" - <<'PY' || echo "note: DeepSpeed CPU ops not prebuilt; they compile on first use"
+from deepspeed.accelerator import get_accelerator
+for op in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+    builder = get_accelerator().create_op_builder(op)
+    if builder is not None and builder.is_compatible():
+        builder.load(verbose=False)
+PY
+fi
+
 spec="$here"
 if [ -n "$extras" ]; then spec="$here[$extras]"; fi
 "$python" -m pip install --quiet -e "$spec"
