@@ -60,25 +60,26 @@ def state_bytes(model=None, optimizer=None) -> dict[str, int]:
     """param/grad/optimizer bytes this rank holds right now.
 
     A model that keeps its state outside module.parameters() (DeepSpeed ZeRO-3: partitions,
-    gradient buffers, fp32 masters) says itself where through `state_bytes()`. Optimizer bytes
+    gradient buffers, fp32 masters) says itself where, through `tensors_held()`. Optimizer bytes
     are its state (AdamW moments) plus master copies of parameters it steps that are not the
     model's own parameters.
     """
     out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
-    params: list = []
+    params, grads, masters = [], [], []
     if model is not None:
-        if hasattr(model, "state_bytes"):
-            own = model.state_bytes()
-            out["param_bytes"], out["grad_bytes"] = own["param_bytes"], own["grad_bytes"]
-            out["optimizer_bytes"] += own.get("master_bytes", 0)
+        if hasattr(model, "tensors_held"):
+            params, grads, masters = model.tensors_held()
         else:
             params = list(model.parameters())
-            out["param_bytes"] = storage_bytes(params)
-            out["grad_bytes"] = storage_bytes(p.grad for p in params)
+            grads = [p.grad for p in params]
+        out["param_bytes"] = storage_bytes(params)
+        out["grad_bytes"] = storage_bytes(grads)
     if optimizer is not None:
         moments = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        masters = [p for g in optimizer.param_groups for p in g["params"]]
-        out["optimizer_bytes"] += storage_bytes(moments) + storage_bytes(masters, exclude=params)
+        masters = masters + [p for g in optimizer.param_groups for p in g["params"]]
+        out["optimizer_bytes"] = storage_bytes(moments) + storage_bytes(masters, exclude=params)
+    elif masters:
+        out["optimizer_bytes"] = storage_bytes(masters, exclude=params)
     return out
 
 

@@ -33,7 +33,6 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
-from cputrain.metrics.phases import storage_bytes  # noqa: E402
 from cputrain.model import SafetensorsReader, checkpoint_name  # noqa: E402
 from cputrain.errors import ModelError  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
@@ -64,20 +63,25 @@ class Zero3Model(nn.Module):
     def config(self):
         return self.module.config
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds, counted where DeepSpeed keeps them: its partitions (ds_tensor),
-        the gradient partitions and the fp32 master partitions live outside module.parameters()."""
+    def tensors_held(self) -> tuple[list, list, list]:
+        """(parameter, gradient, master) tensors this rank holds, where DeepSpeed keeps them:
+        partitions (ds_tensor), gradient partitions and fp32 master partitions all live outside
+        module.parameters().
+
+        Gradients are the partitions that persist through backward (grad_partitions_flat_buffer;
+        with optimizer offload, the fp32 gradient buffers on the host). DeepSpeed also makes a
+        flattened copy of one parameter group's gradients for the length of its optimizer step;
+        that transient copy shows in the step's peak RSS, not here.
+        """
         params = list({id(p): p for p in self.module.parameters()}.values())
         param_tensors = [getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params]
-        out = {"param_bytes": storage_bytes(param_tensors), "grad_bytes": 0, "master_bytes": 0}
         zero = self.engine.optimizer if self.engine is not None else None
         if zero is None:
-            return out
+            return param_tensors, [], []
         masters = list(getattr(zero, "fp32_partitioned_groups_flat", []))
-        grads = [getattr(zero, "grad_partitions_flat_buffer", None)] + [m.grad for m in masters]
-        out["grad_bytes"] = storage_bytes(grads)
-        out["master_bytes"] = storage_bytes(masters, exclude=param_tensors)
-        return out
+        flat = getattr(zero, "grad_partitions_flat_buffer", None)
+        grads = [flat] if flat is not None else [m.grad for m in masters]
+        return param_tensors, grads, masters
 
 
 class Zero3Strategy(Strategy):

@@ -1,0 +1,138 @@
+"""Strategies side by side: useful tokens/s and peak RSS per rank for ddp, fsdp and DeepSpeed
+ZeRO-3 without offload, with optimizer offload, and with optimizer + parameter offload (the
+recipe's DeepSpeed file, configs/deepspeed/zero3-offload.json, unchanged).
+
+Same model (a ~34M-parameter Llama, like the reference recipe's), same data, same global batch,
+fp32, 2 ranks each (one per physical core). Writes its table into docs/benchmarks.md (block
+`strategies`).
+
+    python benchmarks/strategies.py            # the figures (run on a quiet machine)
+    python benchmarks/strategies.py --quick    # tiny model, 3 steps: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.report import machine_line, write_block  # noqa: E402
+
+USER_DS_FILE = REPO / "configs" / "deepspeed" / "zero3-offload.json"
+
+# ~34M parameters: 8 blocks of hidden 512 (25M) and a tied 16k × 512 embedding (8M).
+MODEL_34M = ["model.arch.hidden_size=512", "model.arch.intermediate_size=1376", "model.arch.num_hidden_layers=8",
+             "model.arch.num_attention_heads=8", "model.arch.num_key_value_heads=8",
+             "model.tokenizer_vocab_size=16384"]
+MODEL_TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+              "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.tokenizer_vocab_size=512"]
+
+# (label, overrides): the five the comparison asks for
+CASES = [
+    ("ddp", ["parallel.strategy=ddp"]),
+    ("fsdp", ["parallel.strategy=fsdp"]),
+    ("zero3", ["parallel.strategy=zero3"]),
+    ("zero3 + optimizer offload", ["parallel.strategy=zero3", "parallel.offload_optimizer=true"]),
+    ("zero3 + optimizer + parameter offload (recipe file)",
+     ["parallel.strategy=zero3", f"parallel.deepspeed_config={USER_DS_FILE}"]),
+]
+
+# The unchanged recipe (HF Trainer + the DeepSpeed file above, records padded to 512) on the
+# same 2-core machine and a 34M-parameter Llama, in padded tokens/s.
+REFERENCE = [("HF Trainer + DeepSpeed ZeRO-3 offload, bf16 (the unchanged recipe)", 30),
+             ("HF Trainer + DeepSpeed ZeRO-3 offload, fp32", 277),
+             ("HF Trainer + DDP, no DeepSpeed, fp32", 434)]
+
+
+def run(label: str, overrides: list[str], model: list[str], common: list[str], run_dir: Path, cache: Path) -> dict:
+    cmd = [sys.executable, "-m", "cputrain", "train", *model, *common, *overrides, f"output_dir={run_dir}",
+           f"data.cache_dir={cache}", "--nproc-per-node", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run(cmd, env={**env, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{label}: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    memory = json.loads((run_dir / "memory.json").read_text())
+    peaks = [max(row["peak_rss_gib"] for row in r["phases"]) for r in memory["ranks"]]
+    return {"label": label, "tokens_per_s": summary["tokens_per_s"], "mfu": summary["mfu"],
+            "peak_rss_gib": peaks, "final_loss": summary["final_loss"]}
+
+
+def offload_verdict(rows: list[dict]) -> str:
+    """When offload pays on a CPU-only host, read off these runs' own numbers."""
+    by = {r["label"].split(" (")[0]: r for r in rows}
+    base = by["zero3"]
+    parts = []
+    for label in ("zero3 + optimizer offload", "zero3 + optimizer + parameter offload"):
+        r = by[label]
+        speed = r["tokens_per_s"] / base["tokens_per_s"]
+        rss = max(r["peak_rss_gib"]) - max(base["peak_rss_gib"])
+        parts.append(f"{label}: {speed:.2f}× the tokens/s of plain zero3, peak RSS {rss:+.2f} GiB per rank")
+    return ("**When offload pays here.** On a CPU-only host the \"device\" and the offload target are the same "
+            "DRAM, so offload cannot free memory for the model; it only changes who steps the optimizer "
+            "(DeepSpeed's vectorised CPU Adam instead of torch AdamW) and adds copies between buffers. Measured: "
+            + "; ".join(parts) + ". Offload pays only where it is faster in these rows, or where a "
+            "recipe must also run on GPU hosts unchanged; to fit a larger model on CPU hosts, shard across more "
+            "ranks or nodes (fsdp or zero3) instead.")
+
+
+def markdown(rows: list[dict], setup: str) -> str:
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    lines = [machine_line(), "", setup, "",
+             "| strategy (2 ranks) | useful tokens/s | MFU | peak RSS per rank (GiB) | final loss |",
+             "| --- | ---: | ---: | --- | ---: |"]
+    for r in rows:
+        rss = " / ".join(f"{g:.2f}" for g in r["peak_rss_gib"])
+        lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {rss} | {r['final_loss']:.4f} |")
+    lines += ["", "Reference, the recipe as users ran it on the same machine (padded tokens/s, records padded to 512):", "",
+              "| run | tokens/s |", "| --- | ---: |"]
+    lines += [f"| {name} | {tps} |" for name, tps in REFERENCE]
+    lines += ["", offload_verdict(rows)]
+    factor = best["tokens_per_s"] / REFERENCE[0][1]
+    lines += ["", f"Best here: **{best['label']}**, {best['tokens_per_s']:,.0f} useful tokens/s = "
+              f"**{factor:.0f}×** the unchanged recipe's {REFERENCE[0][1]} (target: ≥ 50×)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model, 3 steps (checks the script, not the figures)")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
+    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SystemExit("the zero3 rows need DeepSpeed: scripts/install.sh dev,deepspeed")
+    model, steps = (MODEL_TINY, 3) if args.quick else (MODEL_34M, args.steps)
+    seq_len, global_batch, micro = (32, 8, 2) if args.quick else (512, 16, 4)
+    # log every 5 steps: the first window (allocation, warm-up) is left out of the median
+    common = [f"data.seq_len={seq_len}", "data.max_documents=2000", f"train.max_steps={steps}",
+              f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}",
+              f"train.log_every={1 if args.quick else 5}", "train.eval_every=100000", "train.eval_batches=1",
+              "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2",
+              "hardware.precision=fp32"]
+    setup = (f"`python benchmarks/strategies.py`: {'tiny smoke model' if args.quick else '~34M-parameter Llama'}, "
+             f"seq_len {seq_len} packed (every token useful), global batch {global_batch} sequences "
+             f"(micro-batch {micro} × 2 ranks × accumulation {global_batch // (2 * micro)}), {steps} steps, fp32, "
+             "1 thread per rank; tokens/s is the median of the logged windows after the first.")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cputrain-strategies-") as tmp:
+        tmp = Path(tmp)
+        for i, (label, overrides) in enumerate(CASES):
+            rows.append(run(label, overrides, model, common, tmp / f"case-{i}", tmp / "cache"))
+            print(f"{label}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, peak RSS {rows[-1]['peak_rss_gib']}", flush=True)
+    text = markdown(rows, setup)
+    print(text)
+    if not args.no_write and not args.quick:
+        write_block("strategies", text)
+
+
+if __name__ == "__main__":
+    main()
