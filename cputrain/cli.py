@@ -156,6 +156,8 @@ def cmd_eval(args) -> int:
     from cputrain.data import packing, sources
     from cputrain.generate import evaluate_loss, load_for_inference, model_folder
 
+    if args.max_sequences < 1:
+        raise UserError("--max-sequences must be at least 1")
     run_config = Path(args.path) / "config.yaml"
     config_path = args.config or (str(run_config) if run_config.is_file() else None)
     cfg = load_config(config_path, args.overrides)
@@ -190,9 +192,28 @@ def cmd_k8s(args) -> int:
 COMMANDS.update(plan=cmd_plan, k8s=cmd_k8s)
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Flags and key=value overrides in any order (`train cfg.yaml --nproc-per-node 2 a.b=1`).
+
+    argparse fills the positionals from the first run of words only, so words after a flag
+    come back unparsed; they are the command's overrides (or its config file, if none was
+    given). parse_intermixed_args would do this, but it refuses parsers with subcommands.
+    """
+    args, rest = parser.parse_known_args(argv)
+    unknown_flags = [word for word in rest if word.startswith("-")]
+    if unknown_flags or (rest and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown_flags or rest)}")
+    for word in rest:
+        if getattr(args, "config", "") is None and "=" not in word:
+            args.config = word
+        else:
+            args.overrides.append(word)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0

@@ -55,6 +55,10 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature:
 @torch.no_grad()
 def evaluate_loss(model, sequences, micro_batch: int) -> dict:
     """Mean next-token loss and perplexity over packed `sequences` [n, seq_len]."""
+    if len(sequences) == 0:
+        from cputrain.errors import DataError
+
+        raise DataError("the dataset has no sequence to evaluate; use more text, a shorter data.seq_len or --split train")
     total, count = 0.0, 0
     for start in range(0, len(sequences), micro_batch):
         tokens = torch.as_tensor(sequences[start : start + micro_batch], dtype=torch.long)

@@ -54,6 +54,8 @@ def _get(d: dict, dotted: str):
 
 def check_compatible(run: RunFolder, cfg: Config) -> None:
     """Refuse to touch a run folder whose checkpoints belong to a different run."""
+    if run.fs.exists(run.root) and not run.fs.isdir(run.root):
+        raise RunFolderError(f"output_dir '{run.url}' is a file, not a folder; choose another output_dir")
     if not run.complete_steps():
         return
     old_text = run.read_text("config.yaml")

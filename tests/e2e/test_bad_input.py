@@ -181,3 +181,14 @@ def test_generate_and_eval_of_a_missing_model(tmp_path):
     for command in ("generate", "eval"):
         assert_refused(run_cli(command, tmp_path / "nothing"), "neither a run folder nor a model folder")
     assert_refused(run_cli("generate", tmp_path, "--max-new-tokens", "0"), "--max-new-tokens")
+
+
+def test_output_dir_that_is_a_file(tmp_path, cache_dir):
+    target = tmp_path / "results"
+    target.write_text("keep me\n")
+    assert_refused(run_cli("train", *tiny(target, cache_dir)), "is a file, not a folder")
+    assert target.read_text() == "keep me\n"
+
+
+def test_eval_needs_at_least_one_sequence(existing_run):
+    assert_refused(run_cli("eval", existing_run, "--max-sequences", "0"), "--max-sequences")
