@@ -17,6 +17,8 @@ COMMAND = ["cputrain", "train", f"{CONFIG_DIR}/{CONFIG_FILE}"]
 AMX_TAINT_KEY = "intel.com/amx"
 AMX_LABEL = {"intel.com/amx": "true"}
 DO_NOT_DISRUPT = {"karpenter.sh/do-not-disrupt": "true"}
+# A pod's network namespace has one interface besides loopback, and the CNI names it eth0.
+POD_INTERFACE = "eth0"
 
 
 def secret_env(opts: ClusterOptions) -> list[dict]:
@@ -28,7 +30,11 @@ def secret_env(opts: ClusterOptions) -> list[dict]:
 
 def base_env() -> list[dict]:
     # Offline-safe defaults for tokenizers and unbuffered logs (kubectl logs shows lines as they come).
-    return [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+    # GLOO_SOCKET_IFNAME: without it gloo binds to the address the pod's hostname resolves to,
+    # which inside a pod can be loopback or an address the other pods cannot reach; the ranks
+    # then hang in their first collective. The pod's own interface is the one to use.
+    return [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+            {"name": "GLOO_SOCKET_IFNAME", "value": POD_INTERFACE}]
 
 
 def resources(res: PodResources) -> dict:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -25,11 +27,13 @@ from conftest import TINY_ARCH, cli_env
 from cputrain.config import load_config
 from cputrain.k8s.indexed_job import COMPLETION_INDEX
 from cputrain.k8s.options import ClusterOptions
+from cputrain.k8s.pod import POD_INTERFACE
 from cputrain.k8s.render import render
 from cputrain.plan.instances import builtin_instances
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
+POD_TIMEOUT_S = 90  # both pods together; a tiny model trains 3 steps in well under a minute
 
 
 def _need_root():
@@ -74,6 +78,7 @@ def test_indexed_job_trains_on_two_pods(tmp_path, cache_dir):
     job = objects["Job"]
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert job["spec"]["completions"] == 2
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": POD_INTERFACE} in container["env"]
 
     # The volumes: /config (the ConfigMap) and /output (the shared claim) become folders here.
     config_dir, output_dir = tmp_path / "config", tmp_path / "output"
@@ -95,22 +100,25 @@ def test_indexed_job_trains_on_two_pods(tmp_path, cache_dir):
             hosts = Path("/etc/netns") / ns
             hosts.mkdir(parents=True, exist_ok=True)
             (hosts / "hosts").write_text(f"127.0.0.1 localhost\n{ADDRESSES[0]} {master}\n")
-        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        # Each end of the pair goes straight into its namespace and is renamed eth0 there, as a
+        # CNI names a pod's interface: the rendered GLOO_SOCKET_IFNAME then holds unchanged.
+        _ip("link", "add", veths[0], "netns", namespaces[0], "type", "veth", "peer", "name", veths[1],
+            "netns", namespaces[1])
         for ns, veth, addr in zip(namespaces, veths, ADDRESSES):
-            _ip("link", "set", veth, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            _ip("-n", ns, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "dev", veth, "name", POD_INTERFACE)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", POD_INTERFACE)
+            _ip("-n", ns, "link", "set", POD_INTERFACE, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         for index, ns in enumerate(namespaces):
-            env = _pod_env(container, index)
-            env["GLOO_SOCKET_IFNAME"] = veths[index]  # the pod's one interface
             log = open(tmp_path / f"pod-{index}.log", "w")
-            procs.append((subprocess.Popen(["ip", "netns", "exec", ns, *command], env=env, cwd=tmp_path,
-                                           stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append((subprocess.Popen(["ip", "netns", "exec", ns, *command], env=_pod_env(container, index),
+                                           cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log))
         codes = []
+        deadline = time.monotonic() + POD_TIMEOUT_S
         for proc, log in procs:
             try:
-                codes.append(proc.wait(timeout=240))
+                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append("timed out")
             finally:
@@ -124,10 +132,13 @@ def test_indexed_job_trains_on_two_pods(tmp_path, cache_dir):
     finally:
         for proc, log in procs:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # the pod's launcher and the ranks it started
                 proc.wait()
             log.close()
         for ns in namespaces:
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
-        subprocess.run(["ip", "link", "delete", veths[0]], capture_output=True)  # gone with its namespace already
+    # Deleting a namespace deletes its end of the veth pair, and with it the pair.
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in left for ns in namespaces), f"namespaces left behind: {left}"
+    assert not any((Path("/etc/netns") / ns).exists() for ns in namespaces)
