@@ -22,6 +22,9 @@ memory.json is compared against these exactly:
   multiple of N). AdamW's moments are `zeros_like` the local shard: unpadded rows only.
 - DeepSpeed ZeRO-3 flattens each parameter, pads it to a multiple of N and gives every rank
   ceil(numel / N) elements.
+- DeepSpeed ZeRO-3 keeps a parameter with at most `stage3_param_persistence_threshold`
+  elements (norm gains, biases) gathered after its first use: at N > 1 ranks each of these
+  holds its whole tensor beside its partition (at N = 1 the partition is the tensor).
 - AdamW keeps `exp_avg` and `exp_avg_sq` shaped like the (local) parameter, plus one 4-byte
   `step` scalar tensor per parameter.
 """
@@ -77,16 +80,25 @@ def local_numel(shape: tuple[int, ...], strategy: str, world_size: int, rank: in
     return numel
 
 
-def state_bytes(shape: ModelShape, strategy: str, precision: str, world_size: int, rank: int = 0) -> StateBytes:
+def persistent_numel(shape: ModelShape, world_size: int, persistence_threshold: int) -> int:
+    """Elements of the small parameters ZeRO-3 keeps whole on every rank besides their partitions."""
+    if world_size == 1:
+        return 0
+    return sum(p.numel for p in shape.params if p.numel <= persistence_threshold)
+
+
+def state_bytes(shape: ModelShape, strategy: str, precision: str, world_size: int, rank: int = 0,
+                persistence_threshold: int = 0) -> StateBytes:
     """Exact bytes of parameters, gradients and optimizer state held by `rank`."""
     p_bytes, g_bytes, k_bytes = BYTES_PER_PARAM[(strategy, precision)]
     ws = world_size if SHARDED[strategy] else 1
     local = sum(local_numel(p.shape, strategy, ws, rank) for p in shape.params)
     if strategy == "zero3":
         # DeepSpeed steps one flat fp32 buffer per parameter group: no per-tensor step scalars.
-        optimizer = local * k_bytes
-    else:
-        owned = sum(local_numel(p.shape, strategy, ws, rank, padded=False) for p in shape.params)
-        optimizer = owned * ADAM_MOMENTS * FP32_BYTES + len(shape.params) * ADAM_STEP_BYTES
+        persistent = persistent_numel(shape, ws, persistence_threshold)
+        return StateBytes(param_bytes=(local + persistent) * p_bytes, grad_bytes=local * g_bytes,
+                          optimizer_bytes=local * k_bytes, local_params=local)
+    owned = sum(local_numel(p.shape, strategy, ws, rank, padded=False) for p in shape.params)
+    optimizer = owned * ADAM_MOMENTS * FP32_BYTES + len(shape.params) * ADAM_STEP_BYTES
     return StateBytes(param_bytes=local * p_bytes, grad_bytes=local * g_bytes, optimizer_bytes=optimizer,
                       local_params=local)

@@ -24,6 +24,17 @@ class Plan:
         return max(self.ranks, key=lambda r: r.total_bytes)
 
 
+def _persistence_threshold(cfg: Config, world_size: int, shape: ModelShape) -> int:
+    """The DeepSpeed config the zero3 strategy will run with (generated or the user's file)."""
+    if cfg.parallel.strategy != "zero3":
+        return 0
+    from cputrain.parallel.deepspeed_config import plan_for
+    from cputrain.resolve import grad_accum_steps
+
+    ds = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config
+    return int(ds["zero_optimization"]["stage3_param_persistence_threshold"])
+
+
 def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
               instances: list[Instance] | None = None, config_json: str | None = None,
               vocab_size: int | None = None, shape: ModelShape | None = None) -> Plan:
@@ -33,6 +44,8 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
         activation_checkpointing=cfg.model.activation_checkpointing,
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
+        from_scratch=cfg.model.name_or_path is None,
+        persistence_threshold=_persistence_threshold(cfg, world_size, shape),
     )
     notes = []
     if cfg.hardware.precision == "auto":

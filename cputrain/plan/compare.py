@@ -26,7 +26,7 @@ def compare_run(run_dir: str | Path) -> list[dict]:
                "parameters": plan["model"]["parameters"]}
         for key in EXACT:
             row[f"plan_{key}"], row[f"measured_{key}"] = planned[key], peak[key]
-        row["plan_peak_rss_gib"] = planned["total_bytes"] / GIB
+        row["plan_peak_rss_gib"] = planned["training_peak_bytes"] / GIB  # the phase starts after loading
         row["measured_peak_rss_gib"] = peak["rss_gib"]
         row["rss_error"] = row["plan_peak_rss_gib"] / row["measured_peak_rss_gib"] - 1
         rows.append(row)

@@ -32,6 +32,8 @@ class PlanInputs:
     activation_checkpointing: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
+    from_scratch: bool = True  # random init from model.arch; False: weights from a model folder
+    persistence_threshold: int = 0  # zero3: DeepSpeed's stage3_param_persistence_threshold
 
 
 @dataclass(frozen=True)
@@ -46,17 +48,28 @@ class RankPlan:
     optimizer_step_bytes: int  # temporaries of the optimizer step (freed before the next forward)
     comm_buffer_bytes: int
     process_overhead_bytes: int
+    load_bytes: int = 0  # held only while the weights are built or loaded, beside the parameters
 
     @property
-    def total_bytes(self) -> int:
+    def training_peak_bytes(self) -> int:
         # The forward/backward working set and the optimizer step's temporaries are never alive
         # together: the step runs after the backward has freed the activations.
         working = max(self.activation_bytes, self.optimizer_step_bytes)
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + working + self.comm_buffer_bytes
                 + self.process_overhead_bytes)
 
+    @property
+    def load_peak_bytes(self) -> int:
+        # Before the first step: no gradients, no optimizer state yet.
+        return self.param_bytes + self.load_bytes + self.process_overhead_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return max(self.training_peak_bytes, self.load_peak_bytes)
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "total_bytes": self.total_bytes}
+        return {**asdict(self), "training_peak_bytes": self.training_peak_bytes,
+                "load_peak_bytes": self.load_peak_bytes, "total_bytes": self.total_bytes}
 
 
 def resolve_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
@@ -88,8 +101,29 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
     return 0
 
 
+def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
+    """What building the weights holds beyond this rank's parameters, as each strategy does it.
+
+    - fsdp from scratch: the random init is computed for the whole model in fp32 on every rank
+      (so that every strategy starts from the same weights from the same seed) and each rank
+      copies its rows out (cputrain.parallel.fsdp); the whole copy is alive at the end.
+    - zero3 from scratch: transformers' ZeRO-3 init gathers one module's parameters at a time,
+      so the largest module (the embedding or the head) is whole once, in the compute dtype.
+    - single and ddp initialise their own full copy in place; a model folder is read straight
+      into the parameters (fsdp: only the rank's rows), so loading adds no second copy.
+    """
+    if not inp.from_scratch:
+        return 0
+    if inp.strategy == "fsdp":
+        return m.total_params * FP32_BYTES
+    if inp.strategy == "zero3":
+        largest = max((p.numel for p in m.params), default=0)
+        return largest * (2 if inp.precision == "bf16" else FP32_BYTES)
+    return 0
+
+
 def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
-    state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank)
+    state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank, inp.persistence_threshold)
     # Autocast keeps bf16 copies of the weights it casts; sharded strategies gather (and cast)
     # one unit at a time, which the communication buffers already count.
     weights_cast = 0 if SHARDED[inp.strategy] else m.total_params
@@ -106,6 +140,7 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         optimizer_step_bytes=step_tmp,
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
         process_overhead_bytes=PROCESS_OVERHEAD_BYTES,
+        load_bytes=_load_bytes(m, inp),
     )
 
 

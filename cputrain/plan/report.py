@@ -16,6 +16,9 @@ ROWS = (
     ("optimizer step temporaries", "optimizer_step_bytes"),
     ("communication buffers", "comm_buffer_bytes"),
     ("process overhead", "process_overhead_bytes"),
+    ("training peak", "training_peak_bytes"),
+    ("weights being built or loaded", "load_bytes"),
+    ("loading peak", "load_peak_bytes"),
 )
 
 
@@ -48,7 +51,8 @@ def table_lines(plan: Plan) -> list[str]:
     lines.append(f"{'GiB per rank':<{width}}  " + "  ".join(f"{label:>12}" for label, _ in groups))
     for name, key in ROWS + (("total (peak RSS)", "total_bytes"),):
         lines.append(f"{name:<{width}}  " + "  ".join(f"{row[key] / GIB:12.3f}" for _, row in groups))
-    lines.append("(the peak counts the larger of activations and optimizer step temporaries: they are never alive together)")
+    lines.append("(the training peak counts the larger of activations and optimizer step temporaries: they are never "
+                 "alive together; the total is the larger of the training and the loading peak)")
     for note in plan.notes:
         lines.append(f"note: {note}")
     if plan.fit is not None:

@@ -48,6 +48,37 @@ def test_fsdp_pads_dim0_but_moments_hold_owned_rows():
     assert r0.optimizer_bytes == 3 * 3 * 8 + 4 and r1.optimizer_bytes == 2 * 3 * 8 + 4
 
 
+def test_zero3_keeps_small_parameters_whole_beside_their_partitions():
+    m = _shape((8, 4), (4,))  # the 4-element vector is under a persistence threshold of 10
+    two = state_bytes(m, "zero3", "fp32", 2, persistence_threshold=10)
+    assert two.param_bytes == (16 + 2 + 4) * 4  # partitions of both, plus the whole vector
+    assert two.grad_bytes == (16 + 2) * 4 and two.optimizer_bytes == (16 + 2) * 12
+    one = state_bytes(m, "zero3", "fp32", 1, persistence_threshold=10)
+    assert one.param_bytes == 36 * 4  # one rank: the partition is the tensor
+
+
+def test_loading_holds_the_whole_init_only_where_the_code_builds_it_whole(tmp_path):
+    from transformers import LlamaConfig
+
+    cfg = load_config(None, ["model.arch.hidden_size=64", "model.arch.intermediate_size=128",
+                             "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=4",
+                             "model.arch.num_key_value_heads=2", "parallel.strategy=fsdp", "hardware.precision=fp32"])
+    scratch = make_plan(cfg, 4, vocab_size=512)
+    total = scratch.shape.total_params
+    # fsdp from scratch: the whole fp32 init beside the rank's shard, freed before the first step.
+    assert scratch.ranks[0].load_bytes == total * 4
+    assert scratch.ranks[0].load_peak_bytes == scratch.ranks[0].param_bytes + total * 4 + \
+        scratch.ranks[0].process_overhead_bytes
+    assert scratch.ranks[0].total_bytes == max(scratch.ranks[0].training_peak_bytes, scratch.ranks[0].load_peak_bytes)
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path)  # a model folder (its weights are not read)
+    folder = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(tmp_path)})})
+    loaded = make_plan(folder, 4)  # rows read straight into the shard
+    assert loaded.ranks[0].load_bytes == 0
+    ddp = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": "ddp"})})
+    assert make_plan(ddp, 4, vocab_size=512).ranks[0].load_bytes == 0  # initialised in place
+
+
 def test_shape_from_config_json_counts_every_parameter(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
