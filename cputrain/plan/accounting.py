@@ -88,16 +88,20 @@ def persistent_numel(shape: ModelShape, world_size: int, persistence_threshold: 
 
 
 def state_bytes(shape: ModelShape, strategy: str, precision: str, world_size: int, rank: int = 0,
-                persistence_threshold: int = 0) -> StateBytes:
+                persistence_threshold: int = 0, offload_optimizer: bool = False) -> StateBytes:
     """Exact bytes of parameters, gradients and optimizer state held by `rank`."""
     p_bytes, g_bytes, k_bytes = BYTES_PER_PARAM[(strategy, precision)]
     ws = world_size if SHARDED[strategy] else 1
     local = sum(local_numel(p.shape, strategy, ws, rank) for p in shape.params)
     if strategy == "zero3":
-        # DeepSpeed steps one flat fp32 buffer per parameter group: no per-tensor step scalars.
+        # DeepSpeed hands the optimizer one flat fp32 partition per parameter group (cputrain's
+        # two: matrices with weight decay, vectors without; sub_group_size 1e9 keeps each whole),
+        # so torch's AdamW keeps one `step` scalar per group; DeepSpeedCPUAdam (offload) keeps
+        # its step count as a Python int.
         persistent = persistent_numel(shape, ws, persistence_threshold)
+        groups = 0 if offload_optimizer else len({len(p.shape) >= 2 for p in shape.params})
         return StateBytes(param_bytes=(local + persistent) * p_bytes, grad_bytes=local * g_bytes,
-                          optimizer_bytes=local * k_bytes, local_params=local)
+                          optimizer_bytes=local * k_bytes + groups * ADAM_STEP_BYTES, local_params=local)
     owned = sum(local_numel(p.shape, strategy, ws, rank, padded=False) for p in shape.params)
     optimizer = owned * ADAM_MOMENTS * FP32_BYTES + len(shape.params) * ADAM_STEP_BYTES
     return StateBytes(param_bytes=local * p_bytes, grad_bytes=local * g_bytes, optimizer_bytes=optimizer,

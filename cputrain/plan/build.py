@@ -24,15 +24,16 @@ class Plan:
         return max(self.ranks, key=lambda r: r.total_bytes)
 
 
-def _persistence_threshold(cfg: Config, world_size: int, shape: ModelShape) -> int:
-    """The DeepSpeed config the zero3 strategy will run with (generated or the user's file)."""
+def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
+    """From the DeepSpeed config the zero3 strategy will run with (generated or the user's file)."""
     if cfg.parallel.strategy != "zero3":
-        return 0
+        return {}
     from cputrain.parallel.deepspeed_config import plan_for
     from cputrain.resolve import grad_accum_steps
 
-    ds = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config
-    return int(ds["zero_optimization"]["stage3_param_persistence_threshold"])
+    zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
+    return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
+            "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", 10**9))}
 
 
 def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
@@ -45,7 +46,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         activation_checkpointing=cfg.model.activation_checkpointing,
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
         from_scratch=cfg.model.name_or_path is None,
-        persistence_threshold=_persistence_threshold(cfg, world_size, shape),
+        **_zero3_settings(cfg, world_size, shape),
     )
     notes = []
     if cfg.hardware.precision == "auto":

@@ -34,6 +34,7 @@ class PlanInputs:
     offload_param: bool = False
     from_scratch: bool = True  # random init from model.arch; False: weights from a model folder
     persistence_threshold: int = 0  # zero3: DeepSpeed's stage3_param_persistence_threshold
+    max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance (its default)
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,15 @@ class RankPlan:
     comm_buffer_bytes: int
     process_overhead_bytes: int
     load_bytes: int = 0  # held only while the weights are built or loaded, beside the parameters
+    offload_buffer_bytes: int = 0  # zero3 offload: host gradient buffers the offloaded optimizer steps on
 
     @property
     def training_peak_bytes(self) -> int:
-        # The forward/backward working set and the optimizer step's temporaries are never alive
-        # together: the step runs after the backward has freed the activations.
-        working = max(self.activation_bytes, self.optimizer_step_bytes)
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + working + self.comm_buffer_bytes
+        # The forward/backward working set (activations, gathered parameters, unreduced
+        # gradients) and the optimizer step's temporaries are never alive together: the step
+        # runs after the backward has freed activations and released what it gathered.
+        working = max(self.activation_bytes + self.comm_buffer_bytes, self.optimizer_step_bytes)
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.offload_buffer_bytes + working
                 + self.process_overhead_bytes)
 
     @property
@@ -85,19 +88,43 @@ def resolve_inputs(strategy: str, precision: str, world_size: int, **kw) -> Plan
     return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
 
 
+def zero3_gathered_numel(m: ModelShape, max_reuse_distance: int) -> int:
+    """Parameters ZeRO-3 holds gathered at the end of a forward pass, from the second step on.
+
+    Once DeepSpeed has traced one step it keeps a module's gathered parameters instead of
+    releasing them when they are used again within `stage3_max_reuse_distance` elements of
+    parameters (PartitionedParameterCoordinator.__params_to_release). A forward unit's next use
+    is its backward, after every later unit has run forward and backward: 2 × the parameters
+    after it. The default distance (1e9) keeps the whole model gathered for models up to 500M.
+    """
+    units = m.unit_params()
+    embed = sum(p.numel for p in m.params if p.unit == "root" and "embed" in p.name)
+    order = [embed] + [n for u, n in units.items() if u != "root"] + [units.get("root", 0) - embed]
+    kept = 0
+    for i, numel in enumerate(order):
+        if 2 * sum(order[i + 1:]) < max_reuse_distance:
+            kept += numel
+    blocks = [n for u, n in units.items() if u != "root"] or [0]
+    return max(kept, units.get("root", 0) + 2 * max(blocks))  # at least the unit running and the next
+
+
 def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int:
     units = m.unit_params()
     blocks = [n for u, n in units.items() if u != "root"] or [0]
     root = units.get("root", 0)
+    gathered_bytes = 2 if inp.precision == "bf16" else 4
     if inp.strategy == "ddp":
         return 0 if DDP_GRAD_AS_BUCKET_VIEW else m.total_params * FP32_BYTES
-    if inp.strategy in ("fsdp", "zero3"):
+    if inp.strategy == "fsdp":
         # Unsharded (all-gathered) parameters in the compute dtype: the root unit (embeddings,
         # final norm, head) stays gathered through the step, plus the current block and the one
         # prefetched; the backward adds one block's unsharded gradients before the reduce-scatter.
         # Gradients are reduced in fp32 (cputrain.parallel.fsdp's MixedPrecisionPolicy).
-        gathered_bytes = 2 if inp.precision == "bf16" else 4
         return (root + 2 * max(blocks)) * gathered_bytes + max(blocks) * FP32_BYTES
+    if inp.strategy == "zero3":
+        # Gathered parameters (see zero3_gathered_numel) and one block's full gradients before
+        # they are reduced into the partitions.
+        return zero3_gathered_numel(m, inp.max_reuse_distance) * gathered_bytes + max(blocks) * gathered_bytes
     return 0
 
 
@@ -123,7 +150,8 @@ def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
 
 
 def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
-    state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank, inp.persistence_threshold)
+    state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank, inp.persistence_threshold,
+                        inp.offload_optimizer and inp.strategy == "zero3")
     # Autocast keeps bf16 copies of the weights it casts; sharded strategies gather (and cast)
     # one unit at a time, which the communication buffers already count.
     weights_cast = 0 if SHARDED[inp.strategy] else m.total_params
@@ -131,6 +159,15 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
                            weights_cast)
     # foreach AdamW computes sqrt(exp_avg_sq) for a whole parameter group in one temporary.
     step_tmp = state.local_params * FP32_BYTES
+    if inp.strategy == "zero3":
+        if inp.offload_optimizer:
+            # DeepSpeedCPUAdam steps the host fp32 partitions in place, on the host gradient buffers.
+            step_tmp = 0
+        else:
+            # Before stepping, DeepSpeed flattens the sub-group's gradient partitions into a new
+            # fp32 tensor as the masters' .grad (stage3 _prepare_fp32_grad_for_sub_group); AdamW's
+            # temporary comes on top. sub_group_size (1e9) puts a whole parameter group in one.
+            step_tmp = 2 * state.local_params * FP32_BYTES
     return RankPlan(
         rank=rank,
         param_bytes=state.param_bytes,
@@ -141,6 +178,10 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
         process_overhead_bytes=PROCESS_OVERHEAD_BYTES,
         load_bytes=_load_bytes(m, inp),
+        # With optimizer offload DeepSpeed gives each sub-group's fp32 master a gradient buffer of
+        # its own (stage3 _initialize_optimizer_states), beside the gradient partitions the
+        # backward reduces into: a second fp32 copy of this rank's gradients, kept all run.
+        offload_buffer_bytes=state.local_params * FP32_BYTES if inp.strategy == "zero3" and inp.offload_optimizer else 0,
     )
 
 

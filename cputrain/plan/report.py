@@ -15,6 +15,7 @@ ROWS = (
     ("activations", "activation_bytes"),
     ("optimizer step temporaries", "optimizer_step_bytes"),
     ("communication buffers", "comm_buffer_bytes"),
+    ("offload gradient buffers", "offload_buffer_bytes"),
     ("process overhead", "process_overhead_bytes"),
     ("training peak", "training_peak_bytes"),
     ("weights being built or loaded", "load_bytes"),

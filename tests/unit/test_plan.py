@@ -36,7 +36,10 @@ def test_zero_accounting_bytes_per_parameter():
     fsdp = state_bytes(m, "fsdp", "fp32", 4)
     assert fsdp.param_bytes == (2 * 4 + 1) * 4  # 8 rows / 4 ranks = 2 rows of 4; 4 rows / 4 = 1
     z3 = state_bytes(m, "zero3", "bf16", 4)
-    assert (z3.param_bytes, z3.grad_bytes, z3.optimizer_bytes) == ((8 + 1) * 2, (8 + 1) * 2, (8 + 1) * 12)
+    # fp32 master + 2 moments per element, and one AdamW `step` per flat group (matrices, vectors)
+    assert (z3.param_bytes, z3.grad_bytes, z3.optimizer_bytes) == ((8 + 1) * 2, (8 + 1) * 2, (8 + 1) * 12 + 2 * 4)
+    offloaded = state_bytes(m, "zero3", "bf16", 4, offload_optimizer=True)
+    assert offloaded.optimizer_bytes == (8 + 1) * 12  # DeepSpeedCPUAdam counts steps in Python
 
 
 def test_fsdp_pads_dim0_but_moments_hold_owned_rows():
@@ -52,7 +55,7 @@ def test_zero3_keeps_small_parameters_whole_beside_their_partitions():
     m = _shape((8, 4), (4,))  # the 4-element vector is under a persistence threshold of 10
     two = state_bytes(m, "zero3", "fp32", 2, persistence_threshold=10)
     assert two.param_bytes == (16 + 2 + 4) * 4  # partitions of both, plus the whole vector
-    assert two.grad_bytes == (16 + 2) * 4 and two.optimizer_bytes == (16 + 2) * 12
+    assert two.grad_bytes == (16 + 2) * 4 and two.optimizer_bytes == (16 + 2) * 12 + 2 * 4
     one = state_bytes(m, "zero3", "fp32", 1, persistence_threshold=10)
     assert one.param_bytes == 36 * 4  # one rank: the partition is the tensor
 
