@@ -128,6 +128,27 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
     return 0
 
 
+# DistributedDataParallel.broadcast_bucket_size, and the buckets c10d's broadcast_coalesced keeps
+# in flight (a flattened copy each, until its broadcast is done and copied back).
+DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20
+DDP_BROADCASTS_IN_FLIGHT = 2
+
+
+def _ddp_broadcast_bytes(m: ModelShape) -> int:
+    """Flattened copies alive while DDP broadcasts the weights: the largest two adjacent buckets.
+    A bucket takes parameters in order until it reaches the bucket size."""
+    buckets, current = [], 0
+    for p in m.params:
+        current += p.numel * FP32_BYTES
+        if current >= DDP_BROADCAST_BUCKET_BYTES:
+            buckets.append(current)
+            current = 0
+    if current:
+        buckets.append(current)
+    n = DDP_BROADCASTS_IN_FLIGHT
+    return max((sum(buckets[i:i + n]) for i in range(max(1, len(buckets) - n + 1))), default=0)
+
+
 def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
     """What building the weights holds beyond this rank's parameters, as each strategy does it.
 
@@ -136,9 +157,13 @@ def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
       copies its rows out (cputrain.parallel.fsdp); the whole copy is alive at the end.
     - zero3 from scratch: transformers' ZeRO-3 init gathers one module's parameters at a time,
       so the largest module (the embedding or the head) is whole once, in the compute dtype.
+    - ddp's constructor broadcasts rank 0's weights (torch.distributed.utils._sync_module_states)
+      in flattened buckets of 250 MiB, two in flight at a time: see _ddp_broadcast_bytes.
     - single and ddp initialise their own full copy in place; a model folder is read straight
       into the parameters (fsdp: only the rank's rows), so loading adds no second copy.
     """
+    if inp.strategy == "ddp":
+        return _ddp_broadcast_bytes(m)
     if not inp.from_scratch:
         return 0
     if inp.strategy == "fsdp":

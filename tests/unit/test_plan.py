@@ -79,7 +79,17 @@ def test_loading_holds_the_whole_init_only_where_the_code_builds_it_whole(tmp_pa
     loaded = make_plan(folder, 4)  # rows read straight into the shard
     assert loaded.ranks[0].load_bytes == 0
     ddp = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": "ddp"})})
-    assert make_plan(ddp, 4, vocab_size=512).ranks[0].load_bytes == 0  # initialised in place
+    # ddp initialises in place, then broadcasts rank 0's weights in flattened 250 MiB buckets:
+    # a model this small is one bucket, a flat copy of all of it.
+    assert make_plan(ddp, 4, vocab_size=512).ranks[0].load_bytes == total * 4
+
+
+def test_ddp_broadcast_keeps_two_buckets_in_flight():
+    from cputrain.plan.estimate import DDP_BROADCAST_BUCKET_BYTES, _ddp_broadcast_bytes
+
+    third = DDP_BROADCAST_BUCKET_BYTES // 4 // 3 + 1  # elements: three tensors just fill a bucket
+    m = _shape(*[(third,)] * 7)  # buckets of 3, 3 and 1 tensors
+    assert _ddp_broadcast_bytes(m) == 6 * third * 4
 
 
 def test_shape_from_config_json_counts_every_parameter(tmp_path):
