@@ -16,6 +16,11 @@ GIB = 2**30
 # on x86-64 Linux with torch 2.13 (0.33-0.35 GiB with the model code imported); it hardly
 # depends on the model.
 PROCESS_OVERHEAD_BYTES = int(0.35 * GIB)
+# What zero3 adds to that, independent of the model: importing deepspeed (0.02 GiB, measured as
+# the RSS of the import after torch and transformers) and deepspeed.initialize's engine, its
+# process subgroups and buffers (0.04-0.05 GiB, the "optimizer created" phase of a 0.1M-parameter
+# model beyond its state bytes), with torch 2.13 and DeepSpeed 0.19.
+DEEPSPEED_RUNTIME_BYTES = int(0.07 * GIB)
 
 # DDP copies gradients into flat buckets for its all-reduce; with gradient_as_bucket_view the
 # .grad tensors are views of those buckets instead, and the copy disappears.
@@ -201,7 +206,7 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         activation_bytes=act.saved_bytes + act.weight_copy_bytes,
         optimizer_step_bytes=step_tmp,
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
-        process_overhead_bytes=PROCESS_OVERHEAD_BYTES,
+        process_overhead_bytes=PROCESS_OVERHEAD_BYTES + (DEEPSPEED_RUNTIME_BYTES if inp.strategy == "zero3" else 0),
         load_bytes=_load_bytes(m, inp),
         # With optimizer offload DeepSpeed gives each sub-group's fp32 master a gradient buffer of
         # its own (stage3 _initialize_optimizer_states), beside the gradient partitions the
