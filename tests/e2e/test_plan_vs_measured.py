@@ -35,7 +35,8 @@ LAYOUTS = [("single", 1, False), ("ddp", 2, False), ("fsdp", 1, False), ("fsdp",
 CASES = [(s, st, n, off) for s in SIZES for st, n, off in LAYOUTS]
 # Strategies whose peak RSS still carries memory glibc keeps after frees: they do not pin the
 # mmap threshold as cputrain.parallel.fsdp does (pin_mmap_threshold), so freed buffers stay in
-# the process and the measured peak runs 20-35% over the plan. Strict: passing turns it red.
+# the process and the 100M model's measured peak runs 20-45% over the plan (within 1% when the
+# threshold is pinned, e.g. MALLOC_MMAP_THRESHOLD_=131072). Strict: passing turns it red.
 UNPINNED = {"zero3": "zero3 does not call cputrain.parallel.fsdp.pin_mmap_threshold yet; glibc keeps freed "
                      "DeepSpeed buffers in the process"}
 
