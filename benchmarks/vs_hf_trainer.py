@@ -158,7 +158,8 @@ def arch_overrides(arch: dict) -> list[str]:
     return [f"model.arch.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in arch.items()]
 
 
-def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_dir: str, arch: dict) -> dict:
+def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_dir: str, arch: dict,
+                 extra: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = [sys.executable, "-m", "cputrain", "train", f"output_dir={out}/run", f"data.cache_dir={cache_dir}",
                 f"data.source={source}", f"data.seq_len={SEQ_LEN}", f"model.tokenizer_vocab_size={VOCAB}",
@@ -166,7 +167,7 @@ def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_d
                 f"train.micro_batch_size={micro}", f"train.lr={LR}", f"train.warmup_steps={WARMUP}",
                 "train.log_every=1", f"train.eval_every={steps}", "train.eval_batches=1",
                 f"train.checkpoint_every={steps}", "train.sample_tokens=0", "hardware.precision=fp32",
-                f"seed={SEED}"]
+                f"seed={SEED}", *extra]
         proc = subprocess.run(args, capture_output=True, text=True, env=env(), cwd=REPO)
         if proc.returncode:
             raise RuntimeError(f"cputrain failed:\n{proc.stderr[-3000:]}")
@@ -266,7 +267,8 @@ def main() -> None:
     mfu_steps = 3 if a.quick else max(10, a.steps // 2)
     shared_tokenizer(source, a.cache_dir)  # trained once here, read from the cache by every run
 
-    results: dict[str, list[dict]] = {"hf-padded": [], "hf-packed": [], "cputrain": []}
+    results: dict[str, list[dict]] = {"hf-padded": [], "hf-packed": [], "cputrain": [], "cputrain-compiled": []}
+    compiled = ("model.compile=true", f"model.compile_cache_dir={a.cache_dir}/inductor")
     for rep in range(repeats):  # interleaved, so a slow spell of the machine hits every configuration
         print(f"repetition {rep + 1}/{repeats}", file=sys.stderr)
         results["hf-padded"].append(in_fresh_process("hf-padded", steps=steps, micro=1, accum=4, source=source,
@@ -274,6 +276,7 @@ def main() -> None:
         results["hf-packed"].append(in_fresh_process("hf-packed", steps=steps, micro=micro, accum=global_batch // micro,
                                                      source=source, cache_dir=a.cache_dir, arch=ARCH))
         results["cputrain"].append(run_cputrain(steps, micro, global_batch, source, a.cache_dir, ARCH))
+        results["cputrain-compiled"].append(run_cputrain(steps, micro, global_batch, source, a.cache_dir, ARCH, compiled))
         print("  " + "  ".join(f"{k} {v[-1]['tokens_per_s']:,.0f} tok/s" for k, v in results.items()), file=sys.stderr)
 
     n_mm = 1024 if a.quick else 4096
@@ -288,7 +291,7 @@ def main() -> None:
     warm = [default_run(quick_default, default_cache) for _ in range(repeats)]  # tokenizer cached
     first_step = statistics.median(w["first_step_s"] for w in warm)
 
-    cp, pk, pd = (med(results[k], "tokens_per_s") for k in ("cputrain", "hf-packed", "hf-padded"))
+    cp, cc, pk, pd = (med(results[k], "tokens_per_s") for k in ("cputrain", "cputrain-compiled", "hf-packed", "hf-padded"))
     from benchmarks.report import machine_line, write_block
 
     table = f"""### cputrain vs the Hugging Face Trainer
@@ -300,11 +303,12 @@ same corpus (`{Path(source).name if not source.startswith('builtin:') else sourc
 steps, fp32, {physical_cores()} threads; median of {repeats} run(s), each in a fresh process. Useful tokens/s counts
 non-padding tokens only, from the end of the first step to the end of the last.
 
-| configuration | sequences per step | useful tokens/s | cputrain is |
-| --- | --- | ---: | ---: |
-| Trainer (a): records padded to {PAD_TO}, batch 1, accumulation 4 | 4 × {PAD_TO} tokens, padded | {pd:,.0f} | {cp / pd:.1f}× (target ≥ 5×) |
-| Trainer (b): packed {SEQ_LEN}-token blocks (run_clm) | {global_batch} × {SEQ_LEN}, micro-batch {micro} | {pk:,.0f} | {cp / pk:.2f}× (target ≥ 1.1×) |
-| cputrain (packed, `cputrain train`) | {global_batch} × {SEQ_LEN}, micro-batch {micro} | {cp:,.0f} | 1.0× |
+| configuration | sequences per step | useful tokens/s | cputrain (eager) is | cputrain (compiled) is |
+| --- | --- | ---: | ---: | ---: |
+| Trainer (a): records padded to {PAD_TO}, batch 1, accumulation 4 | 4 × {PAD_TO} tokens, padded | {pd:,.0f} | {cp / pd:.1f}× | {cc / pd:.1f}× (target ≥ 5×) |
+| Trainer (b): packed {SEQ_LEN}-token blocks (run_clm) | {global_batch} × {SEQ_LEN}, micro-batch {micro} | {pk:,.0f} | {cp / pk:.2f}× | {cc / pk:.2f}× (target ≥ 1.1×) |
+| cputrain, eager (`cputrain train`) | {global_batch} × {SEQ_LEN}, micro-batch {micro} | {cp:,.0f} | 1.0× | |
+| cputrain, `model.compile=true` (inductor, cached kernels) | {global_batch} × {SEQ_LEN}, micro-batch {micro} | {cc:,.0f} | | 1.0× |
 
 | measure | value | target |
 | --- | ---: | --- |

@@ -13,7 +13,6 @@ the seed) and each rank keeps its rows, so that every strategy starts from the s
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from cputrain.dist.allocator import pin_mmap_threshold
 from cputrain.dist.comm import CommMeter, summarize
 from cputrain.errors import ModelError
 from cputrain.model import SafetensorsReader, load_into, materialize, random_init, safetensors_files
@@ -96,32 +96,6 @@ class RowFiles:
     def close(self) -> None:
         for f in self.files:
             f.close()
-
-
-# glibc's M_MMAP_THRESHOLD (malloc.h): blocks at least this large get their own mapping.
-_M_MMAP_THRESHOLD = -3
-# glibc's initial threshold; pinning it at its own default only stops it from moving.
-MMAP_THRESHOLD_BYTES = 128 * 1024
-
-
-def pin_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Keep glibc malloc from raising its mmap threshold: every large tensor is then mapped on
-    allocation and returned to the system when freed.
-
-    FSDP frees large blocks all the time: the whole-model random init once, then every step each
-    unit's all-gathered parameters and unsharded gradients. With glibc's default (dynamic)
-    threshold, each such free raises the threshold to the freed size (up to 32 MiB), so later
-    tensors of that size come from the heap, and freed heap memory stays in the process: measured
-    on an 88M-parameter model at 2 ranks, each rank's peak RSS was that of a single unsharded rank
-    (+0.9 GiB) instead of its shard's. Setting the threshold explicitly turns the dynamic
-    adjustment off. A preloaded tcmalloc/jemalloc (hardware.allocator) does not use glibc's heap,
-    so the call is harmless there; on a libc without mallopt it is skipped.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
-    except (OSError, AttributeError):
-        return False
 
 
 class FSDPStrategy(Strategy):

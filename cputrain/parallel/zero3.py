@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, checkpoint_name  # noqa: E402
 from cputrain.errors import ModelError  # noqa: E402
+from cputrain.dist.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
 from cputrain.resolve import grad_accum_steps  # noqa: E402
 
@@ -90,6 +91,8 @@ class Zero3Strategy(Strategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
+        # DeepSpeed gathers and frees whole modules every step: keep glibc from holding on to them.
+        pin_mmap_threshold()
         cfg = ctx.cfg
         self.plan = plan_for(cfg, ctx.world_size, grad_accum_steps(cfg, ctx.world_size))
         self.engine = None

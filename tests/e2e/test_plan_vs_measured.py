@@ -33,12 +33,6 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 LAYOUTS = [("single", 1, False), ("ddp", 2, False), ("fsdp", 1, False), ("fsdp", 2, False), ("zero3", 1, False),
            ("zero3", 2, False), ("zero3", 2, True)]
 CASES = [(s, st, n, off) for s in SIZES for st, n, off in LAYOUTS]
-# Strategies whose peak RSS still carries memory glibc keeps after frees: they do not pin the
-# mmap threshold as cputrain.parallel.fsdp does (pin_mmap_threshold), so freed buffers stay in
-# the process and the 100M model's measured peak runs 20-45% over the plan (within 1% when the
-# threshold is pinned, e.g. MALLOC_MMAP_THRESHOLD_=131072). Strict: passing turns it red.
-UNPINNED = {"zero3": "zero3 does not call cputrain.parallel.fsdp.pin_mmap_threshold yet; glibc keeps freed "
-                     "DeepSpeed buffers in the process"}
 
 
 @pytest.mark.slow
@@ -68,8 +62,4 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
     assert json.loads(proc.stdout)["ranks"] == written["ranks"]
 
     off = [r for r in rows if abs(r["rss_error"]) > RSS_TOLERANCE]
-    if off and size == "100m" and strategy in UNPINNED:
-        pytest.xfail(UNPINNED[strategy])
     assert not off, f"peak RSS off by {off[0]['rss_error']:+.1%}\n{table}"
-    if size == "100m" and strategy in UNPINNED:
-        pytest.fail(f"{strategy}'s peak RSS now matches the plan: remove it from UNPINNED\n{table}")
