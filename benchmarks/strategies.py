@@ -27,6 +27,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks.report import machine_line, write_block  # noqa: E402
 
 USER_DS_FILE = REPO / "configs" / "deepspeed" / "zero3-offload.json"
+# The corpus: Shakespeare's speeches (one record each) where ../shared has them, else the
+# built-in pydoc paragraphs. Both are short records, as in the recipes that pad each to 512.
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+MAX_DOCUMENTS = 4000
 
 # ~34M parameters: 8 blocks of hidden 512 (25M) and a tied 16k × 512 embedding (8M).
 MODEL_34M = ["model.arch.hidden_size=512", "model.arch.intermediate_size=1376", "model.arch.num_hidden_layers=8",
@@ -46,7 +50,10 @@ CASES = [
 ]
 
 # The unchanged recipe (HF Trainer + the DeepSpeed file above, records padded to 512) on the
-# same 2-core machine and a 34M-parameter Llama, in padded tokens/s.
+# same 2-core machine and a 34M-parameter Llama, in padded tokens/s (figures of the issue that
+# asked for this comparison). Its useful tokens/s is that rate × the share of real tokens in
+# records padded to 512, measured below on this benchmark's own corpus and tokenizer.
+PAD_TO = 512
 REFERENCE = [("HF Trainer + DeepSpeed ZeRO-3 offload, bf16 (the unchanged recipe)", 30),
              ("HF Trainer + DeepSpeed ZeRO-3 offload, fp32", 277),
              ("HF Trainer + DDP, no DeepSpeed, fp32", 434)]
@@ -64,6 +71,21 @@ def run(label: str, overrides: list[str], model: list[str], common: list[str], r
     peaks = [max(row["peak_rss_gib"] for row in r["phases"]) for r in memory["ranks"]]
     return {"label": label, "tokens_per_s": summary["tokens_per_s"], "mfu": summary["mfu"],
             "peak_rss_gib": peaks, "final_loss": summary["final_loss"]}
+
+
+def padded_useful_share(source: str, cache_dir: Path, vocab_size: int) -> tuple[float, int]:
+    """Share of real (non-padding) tokens when every record is padded/truncated to 512, as the
+    recipe's `tokenizer(text, padding="max_length", truncation=True, max_length=512)` does, with
+    the tokenizer cputrain trains on the same corpus. Returns (share, records)."""
+    from cputrain.config import DataConfig, ModelConfig
+    from cputrain.data import sources, tokenizer
+
+    data_cfg = DataConfig(source=source, cache_dir=str(cache_dir), max_documents=MAX_DOCUMENTS)
+    tok = tokenizer.get_tokenizer(ModelConfig(tokenizer_vocab_size=vocab_size), data_cfg, sources.fingerprint(data_cfg),
+                                  lambda: sources.read_documents(data_cfg))
+    docs = sources.read_documents(data_cfg)
+    real = sum(min(len(ids), PAD_TO) for ids in tok(docs)["input_ids"])
+    return real / (len(docs) * PAD_TO), len(docs)
 
 
 def offload_verdict(rows: list[dict]) -> str:
@@ -84,7 +106,7 @@ def offload_verdict(rows: list[dict]) -> str:
             "ranks or nodes (fsdp or zero3) instead.")
 
 
-def markdown(rows: list[dict], setup: str) -> str:
+def markdown(rows: list[dict], setup: str, share: float, records: int) -> str:
     best = max(rows, key=lambda r: r["tokens_per_s"])
     lines = [machine_line(), "", setup, "",
              "| strategy (2 ranks) | useful tokens/s | MFU | peak RSS per rank (GiB) | final loss |",
@@ -92,13 +114,19 @@ def markdown(rows: list[dict], setup: str) -> str:
     for r in rows:
         rss = " / ".join(f"{g:.2f}" for g in r["peak_rss_gib"])
         lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {rss} | {r['final_loss']:.4f} |")
-    lines += ["", "Reference, the recipe as users ran it on the same machine (padded tokens/s, records padded to 512):", "",
-              "| run | tokens/s |", "| --- | ---: |"]
-    lines += [f"| {name} | {tps} |" for name, tps in REFERENCE]
+    lines += ["", "Reference, the recipe as users ran it on the same machine and a 34M-parameter Llama (padded "
+              f"tokens/s, records padded to {PAD_TO}; figures given with the request for this comparison, not rerun "
+              f"here). Its useful tokens/s = padded tokens/s × the share of real tokens in padded records, measured "
+              f"on this corpus with this tokenizer: {share:.1%} over {records:,} records.", "",
+              "| run | padded tokens/s | useful tokens/s |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {tps} | {tps * share:,.1f} |" for name, tps in REFERENCE]
     lines += ["", offload_verdict(rows)]
-    factor = best["tokens_per_s"] / REFERENCE[0][1]
+    recipe_padded = REFERENCE[0][1]
+    factor = best["tokens_per_s"] / (recipe_padded * share)
     lines += ["", f"Best here: **{best['label']}**, {best['tokens_per_s']:,.0f} useful tokens/s = "
-              f"**{factor:.0f}×** the unchanged recipe's {REFERENCE[0][1]} (target: ≥ 50×)."]
+              f"**{factor:.0f}×** the unchanged recipe's {recipe_padded * share:,.1f} useful tokens/s (target: ≥ 50×); "
+              f"{best['tokens_per_s'] / recipe_padded:.0f}× even against its {recipe_padded} padded tokens/s, "
+              "counting padding as work."]
     return "\n".join(lines)
 
 
@@ -113,22 +141,28 @@ def main() -> None:
     model, steps = (MODEL_TINY, 3) if args.quick else (MODEL_34M, args.steps)
     seq_len, global_batch, micro = (32, 8, 2) if args.quick else (512, 16, 4)
     # log every 5 steps: the first window (allocation, warm-up) is left out of the median
-    common = [f"data.seq_len={seq_len}", "data.max_documents=2000", f"train.max_steps={steps}",
+    source = str(SHAKESPEARE) if SHAKESPEARE.is_file() else "builtin:pydoc"
+    common = [f"data.source={source}", f"data.seq_len={seq_len}", f"data.max_documents={MAX_DOCUMENTS}",
+              f"train.max_steps={steps}",
               f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}",
               f"train.log_every={1 if args.quick else 5}", "train.eval_every=100000", "train.eval_batches=1",
               "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2",
               "hardware.precision=fp32"]
-    setup = (f"`python benchmarks/strategies.py`: {'tiny smoke model' if args.quick else '~34M-parameter Llama'}, "
-             f"seq_len {seq_len} packed (every token useful), global batch {global_batch} sequences "
+    setup = (f"`python benchmarks/strategies.py --steps {steps}`: "
+             f"{'tiny smoke model' if args.quick else '~34M-parameter Llama'}, corpus `{Path(source).name}` "
+             f"({MAX_DOCUMENTS:,} records), seq_len {seq_len} packed (every token useful), global batch {global_batch} sequences "
              f"(micro-batch {micro} × 2 ranks × accumulation {global_batch // (2 * micro)}), {steps} steps, fp32, "
              "1 thread per rank; tokens/s is the median of the logged windows after the first.")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cputrain-strategies-") as tmp:
         tmp = Path(tmp)
+        vocab = int(next(o for o in model if o.startswith("model.tokenizer_vocab_size=")).split("=")[1])
+        share, records = padded_useful_share(source, tmp / "cache", vocab)  # also caches the runs' tokenizer
+        print(f"records padded to {PAD_TO}: {share:.1%} real tokens over {records:,} records", flush=True)
         for i, (label, overrides) in enumerate(CASES):
             rows.append(run(label, overrides, model, common, tmp / f"case-{i}", tmp / "cache"))
             print(f"{label}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, peak RSS {rows[-1]['peak_rss_gib']}", flush=True)
-    text = markdown(rows, setup)
+    text = markdown(rows, setup, share, records)
     print(text)
     if not args.no_write and not args.quick:
         write_block("strategies", text)
