@@ -47,7 +47,11 @@ CASES = [
 LOAD_MODEL = (1024, 2816, 12)
 LOAD_MODEL_QUICK = (256, 688, 4)
 
-EMPTY_PROCESS = "import torch, transformers; print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+# An empty rank: python with the code a Llama rank must import before it can hold a weight (torch,
+# torch.distributed, transformers' Llama modules: transformers alone imports lazily, ~95 MB less),
+# and no weights, data or tokenizer.
+EMPTY_PROCESS = ("import torch, torch.distributed, transformers; from transformers import LlamaForCausalLM; "
+                 "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
 
 
 def _env() -> dict:
@@ -134,7 +138,7 @@ def loading(shape: tuple[int, int, int], tmp: Path) -> dict:
     return result
 
 
-def markdown(rows: list[dict], load: dict, setup: str, reps: int) -> str:
+def throughput_markdown(rows: list[dict], setup: str, reps: int) -> str:
     base = rows[0]["tokens_per_s"]
     lines = [machine_line(), "", setup, "",
              f"| ranks × threads | useful tokens/s (median of {reps}) | vs 1 rank | time in communication | runs |",
@@ -146,11 +150,18 @@ def markdown(rows: list[dict], load: dict, setup: str, reps: int) -> str:
     ddp = rows[1]["tokens_per_s"] / base
     lines += ["", f"2-rank DDP reaches **{ddp:.0%}** of the 1-rank throughput (target: ≥ 90%): "
               + ("met." if ddp >= 0.9 else "not met on this machine.")]
+    return "\n".join(lines)
 
+
+def loading_markdown(load: dict) -> str:
     mb, empty = load["model_bytes"], load["empty_gib"]
     bound = mb / 2 * 1.3 / GIB + empty
-    lines += ["", f"**Peak RSS per rank while loading** a {mb / GIB:.2f} GiB (fp32) pretrained Llama folder on 2 ranks. "
-              f"Bound of the issue: model ÷ 2 × 1.3 + an empty process (python with torch and transformers imported, "
+    lines = [machine_line(), "", "`python benchmarks/scale_out.py --only loading`: one step of a 2-rank run from a "
+             "pretrained folder (save_pretrained, safetensors); the peak is the high-water mark up to the "
+             "\"sharded weights\" phase of memory.json.",
+             "", f"**Peak RSS per rank while loading** a {mb / GIB:.2f} GiB (fp32) pretrained Llama folder on 2 ranks. "
+              f"Bound of the issue: model ÷ 2 × 1.3 + an empty process (python with torch, torch.distributed and "
+              f"transformers' Llama model imported, no weights: "
               f"{empty:.2f} GiB) = **{bound:.2f} GiB**. A rank also holds the tokenizer, the packed data and the "
               "process group before any weight exists (\"before weights\"); the last column uses that as the overhead.",
               "", "| loading | peak RSS per rank (GiB) | ≤ bound | before weights (GiB) | ≤ model ÷ 2 × 1.3 + before weights |",
@@ -170,6 +181,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each throughput run (default: %(default)s)")
     ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/benchmarks.md alone")
+    ap.add_argument("--only", choices=("throughput", "loading"), help="run one of the two measurements (each writes "
+                    "its own block: scale_out, sharded_load)")
     args = ap.parse_args()
     model, steps, reps = (MODEL_TINY, 3, 1) if args.quick else (MODEL_34M, args.steps, args.reps)
     seq_len, global_batch, micro = (32, 8, 2) if args.quick else (512, 16, 4)
@@ -178,19 +191,22 @@ def main() -> None:
               f"train.log_every={1 if args.quick else 5}", "train.eval_every=100000", "train.eval_batches=1",
               "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2",
               "hardware.precision=fp32"]
-    setup = (f"`python benchmarks/scale_out.py`: {'tiny smoke model' if args.quick else '~34M-parameter Llama'}, "
+    setup = (f"`python benchmarks/scale_out.py --only throughput --steps {steps} --reps {reps}`: {'tiny smoke model' if args.quick else '~34M-parameter Llama'}, "
              f"seq_len {seq_len} packed (every token useful), global batch {global_batch} sequences (micro-batch "
              f"{micro}), {steps} steps, fp32, each through `cputrain train --nproc-per-node N`; tokens/s and the "
              "communication fraction are over the logged windows after the first (warm-up left out).")
+    blocks = {}
     with tempfile.TemporaryDirectory(prefix="cputrain-scale-out-") as tmp:
         tmp = Path(tmp)
         common.append(f"data.cache_dir={tmp / 'cache'}")
-        rows = throughput(common, reps, tmp)
-        load = loading(LOAD_MODEL_QUICK if args.quick else LOAD_MODEL, tmp)
-    text = markdown(rows, load, setup, reps)
-    print(text)
-    if not args.no_write and not args.quick:
-        write_block("scale_out", text)
+        if args.only in (None, "throughput"):
+            blocks["scale_out"] = throughput_markdown(throughput(common, reps, tmp), setup, reps)
+        if args.only in (None, "loading"):
+            blocks["sharded_load"] = loading_markdown(loading(LOAD_MODEL_QUICK if args.quick else LOAD_MODEL, tmp))
+    for name, text in blocks.items():
+        print(text + "\n")
+        if not args.no_write and not args.quick:
+            write_block(name, text)
 
 
 if __name__ == "__main__":
