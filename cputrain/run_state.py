@@ -92,6 +92,19 @@ class RunState:
         text = self.run.read_text("metrics.jsonl") or ""
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
+    def drop_metrics_after(self, step: int) -> None:
+        """Rank 0, at start: forget the rows of steps after `step`, the checkpoint this session
+        resumes from. A run killed between checkpoints logged steps that it now trains again; their
+        old rows would appear twice in metrics.jsonl and skew summary.json and loss.png."""
+        if not self.ranks.is_main:
+            return
+        rows = self.read_metrics()
+        kept = [r for r in rows if r.get("step", 0) <= step]
+        if len(kept) < len(rows):
+            log.info("metrics.jsonl: %d row(s) after step %d dropped; those steps are trained again",
+                     len(rows) - len(kept), step)
+            self.run.write_text("".join(json.dumps(r) + "\n" for r in kept), "metrics.jsonl")
+
     def read_summary(self) -> dict | None:
         text = self.run.read_text("summary.json")
         return json.loads(text) if text else None

@@ -101,6 +101,7 @@ class Trainer:
         if resumed is not None:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
+        self.state.drop_metrics_after(self.step)
         self.state.write_run_files()
 
         # Forward passes go through `forward_model`; checkpoints and export use the plain module,

@@ -68,3 +68,24 @@ def test_resume_skips_an_incomplete_step_folder(tmp_path, cache_dir):
     assert run.complete_steps() == [10] and run.newest_complete() == 10
     run.prune(keep_last=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000010", "step-000020"]
+
+
+def test_steps_trained_again_after_a_lost_checkpoint_are_logged_once(tmp_path, cache_dir):
+    """A run that dies after logging steps 6 and 7 but before its step-7 checkpoint is complete
+    trains 6 and 7 again from step 5: metrics.jsonl then holds each step once, with the losses
+    of the steps as trained in the session that finished them (the same, in fp32)."""
+    import shutil
+
+    out = tmp_path / "run"
+    common = {"train.max_steps": 10, "train.eval_every": 100, "train.checkpoint_every": 5}
+    run_cli("train", *tiny_overrides(out, cache_dir, **common, **{"train.stop_at_step": 7}), check=True)
+    first = {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    shutil.rmtree(out / "checkpoints" / "step-000007")  # as if killed before this save completed
+
+    second = run_cli("train", *tiny_overrides(out, cache_dir, **common), check=True)
+    assert "(step 5)" in second.stderr and "2 row(s) after step 5 dropped" in second.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, 11)), f"each step once, in order: {steps}"
+    for r in rows[:7]:
+        assert r["loss"] == first[r["step"]], f"step {r['step']}: {r['loss']} vs {first[r['step']]} before the checkpoint was lost"
