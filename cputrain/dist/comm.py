@@ -144,8 +144,24 @@ class CommMeter:
         for key, value in (("comm_time_s", busy), ("comm_sent_bytes", sent), ("comm_recv_bytes", recv),
                            ("comm_calls", calls)):
             self.total[key] += value
-        return {"comm_time_s": busy, "comm_fraction": min(1.0, busy / wall), "comm_sent_bytes": sent,
-                "comm_recv_bytes": recv}
+        window = {"comm_time_s": busy, "comm_fraction": min(1.0, busy / wall), "comm_sent_bytes": sent,
+                  "comm_recv_bytes": recv}
+        window.update(_per_rank(busy, sent, recv))
+        return window
+
+
+def _per_rank(busy_s: float, sent: int, recv: int) -> dict:
+    """Every rank's figures of this window, in rank order (metrics.jsonl is written by rank 0,
+    whose own figures are the fields above). Every rank logs at the same steps, so all call this
+    together; the list form of all_gather is not metered, and its few bytes are not step traffic."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    mine = torch.tensor([busy_s, float(sent), float(recv)], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"comm_time_s_per_rank": [float(t[0]) for t in every],
+            "comm_sent_bytes_per_rank": [int(t[1]) for t in every],
+            "comm_recv_bytes_per_rank": [int(t[2]) for t in every]}
 
 
 def summarize(rows: list[dict]) -> dict:

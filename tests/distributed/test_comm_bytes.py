@@ -75,7 +75,12 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
     assert_no_survivors(out)
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    metered = WORLD * sum(r.get("comm_sent_bytes", 0) for r in rows)
+    # every rank's own count: the sum of what each sent is what crossed the loopback
+    per_rank = [sum(r["comm_sent_bytes_per_rank"][k] for r in rows if "comm_sent_bytes_per_rank" in r)
+                for k in range(WORLD)]
+    assert per_rank[0] == sum(r.get("comm_sent_bytes", 0) for r in rows)  # rank 0's row fields are its own
+    assert all(n > 0 for n in per_rank), per_rank
+    metered = sum(per_rank)
     kernel = after - before
     assert metered > 10 * 2**20, metered  # enough traffic for the comparison to mean something
     limit = metered * (1 + OVERHEAD_FRACTION) + OVERHEAD_FIXED_BYTES
