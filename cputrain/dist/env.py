@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from cputrain.errors import ConfigError
+
 # (rank, world size, local rank, local world size) as each MPI flavour spells them
 _MPI_NAMES = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -57,6 +59,13 @@ def normalize(environ: dict | None = None) -> RankEnv:
                 env["RANK"], env["WORLD_SIZE"] = env[rank_k], env[size_k]
                 env.setdefault("LOCAL_RANK", env.get(local_k, env[rank_k]))
                 env.setdefault("LOCAL_WORLD_SIZE", env.get(local_size_k, env[size_k]))
+                if int(env["WORLD_SIZE"]) > int(env["LOCAL_WORLD_SIZE"]) and "MASTER_ADDR" not in env:
+                    # mpirun does not say where rank 0 listens; 127.0.0.1 would leave the other
+                    # nodes waiting for the process-group timeout instead of failing now.
+                    raise ConfigError(
+                        f"mpirun started {env['WORLD_SIZE']} ranks on several nodes but MASTER_ADDR is not set; "
+                        "pass node 0's address: mpirun -x MASTER_ADDR=<node 0's address> -x MASTER_PORT=29500 ..."
+                    )
                 break
     # The single-process defaults: what torchrun would set for one rank on one node.
     env.setdefault("RANK", "0")

@@ -20,11 +20,21 @@ def test_plain_python_gets_every_variable_a_library_reads():
 
 def test_openmpi_variables_become_torchrun_names():
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}
     assert started_by_launcher(env)
     ranks = normalize(env)
     assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.local_world_size, ranks.launcher) == (3, 4, 1, 2, "mpirun")
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1"
+
+
+def test_mpirun_over_several_nodes_needs_master_addr():
+    """Without MASTER_ADDR the ranks of other nodes would dial 127.0.0.1 and hang until the timeout."""
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    with pytest.raises(ConfigError, match="MASTER_ADDR is not set.*-x MASTER_ADDR="):
+        normalize(env)
+    one_node = {**env, "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
+    assert normalize(one_node).world_size == 4 and one_node["MASTER_ADDR"] == "127.0.0.1"
 
 
 def test_intel_mpi_variables():
