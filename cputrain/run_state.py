@@ -118,7 +118,7 @@ class RunState:
         with warnings.catch_warnings():
             # DCP notes that it runs without a process group; for one rank that is the intent.
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            strategy.save(model, optimizer, f"{tmp}/state")
+            strategy.save(model, optimizer, self.run.url_of(f"{tmp}/state"))
         rng = {"torch": torch.get_rng_state(), "python": list(_flatten(random.getstate()))}
         buf = io.BytesIO()
         torch.save(rng, buf)
@@ -149,7 +149,7 @@ class RunState:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                strategy.load(model, optimizer, f"{folder}/state")
+                strategy.load(model, optimizer, self.run.url_of(f"{folder}/state"))
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RunFolderError(

@@ -18,7 +18,8 @@ def _storage(path: str, write: bool):
     if protocol in ("file", "local"):
         local = fsspec.core.url_to_fs(path)[1]
         return dcp.FileSystemWriter(local) if write else dcp.FileSystemReader(local)
-    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    # Not re-exported from torch.distributed.checkpoint in torch 2.13: the module is the API.
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     return FsspecWriter(path) if write else FsspecReader(path)
 

@@ -25,6 +25,11 @@ class RunFolder:
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
 
+    def url_of(self, path: str) -> str:
+        """A path of this folder as a full URL, for code that opens it by URL (DCP, DeepSpeed):
+        without the protocol, `bucket/run/...` would be written to the local disk."""
+        return self.fs.unstrip_protocol(path)
+
     @property
     def checkpoints(self) -> str:
         return self.path("checkpoints")
