@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import torch
 
@@ -127,13 +128,16 @@ class PhaseRecorder:
         """Gather every rank's rows to rank 0, which writes memory.json and prints the table."""
         import torch.distributed as dist
 
-        all_rows = [self.rows]
+        # What this rank really runs on, read back from the OS and torch rather than the plan.
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        mine = {"cpus": cpus, "threads": torch.get_num_threads(), "phases": self.rows}
+        everyone = [mine]
         if dist.is_initialized():
-            all_rows = [None] * dist.get_world_size()
-            dist.all_gather_object(all_rows, self.rows)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
         if not ranks.is_main:
             return
-        doc = {"ranks": [{"rank": r, "phases": rows} for r, rows in enumerate(all_rows)]}
+        doc = {"ranks": [{"rank": r, **entry} for r, entry in enumerate(everyone)]}
         run.write_text(json.dumps(doc, indent=2), "memory.json")
         for line in table(doc):
             log.info(line)

@@ -46,5 +46,13 @@ def test_memory_json_for_every_strategy(strategy, ranks, tmp_path, cache_dir):
         # AdamW: two fp32 moments per parameter this rank steps
         assert first["optimizer_bytes"] >= 2 * 0.4 * held
         assert rows["training step peak"]["rss_gib"] >= max(r["rss_gib"] for r in rank["phases"][:-1]) - 1e-6
+    # Cores and threads as each rank really ran: the configured thread count, on disjoint cores.
+    import os
+
+    cpu_sets = [set(r["cpus"]) for r in doc["ranks"]]
+    assert all(r["threads"] == 1 for r in doc["ranks"]), [r["threads"] for r in doc["ranks"]]
+    assert all(cpu_sets) and all(s <= os.sched_getaffinity(0) for s in cpu_sets)
+    if ranks > 1 and len(os.sched_getaffinity(0)) >= ranks:
+        assert not set.intersection(*cpu_sets), f"ranks share cores: {cpu_sets}"
     # rank 0 prints the table
     assert "first step done" in proc.stderr and "optim GiB" in proc.stderr
