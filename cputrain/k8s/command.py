@@ -24,7 +24,8 @@ def add_parser(sub, add_common) -> None:
     p.add_argument("--instance-type", help="e.g. m7i.16xlarge (default: the smallest the plan fits)")
     p.add_argument("--node-pool", default="cputrain-amx", help="Karpenter NodePool/EC2NodeClass name (default: %(default)s)")
     p.add_argument("--cluster-name", default="cputrain", help="EKS cluster name: Karpenter discovery tag and node role")
-    p.add_argument("--no-karpenter", action="store_true", help="leave out the NodePool and EC2NodeClass")
+    p.add_argument("--no-karpenter", action="store_true", help="for a cluster without Karpenter: no NodePool or EC2NodeClass, and the pods "
+                   "select the planned instance type (node.kubernetes.io/instance-type) instead of the pool")
     p.add_argument("--pvc", help="an existing PersistentVolumeClaim for the run folder (default: render <name>-output)")
     p.add_argument("--storage-class", default="fsx-sc", help="storage class of the rendered claim (default: %(default)s)")
     p.add_argument("--storage", default="1200Gi", help="size of the rendered claim (default: %(default)s)")

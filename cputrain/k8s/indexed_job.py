@@ -64,12 +64,12 @@ def indexed_job(opts: ClusterOptions, res: PodResources) -> dict:
             # the newest checkpoint (torchrun's --max-restarts covers in-pod rank failures).
             "backoffLimit": 0,
             "template": {
-                "metadata": {"labels": opts.labels, "annotations": dict(pod.DO_NOT_DISRUPT)},
+                "metadata": {"labels": opts.labels, "annotations": pod.annotations(opts)},
                 "spec": {
                     "subdomain": opts.service_name,
                     "restartPolicy": "Never",
                     "nodeSelector": pod.node_selector(opts),
-                    "tolerations": pod.tolerations(),
+                    "tolerations": pod.tolerations(opts),
                     "containers": [container],
                     "volumes": pod.volumes(opts, res),
                 },

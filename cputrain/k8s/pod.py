@@ -60,11 +60,20 @@ def volumes(opts: ClusterOptions, res: PodResources) -> list[dict]:
 
 
 def node_selector(opts: ClusterOptions) -> dict[str, str]:
-    sel = {"karpenter.sh/nodepool": opts.node_pool, **AMX_LABEL}
+    # Without Karpenter there is no pool label and no AMX label on the nodes: the instance type
+    # the plan chose, a label every cloud provider sets, is what places the pods.
+    sel = {"karpenter.sh/nodepool": opts.node_pool, **AMX_LABEL} if opts.karpenter else {}
     if opts.instance_type:
         sel["node.kubernetes.io/instance-type"] = opts.instance_type
     return sel
 
 
-def tolerations() -> list[dict]:
+def tolerations(opts: ClusterOptions) -> list[dict]:
+    if not opts.karpenter:  # only the rendered pool carries the AMX taint
+        return []
     return [{"key": AMX_TAINT_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+
+
+def annotations(opts: ClusterOptions) -> dict[str, str]:
+    # Karpenter would otherwise consolidate a node away from under a running job.
+    return dict(DO_NOT_DISRUPT) if opts.karpenter else {}

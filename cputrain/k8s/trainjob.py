@@ -22,7 +22,7 @@ PATCH_MANAGER = "cputrain.k8s/render"
 def trainjob(opts: ClusterOptions, res: PodResources) -> dict:
     pod_spec = {
         "nodeSelector": pod.node_selector(opts),
-        "tolerations": pod.tolerations(),
+        "tolerations": pod.tolerations(opts),
         "volumes": pod.volumes(opts, res),
         "containers": [{"name": pod.CONTAINER, "volumeMounts": pod.volume_mounts()}],
     }
@@ -45,7 +45,7 @@ def trainjob(opts: ClusterOptions, res: PodResources) -> dict:
                 "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{
                     "name": REPLICATED_JOB,
                     "template": {"spec": {"template": {
-                        "metadata": {"labels": opts.labels, "annotations": dict(pod.DO_NOT_DISRUPT)},
+                        "metadata": {"labels": opts.labels, "annotations": pod.annotations(opts)},
                         "spec": pod_spec,
                     }}},
                 }]}}},

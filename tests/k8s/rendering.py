@@ -11,6 +11,7 @@ from cputrain.k8s.render import render
 from cputrain.plan.instances import builtin_instances
 
 GOLDEN = Path(__file__).parent / "golden"
+REPO = Path(__file__).resolve().parents[2]
 
 # A ~100M-parameter Llama built from scratch: small enough to plan in a second, big enough
 # that the plan, not the fixed overhead, decides the pod's memory.
@@ -38,6 +39,13 @@ CASES = {
         dict(name="ft", image="registry.example.com/cputrain@sha256:" + "0" * 64, nnodes=2, nproc_per_node=4,
              pvc="fsx-runs", karpenter=False, secret_env=[("WANDB_API_KEY", "wandb", "api-key")]),
         "job",
+    ),
+    "trainjob-zero3-recipe": (
+        ARCH + ["parallel.strategy=zero3", "hardware.precision=bf16",
+                f"parallel.deepspeed_config={REPO / 'configs' / 'deepspeed' / 'zero3-offload.json'}"],
+        dict(name="llama-100m-zero3", image="registry.example.com/cputrain-deepspeed:0.1.0", nnodes=2,
+             nproc_per_node=2, hf_token_secret="hf-token"),
+        "trainjob",
     ),
 }
 

@@ -75,3 +75,53 @@ def test_indexed_job_sets_pet_variables_like_the_runtime():
     assert env["PET_MASTER_ADDR"]["value"] == "llama-100m-ddp-0.llama-100m-ddp"
     assert job["spec"]["template"]["spec"]["subdomain"] == "llama-100m-ddp"
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 4
+
+
+def test_without_karpenter_the_pods_ask_for_nothing_only_karpenter_provides():
+    """--no-karpenter: no pool objects, and no selector, taint toleration or annotation that only a
+    Karpenter pool satisfies; the plan's instance type (a label every provider sets) places the pods."""
+    out = render_case("job-existing-pvc-no-karpenter")
+    assert not [o for o in out.objects if o["kind"] in ("NodePool", "EC2NodeClass")]
+    spec, meta = _pod_spec(next(o for o in out.objects if o["kind"] == "Job"))
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": out.options.instance_type}
+    assert not spec.get("tolerations") and not meta.get("annotations")
+    assert "karpenter" not in yaml.safe_dump([spec, meta])
+
+
+def test_a_users_deepspeed_file_travels_in_the_configmap():
+    """The zero3 recipe's DeepSpeed file is a path on the rendering machine: the pods read the
+    ConfigMap's copy, byte for byte, through the config's pointer to it."""
+    from .rendering import REPO
+
+    out = render_case("trainjob-zero3-recipe")
+    cm = next(o for o in out.objects if o["kind"] == "ConfigMap")
+    ds_file = REPO / "configs" / "deepspeed" / "zero3-offload.json"
+    assert cm["data"]["deepspeed.json"] == ds_file.read_text()
+    pod_cfg = yaml.safe_load(cm["data"]["train.yaml"])
+    assert pod_cfg["parallel"]["deepspeed_config"] == "/config/deepspeed.json"
+    spec, _ = _pod_spec(next(o for o in out.objects if o["kind"] == "TrainJob"))
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["config"] == "/config"
+
+
+def test_a_broken_deepspeed_file_stops_the_render(tmp_path):
+    from cputrain.errors import ConfigError
+
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"zero_optimization": {"stage": 3,}}')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        _render_with_ds(bad)
+
+
+def _render_with_ds(path):
+    from cputrain.config import load_config
+    from cputrain.k8s.options import ClusterOptions
+    from cputrain.k8s.render import render
+    from cputrain.plan.instances import builtin_instances
+
+    from .rendering import CASES
+
+    overrides, opts, kind = CASES["trainjob-zero3-recipe"]
+    overrides = [o for o in overrides if not o.startswith("parallel.deepspeed_config=")]
+    cfg = load_config(None, [*overrides, f"parallel.deepspeed_config={path}"])
+    return render(cfg, ClusterOptions(**opts), builtin_instances(), kind=kind)
