@@ -222,10 +222,17 @@ class Trainer:
         first_step_done = False
         last_val = None
         memory.reset_peak()
+        # The high-water mark is reset around every step, so "training step peak" is the peak of
+        # a step alone; what evaluation and checkpoint saves add between steps is folded into
+        # run_peak_gib (metrics and summary), so the run's own peak is never understated.
+        step_peak_gib = run_peak_gib = 0.0
         # stop_at_step ends this session early; the schedule still runs to total_steps.
         stop_at = min(self.total_steps, t.stop_at_step or self.total_steps)
         while self.step < stop_at:
+            run_peak_gib = max(run_peak_gib, memory.peak_rss_gib())
+            memory.reset_peak()
             loss, grad_norm = self.train_step()
+            step_peak_gib = max(step_peak_gib, memory.peak_rss_gib())
             window_steps += 1
             if not first_step_done:
                 self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
@@ -244,7 +251,7 @@ class Trainer:
                     "mfu": mfu,
                     "step_time_s": elapsed / window_steps,
                     "rss_gib": memory.rss_gib(),
-                    "peak_rss_gib": memory.peak_rss_gib(),
+                    "peak_rss_gib": max(run_peak_gib, memory.peak_rss_gib()),
                     "epoch": self.order.epoch_of(self.step),
                 }
                 record.update(self.strategy.comm_stats())
@@ -267,11 +274,13 @@ class Trainer:
                 window_t0 = time.perf_counter()
             bar.update(1)
         bar.close()
-        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer, use_peak=True)
+        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
+                         rss_gib=step_peak_gib, peak_rss_gib=step_peak_gib)
+        run_peak_gib = max(run_peak_gib, memory.peak_rss_gib())
         wall_s = time.perf_counter() - wall0
-        return self._finish(wall_s, start_step, last_val)
+        return self._finish(wall_s, start_step, last_val, run_peak_gib)
 
-    def _finish(self, wall_s: float, start_step: int, val_loss) -> dict:
+    def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:
         rows = self.state.read_metrics()
         train_rows = [r for r in rows if "tokens_per_s" in r]
         steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
@@ -283,7 +292,7 @@ class Trainer:
             "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steady])) if steady else 0.0,
             "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
-            "peak_rss_gib": max([memory.peak_rss_gib()] + [r.get("peak_rss_gib", 0) for r in rows]),
+            "peak_rss_gib": max([run_peak_gib] + [r.get("peak_rss_gib", 0) for r in rows]),
             "wall_time_s": wall_s,
             "steps_this_session": self.step - start_step,
             "world_size": self.ranks.world_size,

@@ -109,10 +109,11 @@ class PhaseRecorder:
 
         optimizer.register_step_pre_hook(before_step)
 
-    def mark(self, phase: str, model=None, optimizer=None, use_peak: bool = False, **extra) -> None:
+    def mark(self, phase: str, model=None, optimizer=None, **extra) -> None:
+        """A row for `phase`: RSS now and the high-water mark, then the state bytes; `extra` may
+        set measured figures of its own (the step peak is measured around the steps)."""
         assert phase in PHASES, phase
-        row = {"phase": phase, "rss_gib": memory.peak_rss_gib() if use_peak else memory.rss_gib(),
-               "peak_rss_gib": memory.peak_rss_gib()}
+        row = {"phase": phase, "rss_gib": memory.rss_gib(), "peak_rss_gib": memory.peak_rss_gib()}
         row.update(state_bytes(model, optimizer))
         if phase in ("first step done", "training step peak") and self._at_step is not None:
             # After the step the gradients are gone; their bytes are those measured inside it.
