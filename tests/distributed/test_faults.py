@@ -47,16 +47,18 @@ def _wait_for(predicate, timeout_s: float, poll_s: float = 0.005):
     return None
 
 
-# After the agent restarts the group, creating the new gloo process group now and then never
-# completes (torch 2.13: both new ranks wait inside ProcessGroupGloo's constructor; seen in about
-# one restart in four on a 2-core machine). That is torch's, not the resume logic's, so a hung
-# restart is retried in a fresh run folder; a test where every attempt hangs still fails.
+# After the agent restarts the group, creating the new gloo process group sometimes fails or
+# never completes (torch 2.13, about one restart in four here): the new rank 0 dials the address
+# the killed rank 1 had published in the agent's store in the previous round ("Gloo
+# connectFullMesh failed ... Connection refused"), or both new ranks wait in ProcessGroupGloo's
+# constructor. That is the store's, not the resume logic's, so such a restart is retried in a
+# fresh run folder; a test where every attempt ends that way still fails.
 RESTART_ATTEMPTS, RESTART_TIMEOUT_S = 3, 180
 
 
 def _killed_run(out, cache_dir):
     """Start a 2-rank run, SIGKILL rank 1 after checkpoint 10; (stderr, rows logged before the
-    kill), or None when the restarted group hung."""
+    kill), or None when the restarted group could not form its gloo group (see above)."""
     proc = _start(out, cache_dir, "--nproc-per-node", "2", "--max-restarts", "2")
     assert _wait_for(lambda: (out / "checkpoints" / "step-000010").is_dir(), 300), "no checkpoint appeared"
     victim = _rank_process(out, 1)
@@ -69,6 +71,8 @@ def _killed_run(out, cache_dir):
         for p in processes_mentioning(str(out)):
             p.kill()
         proc.communicate()
+        return None
+    if proc.returncode != 0 and "connectFullMesh failed" in stderr:
         return None
     assert proc.returncode == 0, stderr[-3000:]
     return stderr, killed_at
@@ -84,7 +88,8 @@ def test_sigkill_of_a_rank_restarts_and_ends_with_the_same_weights(tmp_path, cac
         if result is not None:
             break
     else:
-        pytest.fail(f"the restarted group hung in all {RESTART_ATTEMPTS} attempts ({RESTART_TIMEOUT_S} s each)")
+        pytest.fail(f"the restarted group could not form in any of {RESTART_ATTEMPTS} attempts "
+                    f"(hung past {RESTART_TIMEOUT_S} s or gloo connectFullMesh failed)")
     stderr, killed_at = result
     assert killed_at < 40, "the run ended before the kill; the test proved nothing"
     assert "resumed from" in stderr
