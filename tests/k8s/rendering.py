@@ -50,10 +50,11 @@ CASES = {
 }
 
 
-def render_case(case: str, **changes):
-    if not changes:
+def render_case(case: str, extra_overrides: tuple[str, ...] = (), **changes):
+    """A case rendered as pinned, or with option `changes` and config overrides on top (later win)."""
+    if not changes and not extra_overrides:
         return _render_cached(case)
-    return _render(case, **changes)
+    return _render(case, extra_overrides, **changes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +62,7 @@ def _render_cached(name: str):
     return _render(name)
 
 
-def _render(case: str, **changes):
+def _render(case: str, extra_overrides: tuple[str, ...] = (), **changes):
     overrides, opts, kind = CASES[case]
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, [*overrides, *extra_overrides])
     return render(cfg, ClusterOptions(**{**opts, **changes}), builtin_instances(), kind=kind)

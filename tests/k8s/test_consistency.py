@@ -110,18 +110,4 @@ def test_a_broken_deepspeed_file_stops_the_render(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text('{"zero_optimization": {"stage": 3,}}')
     with pytest.raises(ConfigError, match="not valid JSON"):
-        _render_with_ds(bad)
-
-
-def _render_with_ds(path):
-    from cputrain.config import load_config
-    from cputrain.k8s.options import ClusterOptions
-    from cputrain.k8s.render import render
-    from cputrain.plan.instances import builtin_instances
-
-    from .rendering import CASES
-
-    overrides, opts, kind = CASES["trainjob-zero3-recipe"]
-    overrides = [o for o in overrides if not o.startswith("parallel.deepspeed_config=")]
-    cfg = load_config(None, [*overrides, f"parallel.deepspeed_config={path}"])
-    return render(cfg, ClusterOptions(**opts), builtin_instances(), kind=kind)
+        render_case("trainjob-zero3-recipe", extra_overrides=(f"parallel.deepspeed_config={bad}",))
