@@ -280,6 +280,14 @@ class Trainer:
         wall_s = time.perf_counter() - wall0
         return self._finish(wall_s, start_step, last_val, run_peak_gib)
 
+    def close(self) -> None:
+        """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""
+        strategy = getattr(self, "strategy", None)
+        if strategy is not None:
+            strategy.close()
+        for name in ("forward_model", "model", "optimizer", "schedule", "state", "strategy"):
+            self.__dict__.pop(name, None)
+
     def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:
         rows = self.state.read_metrics()
         train_rows = [r for r in rows if "tokens_per_s" in r]

@@ -24,6 +24,7 @@ def run_worker(cfg: Config) -> dict:
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
     from cputrain.dist.placement import cpus_for_rank
+    from cputrain.dist.process_group import collective_threads, destroy, exit_without_teardown
     from cputrain.trainer import Trainer
 
     cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
@@ -34,9 +35,16 @@ def run_worker(cfg: Config) -> dict:
         for line in summary_table(summary):
             log.info(line)
         log.info("run folder: %s", cfg.output_dir)
-    from cputrain.dist.process_group import destroy
-
+    # The wrapped model holds the process group: release it, then the group, so no collective
+    # thread is left for interpreter teardown (see dist.process_group.destroy).
+    trainer.close()
+    del trainer
     destroy()
+    held = collective_threads()
+    if held:
+        log.debug("rank %d: %d collective thread(s) still held after the group was destroyed (%s); "
+                  "ending without interpreter teardown", ranks.rank, len(held), ", ".join(held))
+        exit_without_teardown(0)
     return summary
 
 

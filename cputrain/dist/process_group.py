@@ -26,6 +26,12 @@ def init_process_group(backend: str, world_size: int, timeout_s: int = 600) -> N
         return
     if backend == "ccl":
         import oneccl_bindings_for_pytorch  # noqa: F401  registers the backend
+    # torch.distributed.nn.functional binds `group=group.WORLD` as a default argument of its
+    # functions when it is first imported (DDP imports it). Imported after the group exists,
+    # it would hold the group for the life of the interpreter; then the group's gloo threads
+    # outlive destroy() and die in interpreter teardown, where a thread that reaches for the
+    # GIL aborts the rank (SIGABRT, "terminate called without an active exception").
+    import torch.distributed.nn  # noqa: F401
     timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1:
         # ddp/fsdp/zero3 on one rank still call collectives: give them a group of one, on an
@@ -49,5 +55,47 @@ def all_reduce_mean(value: float) -> float:
 
 
 def destroy() -> None:
+    """Destroy the process group while the interpreter is whole. The caller drops what holds the
+    group first (the wrapped model, the optimizer); gc.collect() frees any reference cycles among
+    them, so the group's threads are joined here rather than in interpreter teardown."""
+    import gc
+
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
+
+
+def collective_threads() -> list[str]:
+    """Names of this process's threads that a process group runs (gloo's loops), from the OS."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            continue
+        if "gloo" in name or "ccl" in name:
+            names.append(name)
+    return names
+
+
+def exit_without_teardown(code: int = 0) -> None:
+    """End this rank now, skipping interpreter teardown (the run's files are all written).
+
+    For when a library still holds the destroyed group (FSDP2's DTensor caches keep its device
+    mesh; DeepSpeed keeps its groups in module globals): its gloo threads would then meet the
+    interpreter's teardown, where one that reaches for the GIL aborts the rank with SIGABRT
+    after a finished run, and the agent reports the whole run as failed."""
+    import logging
+    import sys
+
+    for handler in logging.getLogger("cputrain").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+

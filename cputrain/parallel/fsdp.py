@@ -167,6 +167,13 @@ class FSDPStrategy(Strategy):
 
     def close(self) -> None:
         self.meter.uninstall()
+        # DTensor's sharding-propagation caches keep the specs of every op seen, and through their
+        # device mesh the process group: cleared, the group can be destroyed before teardown.
+        try:
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        except ImportError:  # a torch without it keeps the group until exit, as before
+            return
+        _clear_sharding_prop_cache()
 
 
 def build(ctx: StrategyContext) -> Strategy:
