@@ -234,6 +234,10 @@ def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
     # Each rank's environment: threads = cores ÷ ranks (torchrun would set 1), and the allocator.
     os.environ["OMP_NUM_THREADS"] = str(plan.ranks[0].threads)
     preload_env(plan.allocator, os.environ)
+    # A fresh store for each rendezvous round, hosted by that round's rank 0 on a port node 0's
+    # agent picks: the agent's shared store would hand a round restarted after a lost rank the
+    # addresses the dead round published (see process_group.agent_store_of_this_round).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = parse_args(torchrun_args(plan, cfg, worker_args))
     config, cmd, cmd_args = config_from_args(args)
     log.info("starting %d rank(s) on this node through the torchrun agent (rendezvous %s, max restarts %d)",

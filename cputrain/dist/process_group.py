@@ -38,7 +38,31 @@ def init_process_group(backend: str, world_size: int, timeout_s: int = 600) -> N
         # in-memory store, so no port is opened (and none can clash with another run).
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
+    store = agent_store_of_this_round(world_size, timeout)
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timeout)
+        return
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def agent_store_of_this_round(world_size: int, timeout: datetime.timedelta,
+                              environ: dict | None = None) -> dist.Store | None:
+    """Under the torchrun agent: its store, seen through a prefix of this restart round.
+
+    The agent keeps one store for every round after a restart, and torch's env:// rendezvous
+    connects the ranks to it with no prefix, so the gloo group of a restarted round finds the
+    addresses the previous round's ranks published under the same keys: it dials a dead rank
+    ("Gloo connectFullMesh failed ... Connection refused") or waits forever (seen in about half
+    the restarts after a SIGKILL here). Keys under the round's own prefix cannot be stale.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # rank 0 hosts a fresh store for this process group (mpirun, opt-out)
+    round_ = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"cputrain/restart-{round_}", client)
 
 
 def barrier() -> None:
