@@ -62,7 +62,7 @@ class ModelConfig(Section):
     """Recompute each decoder block's activations in the backward pass: less memory, ~30% more compute."""
 
     compile: bool = False
-    """Compile the model with torch.compile (inductor). The first steps are slower; later ones faster."""
+    """Compile each decoder block with torch.compile (inductor). The first steps are slower; later ones faster."""
 
     compile_cache_dir: str | None = None
     """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""

@@ -222,13 +222,37 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def compile_model(model: nn.Module, cache_dir: str) -> nn.Module:
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (model.model.layers in Llama-style HF models)."""
+    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        node = model
+        for part in attr.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
+
+
+def compile_blocks(model: nn.Module, cache_dir: str) -> None:
+    """Compile each decoder block's forward in place (regional compilation).
+
+    The blocks are identical, so inductor compiles one and reuses it; the embedding, the head
+    and the loss stay eager. Only `forward` is compiled, not the module call: the hooks that
+    DDP, FSDP2 and DeepSpeed put on a block stay outside the graph, and parameter names (so
+    checkpoints and the export) are those of an eager run. Whole-model torch.compile was slower
+    than eager on the side-by-side benchmark (docs/benchmarks.md); per block it was faster.
+    """
     import os
 
     # Inductor keeps compiled kernels here between runs, so only the first run pays for compiling.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(cache_dir))
+    # Assigned, not defaulted: torch writes its own default (/tmp/torchinductor_<user>) into the
+    # variable the first time anything asks for the folder, which can be before this call.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    return torch.compile(model)
+    for block in decoder_blocks(model):
+        block.forward = torch.compile(block.forward)
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:

@@ -104,12 +104,9 @@ class Trainer:
         self.state.drop_metrics_after(self.step)
         self.state.write_run_files()
 
-        # Forward passes go through `forward_model`; checkpoints and export use the plain module,
-        # so compiled and eager runs share one checkpoint format.
-        self.forward_model = self.model
-        if cfg.model.compile:
+        if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
-            self.forward_model = models.compile_model(self.model, cache)
+            models.compile_blocks(self.strategy.unwrap(self.model), cache)
 
         self.accum = grad_accum_steps(cfg, ranks.world_size)
         self.flops_per_token = flops.flops_per_token(
@@ -174,7 +171,7 @@ class Trainer:
             with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
                 with self.strategy.autocast():
                     # labels=input ids: the model shifts them to predict each next token.
-                    loss = self.forward_model(input_ids=tokens, labels=tokens).loss / len(micro_batches)
+                    loss = self.model(input_ids=tokens, labels=tokens).loss / len(micro_batches)
                 self.strategy.backward(loss)
             loss_sum += loss.detach().float()
         grad_norm = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip)
@@ -200,7 +197,7 @@ class Trainer:
             idx = per_rank[start : start + mbs]
             tokens = self._batch(idx, val)
             with self.strategy.autocast():
-                total += float(self.forward_model(input_ids=tokens, labels=tokens).loss) * len(idx)
+                total += float(self.model(input_ids=tokens, labels=tokens).loss) * len(idx)
             count += len(idx)
         return pg.all_reduce_mean(total / max(count, 1))
 
@@ -285,7 +282,7 @@ class Trainer:
         strategy = getattr(self, "strategy", None)
         if strategy is not None:
             strategy.close()
-        for name in ("forward_model", "model", "optimizer", "schedule", "state", "strategy"):
+        for name in ("model", "optimizer", "schedule", "state", "strategy"):
             self.__dict__.pop(name, None)
 
     def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:

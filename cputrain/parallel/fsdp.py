@@ -24,21 +24,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from cputrain.dist.allocator import pin_mmap_threshold
 from cputrain.dist.comm import CommMeter, summarize
 from cputrain.errors import ModelError
-from cputrain.model import SafetensorsReader, load_into, materialize, random_init, safetensors_files
+from cputrain.model import SafetensorsReader, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
-
-
-def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks (model.model.layers in Llama-style HF models)."""
-    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
-        node = model
-        for part in attr.split("."):
-            node = getattr(node, part, None)
-            if node is None:
-                break
-        if isinstance(node, nn.ModuleList):
-            return list(node)
-    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
 
 
 def owned_rows(param: DTensor) -> slice:
