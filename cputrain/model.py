@@ -241,8 +241,8 @@ def compile_blocks(model: nn.Module, cache_dir: str) -> None:
     The blocks are identical, so inductor compiles one and reuses it; the embedding, the head
     and the loss stay eager. Only `forward` is compiled, not the module call: the hooks that
     DDP, FSDP2 and DeepSpeed put on a block stay outside the graph, and parameter names (so
-    checkpoints and the export) are those of an eager run. Whole-model torch.compile was slower
-    than eager on the side-by-side benchmark (docs/benchmarks.md); per block it was faster.
+    checkpoints and the export) are those of an eager run. benchmarks/step_profile.py measures
+    it against eager on the machine at hand (docs/benchmarks.md).
     """
     import os
 

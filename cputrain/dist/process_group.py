@@ -122,4 +122,3 @@ def exit_without_teardown(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
