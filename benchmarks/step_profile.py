@@ -33,8 +33,9 @@ VARIANTS = {
     "each decoder block compiled (inductor)": {"attn": "sdpa", "compile": True},
 }
 # operator name → row of the breakdown (self time; anything else is "elementwise and other")
+MATMULS = "matrix products (mm, addmm, bmm)"
 CATEGORIES = {
-    "matrix products (mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    MATMULS: ("aten::mm", "aten::addmm", "aten::bmm"),
     "attention (SDPA flash kernel, forward and backward)": ("aten::_scaled_dot_product",),
     "cross-entropy (log-softmax, NLL)": ("aten::_log_softmax", "aten::nll_loss"),
 }
@@ -55,9 +56,10 @@ def child(opts: dict) -> dict:
 
     torch.set_num_threads(physical_cores())
     model = build(opts["arch"], opts["attn"])
-    if opts["compile"]:
-        for block in model.model.layers:
-            block.compile()
+    if opts["compile"]:  # what model.compile=true does in a run
+        from cputrain.model import compile_blocks
+
+        compile_blocks(model, str(REPO / ".cache" / "bench" / "inductor"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     tokens = torch.randint(0, VOCAB, (MICRO_BATCH, opts["seq_len"]))
 
@@ -83,15 +85,14 @@ def child(opts: dict) -> dict:
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         shares = {name: 0.0 for name in CATEGORIES}
-        mm_time_us, mm_flops = 0.0, 0.0
         for e in events:
             for name, prefixes in CATEGORIES.items():
                 if e.key.startswith(prefixes):
                     shares[name] += e.self_cpu_time_total / total
-                    if name.startswith("matrix"):
-                        mm_time_us += e.self_cpu_time_total
-                        mm_flops += e.flops or 0
                     break
+        matmuls = [e for e in events if e.key.startswith(CATEGORIES[MATMULS])]
+        mm_time_us = sum(e.self_cpu_time_total for e in matmuls)
+        mm_flops = sum(e.flops or 0 for e in matmuls)
         shares["elementwise and other (norms, activations, RoPE, optimizer, copies)"] = 1 - sum(shares.values())
         out["shares"] = shares
         out["mm_gflops"] = mm_flops / (mm_time_us * 1e-6) / 1e9 if mm_time_us else 0.0
