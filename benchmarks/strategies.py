@@ -82,7 +82,7 @@ def padded_useful_share(source: str, cache_dir: Path, vocab_size: int) -> tuple[
 
     data_cfg = DataConfig(source=source, cache_dir=str(cache_dir), max_documents=MAX_DOCUMENTS)
     tok = tokenizer.get_tokenizer(ModelConfig(tokenizer_vocab_size=vocab_size), data_cfg, sources.fingerprint(data_cfg),
-                                  lambda: sources.read_documents(data_cfg))
+                                  lambda: sources.open_corpus(data_cfg))
     docs = sources.read_documents(data_cfg)
     real = sum(min(len(ids), PAD_TO) for ids in tok(docs)["input_ids"])
     return real / (len(docs) * PAD_TO), len(docs)

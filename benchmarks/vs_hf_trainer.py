@@ -77,7 +77,7 @@ def shared_tokenizer(source: str, cache_dir: str):
 
     data_cfg = DataConfig(source=source, cache_dir=cache_dir)
     return tokenizer.get_tokenizer(ModelConfig(tokenizer_vocab_size=VOCAB), data_cfg, sources.fingerprint(data_cfg),
-                                   lambda: sources.read_documents(data_cfg))
+                                   lambda: sources.open_corpus(data_cfg))
 
 
 # ------------------------------------------------------------------------------------------

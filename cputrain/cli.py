@@ -1,4 +1,4 @@
-"""`cputrain` command line: train, doctor, generate, eval.
+"""`cputrain` command line: train, prepare, doctor, generate, eval, plan, k8s.
 
 Every user error ends as one line on stderr and exit code 2; `--debug` shows the traceback.
 """
@@ -18,6 +18,7 @@ log = logging.getLogger("cputrain")
 EXAMPLES = """examples:
   cputrain train                                   # the built-in demo: small Llama on Python's docs
   cputrain train configs/finetune-local.yaml train.max_steps=20
+  cputrain prepare configs/llama3-8b-fsdp.yaml          # tokenize into data.cache_dir ahead of a job
   cputrain doctor
   cputrain generate runs/default --prompt "The list"
   cputrain eval runs/default
@@ -81,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences")
     _add_common(ev)
 
+    prep = sub.add_parser(
+        "prepare", help="tokenize and pack a config's data into data.cache_dir ahead of training",
+        description="Build the tokenizer (for a model built from scratch) and the packed token cache that "
+        "`train` with the same config and data.cache_dir will read. Interrupted, it resumes where it stopped.")
+    prep.add_argument("config", nargs="?", help="YAML config file (optional)")
+    prep.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.num_proc=8")
+    _add_common(prep)
+
     from cputrain.k8s import command as k8s_command
     from cputrain.plan import command as plan_command
 
@@ -92,17 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------
 
 
+def _config_and_overrides(args) -> tuple[str | None, list[str]]:
+    overrides = list(args.overrides)
+    config_path = args.config
+    if config_path and "=" in config_path and not os.path.exists(config_path):
+        overrides.insert(0, config_path)  # `cputrain train train.max_steps=5`: no file, only overrides
+        config_path = None
+    return config_path, overrides
+
+
 def cmd_train(args) -> int:
     from cputrain.config import describe_fields, load_config
     if args.help_config:
         for key, default, doc in describe_fields():
             print(f"{key:<34} {default:<22} {doc}")
         return 0
-    overrides = list(args.overrides)
-    config_path = args.config
-    if config_path and "=" in config_path and not os.path.exists(config_path):
-        overrides.insert(0, config_path)  # `cputrain train train.max_steps=5`: no file, only overrides
-        config_path = None
+    config_path, overrides = _config_and_overrides(args)
     from cputrain.dist.launcher import launch, pet_overrides
 
     flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
@@ -152,21 +166,16 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from pathlib import Path
 
-    from cputrain.config import load_config
-    from cputrain.data import packing, sources
+    from cputrain.data.prepare import prepare
     from cputrain.generate import evaluate_loss, load_for_inference, model_folder
 
     if args.max_sequences < 1:
         raise UserError("--max-sequences must be at least 1")
     run_config = Path(args.path) / "config.yaml"
     config_path = args.config or (str(run_config) if run_config.is_file() else None)
-    cfg = load_config(config_path, args.overrides)
+    cfg = _resolved_here(config_path, args.overrides)
     model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)
-    fp = sources.fingerprint(cfg.data)
-    key = {"data": fp, "tokenizer": packing.tokenizer_hash(tokenizer), "seq_len": cfg.data.seq_len,
-           "val_fraction": cfg.data.val_fraction, "seed": cfg.seed}
-    data = packing.load_or_pack(cfg.data.cache_dir, key, lambda: sources.read_documents(cfg.data), tokenizer,
-                                cfg.data.seq_len, cfg.data.val_fraction, cfg.seed)
+    _, data = prepare(cfg, tokenizer)
     split = data.val if args.split == "val" and len(data.val) else data.train
     result = evaluate_loss(model, split[: args.max_sequences], cfg.train.micro_batch_size)
     result.update({"model": model_folder(args.path), "data": cfg.data.source, "split": args.split})
@@ -174,7 +183,30 @@ def cmd_eval(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, "eval": cmd_eval}
+def _resolved_here(config_path, overrides):
+    """A config with its "auto" values resolved for one process on this machine."""
+    from cputrain.config import load_config
+    from cputrain.hardware import detect
+    from cputrain.resolve import resolve
+
+    return resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1).config
+
+
+def cmd_prepare(args) -> int:
+    from cputrain.data.prepare import prepare
+
+    cfg = _resolved_here(*_config_and_overrides(args))
+    _, data = prepare(cfg)
+    s = data.stats
+    print(f"{s['records']:,} records → {s['documents']:,} documents ({s['val_documents']:,} held out), "
+          f"{s['tokens']:,} tokens → {s['train_sequences']:,} train + {s['val_sequences']:,} validation "
+          f"sequences of {s['seq_len']}")
+    print(f"token cache: {data.folder}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, "eval": cmd_eval,
+            "prepare": cmd_prepare}
 
 
 def cmd_plan(args) -> int:

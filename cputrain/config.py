@@ -103,6 +103,28 @@ class DataConfig(Section):
     max_documents: int | None = Field(None, gt=0)
     """Read at most this many documents (for quick trials)."""
 
+    num_proc: int | Literal["auto"] = "auto"
+    """Processes that tokenize while the token cache is built. auto: the node's physical cores
+    (the other ranks only wait for the cache, so the whole node can tokenize)."""
+
+    bad_records: Literal["fail", "skip"] = "fail"
+    """A .jsonl line that is not a JSON object: fail (name how many and the first line number)
+    or skip such lines (their count is logged and kept in the cache's stats.json)."""
+
+    tokenizer_sample_mb: float = Field(256, gt=0)
+    """Text read to train a tokenizer for a model built from scratch: evenly spaced documents up
+    to this many MB, so a 10B-token corpus trains one in minutes and bounded memory."""
+
+    lock_stale_s: int = Field(300, gt=0)
+    """Seconds without a heartbeat after which a cache writer (tokenizer or token cache) is taken
+    for dead; another process then takes over and resumes its half-built cache."""
+
+    @model_validator(mode="after")
+    def _positive_num_proc(self):
+        if isinstance(self.num_proc, int) and self.num_proc < 1:
+            raise ValueError("data.num_proc must be a positive integer or 'auto'")
+        return self
+
 
 class TrainConfig(Section):
     max_steps: int | None = Field(100, gt=0)
@@ -197,6 +219,10 @@ class ParallelConfig(Section):
 
     offload_param: bool = False
     """zero3: keep parameters off the compute path until needed (DeepSpeed parameter offload)."""
+
+    timeout_s: int = Field(600, gt=0)
+    """Seconds a collective (all-reduce, barrier) may wait for the slowest rank before the run
+    fails. Data preparation never waits in a collective, so it may take longer than this."""
 
 
 class LaunchConfig(Section):

@@ -58,6 +58,11 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             "(hyper-threads add nothing to matmul throughput)",
         )
 
+    if cfg.data.num_proc == "auto":
+        cfg.data.num_proc = hw.physical_cores
+        res.note("data.num_proc", hw.physical_cores,
+                 "one tokenizing process per physical core: the other ranks only wait for the token cache")
+
     if cfg.parallel.strategy == "auto":
         strategy = "single" if world_size == 1 else "ddp"
         cfg.parallel.strategy = strategy

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from cputrain.checkpoint.folders import RunFolder
 from cputrain.config import Config
-from cputrain.data import order, packing, sources, tokenizer as tokenizers
+from cputrain.data import order
 from cputrain.dist import process_group as pg
 from cputrain.dist.env import RankEnv
 from cputrain.hardware import HardwareFacts
@@ -52,16 +52,13 @@ class Trainer:
         # 1. Process group and this rank's cores: everything after runs on the right threads.
         pg.set_threads(int(cfg.hardware.threads), self.cpus)
         if ranks.distributed or cfg.parallel.strategy != "single":
-            pg.init_process_group(cfg.parallel.backend, ranks.world_size)
+            pg.init_process_group(cfg.parallel.backend, ranks.world_size, cfg.parallel.timeout_s)
         self.phases.mark("process group")
 
-        # 2. Tokenizer and data. Rank 0 tokenizes (and trains a tokenizer) into the cache first;
-        #    the others then read the cache instead of all doing the same work at once.
-        if ranks.is_main:
-            self._prepare_data()
-        pg.barrier()
-        if not ranks.is_main:
-            self._prepare_data()
+        # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
+        #    poll for its completion marker instead of waiting in a collective, so preparing a
+        #    10B-token corpus may take far longer than the process group's timeout.
+        self._prepare_data()
 
         # 3. Model skeleton on the meta device: the structure, no memory.
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
@@ -120,26 +117,10 @@ class Trainer:
         self.peak_flops = self.hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
 
     def _prepare_data(self) -> None:
+        from cputrain.data.prepare import prepare
+
         cfg = self.cfg
-        fp = sources.fingerprint(cfg.data)
-        docs_cache: list = []
-
-        def documents():
-            if not docs_cache:
-                docs_cache.append(sources.read_documents(cfg.data))
-            return docs_cache[0]
-
-        self.tokenizer = tokenizers.get_tokenizer(cfg.model, cfg.data, fp, documents)
-        key = {
-            "data": fp,
-            "tokenizer": packing.tokenizer_hash(self.tokenizer),
-            "seq_len": cfg.data.seq_len,
-            "val_fraction": cfg.data.val_fraction,
-            "seed": cfg.seed,
-        }
-        self.data = packing.load_or_pack(
-            cfg.data.cache_dir, key, documents, self.tokenizer, cfg.data.seq_len, cfg.data.val_fraction, cfg.seed
-        )
+        self.tokenizer, self.data = prepare(cfg)
         self.order = order.BatchOrder(len(self.data.train), cfg.train.global_batch_size, cfg.seed)
         if self.ranks.is_main:
             s = self.data.stats

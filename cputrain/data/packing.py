@@ -1,31 +1,37 @@
-"""Tokenize once, pack into fixed-length sequences with EOS between documents, cache on disk.
+"""The packed token cache: its key, its layout, and opening it for training.
 
-No padding: every token the model sees is a real one, so "useful tokens" = all tokens. The
-cache is two .npy files (train, validation) of shape [n_sequences, seq_len], opened with
-mmap so a large corpus is not read into every rank's memory.
+Documents are joined with EOS into one stream and cut into sequences of seq_len: no padding,
+so "useful tokens" = all tokens. A complete cache entry is a folder
+
+    packed/<key>/train.bin   the train stream, token ids as uint16 (uint32 for vocabularies > 65,535)
+    packed/<key>/val.bin     the validation stream (whole held-out documents)
+    packed/<key>/stats.json  written last, by the one writer: its presence marks the entry complete
+
+Training memory-maps the .bin files as [n_sequences, seq_len] arrays: a 10B-token corpus costs
+each rank only the pages it touches. cputrain.data.prepare builds the entries.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from cputrain.errors import DataError
+from cputrain.config import DataConfig
 
-log = logging.getLogger("cputrain")
+# Bumped when the layout or the packing rule changes, so no older entry is read as a newer one.
+CACHE_FORMAT = 2
 
 
 @dataclass
 class PackedData:
-    train: np.ndarray  # [n_train, seq_len] token ids
+    train: np.ndarray  # [n_train, seq_len] token ids (memory-mapped)
     val: np.ndarray  # [n_val, seq_len]
-    stats: dict  # documents, tokens, sequences, dropped tail tokens
+    stats: dict  # documents, tokens, sequences, dropped tail tokens, how validation was chosen
+    folder: Path | None = None
 
     @property
     def seq_len(self) -> int:
@@ -38,66 +44,35 @@ def tokenizer_hash(tokenizer) -> str:
     ) else hashlib.sha256(repr(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
 
 
-def _pack(docs: list[list[int]], eos: int, seq_len: int) -> tuple[np.ndarray, int]:
-    total = sum(len(d) + 1 for d in docs)
-    flat = np.empty(total, dtype=np.int32)
-    pos = 0
-    for d in docs:
-        flat[pos : pos + len(d)] = d
-        flat[pos + len(d)] = eos  # the boundary the model learns to predict
-        pos += len(d) + 1
-    n = total // seq_len
-    return flat[: n * seq_len].reshape(n, seq_len), total - n * seq_len
-
-
-def pack_documents(documents: list[str], tokenizer, seq_len: int, val_fraction: float, seed: int) -> PackedData:
-    encoded = tokenizer(documents, add_special_tokens=False)["input_ids"]
-    order = np.random.default_rng(seed).permutation(len(documents))
-    n_val = int(round(len(documents) * val_fraction))
-    if val_fraction > 0 and len(documents) > 1:
-        n_val = max(1, n_val)
-    val_ids, train_ids = set(order[:n_val].tolist()), order[n_val:]
-    # Validation documents are whole documents never seen in training.
-    train, dropped_train = _pack([encoded[i] for i in train_ids], tokenizer.eos_token_id, seq_len)
-    val, dropped_val = _pack([encoded[i] for i in sorted(val_ids)], tokenizer.eos_token_id, seq_len)
-    tokens = sum(len(e) + 1 for e in encoded)
-    if len(train) == 0:
-        raise DataError(
-            f"the training split has {tokens} tokens, fewer than one sequence of data.seq_len={seq_len}; "
-            "use more text or a shorter data.seq_len"
-        )
-    stats = {
-        "documents": len(documents),
-        "val_documents": n_val,
-        "tokens": tokens,
-        "train_sequences": int(len(train)),
-        "val_sequences": int(len(val)),
-        "seq_len": seq_len,
-        "dropped_tail_tokens": dropped_train + dropped_val,
-        "padding_tokens": 0,
+def cache_key(data_fingerprint: str, data_cfg: DataConfig, seed: int, tokenizer) -> str:
+    """The one key of a packed entry: what the data is, how it is tokenized, cut and split."""
+    parts = {
+        "format": CACHE_FORMAT,
+        "data": data_fingerprint,
+        "tokenizer": tokenizer_hash(tokenizer),
+        "seq_len": data_cfg.seq_len,
+        "val_fraction": data_cfg.val_fraction,
+        "seed": seed,
     }
-    return PackedData(train, val, stats)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_or_pack(cache_dir: str, key_parts: dict, documents_fn, tokenizer, seq_len, val_fraction, seed) -> PackedData:
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) / "packed" / key
-    if (folder / "stats.json").exists():
-        stats = json.loads((folder / "stats.json").read_text())
-        log.info("data: cached packed tokens %s", folder)
-        return PackedData(
-            np.load(folder / "train.npy", mmap_mode="r"), np.load(folder / "val.npy", mmap_mode="r"), stats
-        )
-    packed = pack_documents(documents_fn(), tokenizer, seq_len, val_fraction, seed)
-    tmp = folder.with_name(f"{key}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "train.npy", packed.train)
-    np.save(tmp / "val.npy", packed.val)
-    (tmp / "stats.json").write_text(json.dumps(packed.stats, indent=1))  # written last: marks it complete
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another rank or run got there first with the same content
-        import shutil
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return packed
+
+def _sequences(path: Path, dtype: str, n: int, seq_len: int) -> np.ndarray:
+    if n == 0:
+        return np.empty((0, seq_len), dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n, seq_len))
+
+
+def open_packed(folder: Path) -> PackedData:
+    stats = json.loads((folder / "stats.json").read_text())
+    dtype, seq_len = stats["token_dtype"], stats["seq_len"]
+    return PackedData(
+        _sequences(folder / "train.bin", dtype, stats["train_sequences"], seq_len),
+        _sequences(folder / "val.bin", dtype, stats["val_sequences"], seq_len),
+        stats,
+        folder,
+    )

@@ -1,45 +1,71 @@
 """Where documents come from: Python's own docs, local files, or a Hugging Face dataset.
 
-Each source yields plain strings, one per document. Local files and hub datasets go through
-the `datasets` library (it reads .jsonl/.parquet/.txt and caches them as Arrow).
+Every source becomes a `datasets.Dataset` backed by Arrow files on disk (memory-mapped), so a
+corpus of any size is read in batches and never held as Python strings. Local files and hub
+datasets go through `datasets.load_dataset` (it converts .jsonl/.parquet/.txt to Arrow once and
+caches it under data.cache_dir/datasets).
 """
 
 from __future__ import annotations
 
+import codecs
+import errno
 import hashlib
+import json
+import logging
 import os
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from cputrain.config import DataConfig
 from cputrain.errors import DataError
 
+log = logging.getLogger("cputrain")
+
 BUILTIN_PREFIX = "builtin:"
 HF_PREFIX = "hf:"
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# errno values that mean "this disk is full", whichever layer (Arrow, numpy, Python) hit them.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _pydoc_documents() -> list[str]:
+@dataclass
+class Corpus:
+    """A source opened as Arrow: `dataset[i][field]` is document i; `rows` counts the records used."""
+
+    dataset: object  # datasets.Dataset, memory-mapped
+    field: str
+    rows: int
+    skipped_records: int = 0  # malformed .jsonl lines left out under data.bad_records=skip
+
+
+def _pydoc_paragraphs():
     # The text behind Python's help(): ~465 kB of real English technical prose that ships with
     # every CPython, so the default run needs no download. Each paragraph is one document.
     from pydoc_data.topics import topics
 
-    docs = []
     for name in sorted(topics):
-        docs.extend(p.strip() for p in topics[name].split("\n\n") if len(p.strip()) > 40)
-    return docs
+        for p in topics[name].split("\n\n"):
+            if len(p.strip()) > 40:
+                yield {"text": p.strip()}
+
+
+def _pydoc_documents() -> list[str]:
+    return [row["text"] for row in _pydoc_paragraphs()]
 
 
 def local_files(source: str) -> list[Path]:
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"dataset '{source}' not found; give a .txt/.jsonl/.parquet file, a folder of them, or builtin:pydoc")
-    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES) if path.is_dir() else [path]
-    if not files:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    if path.is_dir() and not any(p.suffix in LOCAL_SUFFIXES for p in files):
         raise DataError(f"folder '{source}' holds no .txt, .jsonl or .parquet files")
-    kinds = {LOCAL_SUFFIXES.get(p.suffix) for p in files}
-    if None in kinds:
-        raise DataError(f"'{source}': unsupported file type; use .txt, .jsonl or .parquet")
+    others = sorted({p.suffix or p.name for p in files if p.suffix not in LOCAL_SUFFIXES})
+    if others:
+        where = f"folder '{source}' holds" if path.is_dir() else f"'{source}' is"
+        raise DataError(f"{where} unsupported file type(s) {', '.join(others)}; use .txt, .jsonl or .parquet files only")
+    kinds = {LOCAL_SUFFIXES[p.suffix] for p in files}
     if len(kinds) > 1:
         raise DataError(f"folder '{source}' mixes file types {sorted(kinds)}; keep one type per dataset")
     for p in files:
@@ -51,7 +77,7 @@ def local_files(source: str) -> list[Path]:
 def fingerprint(cfg: DataConfig) -> str:
     """Changes when the data would: file names, sizes and times, or the hub id and split."""
     h = hashlib.sha256()
-    h.update(f"{cfg.source}|{cfg.hf_config}|{cfg.hf_split}|{cfg.text_field}|{cfg.max_documents}".encode())
+    h.update(f"{cfg.source}|{cfg.hf_config}|{cfg.hf_split}|{cfg.text_field}|{cfg.max_documents}|{cfg.bad_records}".encode())
     if not cfg.source.startswith((BUILTIN_PREFIX, HF_PREFIX)):
         for p in local_files(cfg.source):
             st = p.stat()
@@ -63,43 +89,153 @@ def fingerprint(cfg: DataConfig) -> str:
     return h.hexdigest()[:16]
 
 
-def _from_datasets(cfg: DataConfig) -> Iterator[str]:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def no_text_error(source: str) -> DataError:
+    return DataError(f"dataset '{source}' has no usable text (every record is empty or not a string)")
+
+
+def disk_full_error(exc: OSError, where: str) -> DataError:
+    return DataError(f"no space left on the disk of {where} ({os.strerror(exc.errno)}); free space there or set "
+                     "data.cache_dir to a larger disk, then run again: the finished part is kept")
+
+
+def _not_utf8(files: list[Path]) -> str | None:
+    """'FILE at byte N' for the first file that is not UTF-8 text, else None (read in 1 MiB blocks)."""
+    for p in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as err:
+                    return f"'{p}' at byte {offset + err.start}"
+                offset += len(block)
+    return None
+
+
+def _malformed_json_lines(files: list[Path]) -> tuple[int, int, str]:
+    """(bad lines, all non-blank lines, where the first bad one is) over .jsonl files."""
+    bad = total = 0
+    first = ""
+    for p in files:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                total += 1
+                try:
+                    ok = isinstance(json.loads(line), dict)
+                    why = "not a JSON object"
+                except json.JSONDecodeError as err:
+                    ok, why = False, err.msg
+                if not ok:
+                    bad += 1
+                    first = first or f"{p.name} line {number}: {why}"
+    return bad, total, first
+
+
+def _good_json_records(files: list[str]):
+    for name in files:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict):
+                    yield record
+
+
+def _load(cfg: DataConfig, cache: str):
+    """The source as a datasets.Dataset, and how many malformed records were skipped."""
+    import datasets
+
+    if cfg.source.startswith(HF_PREFIX):
+        return datasets.load_dataset(cfg.source[len(HF_PREFIX):], cfg.hf_config, split=cfg.hf_split, cache_dir=cache), 0
+    files = local_files(cfg.source)
+    kind = LOCAL_SUFFIXES[files[0].suffix]
+    if kind == "text":
+        bad = _not_utf8(files)  # one sequential read; the loader's own error would not say which byte
+        if bad:
+            raise DataError(f"dataset {bad} is not UTF-8 text (a binary file?); give text files, or convert it "
+                            "(iconv -t UTF-8)")
+    try:
+        # A .txt file holds documents separated by blank lines (paragraphs, speeches, …).
+        extra = {"sample_by": "paragraph"} if kind == "text" else {}
+        return datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train", cache_dir=cache, **extra), 0
+    except Exception as exc:
+        if kind != "json":
+            raise
+        bad, total, first = _malformed_json_lines(files)
+        if not bad:
+            raise
+        if cfg.bad_records == "fail":
+            raise DataError(f"{bad} of {total} lines of '{cfg.source}' are not JSON objects (first: {first}); fix them "
+                            "or set data.bad_records=skip to leave them out") from None
+        log.warning("data: skipping %d of %d lines of %s that are not JSON objects (first: %s)", bad, total,
+                    cfg.source, first)
+        return datasets.Dataset.from_generator(_good_json_records, gen_kwargs={"files": [str(p) for p in files]},
+                                               cache_dir=cache), bad
+
+
+def open_corpus(cfg: DataConfig) -> Corpus:
+    """The source as a memory-mapped Arrow dataset (converted once, cached under data.cache_dir)."""
     import datasets
 
     datasets.disable_progress_bars()
     cache = os.path.join(cfg.cache_dir, "datasets")
+    if cfg.source.startswith(BUILTIN_PREFIX) and cfg.source != "builtin:pydoc":
+        raise DataError(f"unknown built-in dataset '{cfg.source}'; the built-in one is builtin:pydoc")
     try:
-        if cfg.source.startswith(HF_PREFIX):
-            ds = datasets.load_dataset(cfg.source[len(HF_PREFIX):], cfg.hf_config, split=cfg.hf_split, cache_dir=cache)
+        if cfg.source == "builtin:pydoc":
+            ds, skipped = datasets.Dataset.from_generator(_pydoc_paragraphs, cache_dir=cache), 0
         else:
-            files = local_files(cfg.source)
-            kind = LOCAL_SUFFIXES[files[0].suffix]
-            # A .txt file holds documents separated by blank lines (paragraphs, speeches, …).
-            extra = {"sample_by": "paragraph"} if kind == "text" else {}
-            ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train", cache_dir=cache, **extra)
+            ds, skipped = _load(cfg, cache)
     except DataError:
         raise
+    except OSError as exc:
+        if exc.errno in DISK_FULL:
+            raise disk_full_error(exc, f"data.cache_dir '{cfg.cache_dir}'") from None
+        raise DataError(f"could not read dataset '{cfg.source}': {_first_line(exc)}") from None
     except Exception as exc:  # the library's own message is the useful part
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"could not read dataset '{cfg.source}': {first}") from None
-    field = "text" if not cfg.source.startswith(HF_PREFIX) and files[0].suffix == ".txt" else cfg.text_field
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL:
+            raise disk_full_error(cause, f"data.cache_dir '{cfg.cache_dir}'") from None
+        raise DataError(f"could not read dataset '{cfg.source}': {_first_line(exc)}") from None
+    text_files = not cfg.source.startswith((BUILTIN_PREFIX, HF_PREFIX)) and \
+        LOCAL_SUFFIXES[local_files(cfg.source)[0].suffix] == "text"
+    field = "text" if cfg.source == "builtin:pydoc" or text_files else cfg.text_field
     if field not in ds.column_names:
         raise DataError(f"dataset '{cfg.source}' has no field '{field}' (fields: {ds.column_names}); set data.text_field")
-    for text in ds[field]:
-        if isinstance(text, str):
-            yield text
+    rows = min(len(ds), cfg.max_documents or len(ds))
+    if rows == 0:
+        raise DataError(f"dataset '{cfg.source}' has no records")
+    return Corpus(ds, field, rows, skipped)
+
+
+def clean(text) -> str | None:
+    """A record's text as trained on: stripped; None for blanks and non-strings (they are left out)."""
+    if not isinstance(text, str):
+        return None
+    return text.strip() or None
+
+
+def iter_texts(corpus: Corpus, batch_rows: int = 1000, rows: range | None = None):
+    """The corpus's documents in order, read in Arrow batches."""
+    rows = rows if rows is not None else range(corpus.rows)
+    for start in range(rows.start, rows.stop, batch_rows):
+        for text in corpus.dataset[start : min(start + batch_rows, rows.stop)][corpus.field]:
+            if (doc := clean(text)) is not None:
+                yield doc
 
 
 def read_documents(cfg: DataConfig) -> list[str]:
-    if cfg.source.startswith(BUILTIN_PREFIX):
-        if cfg.source != "builtin:pydoc":
-            raise DataError(f"unknown built-in dataset '{cfg.source}'; the built-in one is builtin:pydoc")
-        docs = _pydoc_documents()
-    else:
-        docs = [t.strip() for t in _from_datasets(cfg)]
-    docs = [d for d in docs if d]
-    if cfg.max_documents:
-        docs = docs[: cfg.max_documents]
+    """Every document as one list: for small corpora only (the benchmarks' peers take lists)."""
+    docs = list(iter_texts(open_corpus(cfg)))
     if not docs:
-        raise DataError(f"dataset '{cfg.source}' has no usable text (every record is empty or not a string)")
+        raise no_text_error(cfg.source)
     return docs

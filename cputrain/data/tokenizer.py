@@ -1,7 +1,9 @@
 """The tokenizer: the model folder's own, a given folder, or a byte-level BPE trained on the data.
 
-A trained tokenizer is cached under data.cache_dir by the data's fingerprint and vocabulary
-size, so only the first run pays for training it.
+A trained tokenizer is cached under data.cache_dir by the data's fingerprint, vocabulary size
+and sample size, so only the first run pays for training it, and one process trains it while
+the others wait (cache_lock). It is trained on a bounded sample of the corpus: evenly spaced
+blocks of documents up to data.tokenizer_sample_mb, so its cost does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 from cputrain.errors import ModelError
 
@@ -19,7 +24,7 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 
-def train_bpe(documents: list[str], vocab_size: int, folder: Path):
+def train_bpe(documents: Iterable[str], vocab_size: int, folder: Path):
     """Train a byte-level BPE (GPT-2 style: any byte sequence encodes, no unknown tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -67,8 +72,37 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     return tok
 
 
-def get_tokenizer(model_cfg, data_cfg, fingerprint: str, documents_fn):
-    """The tokenizer for this run; `documents_fn()` is called only if one must be trained."""
+SAMPLE_BLOCK_ROWS = 100  # documents read together: few Arrow slices, spread over the whole corpus
+
+
+class CorpusSample:
+    """Evenly spaced blocks of documents, at most `max_chars` of text; counts what it gave."""
+
+    def __init__(self, corpus, max_chars: int):
+        from cputrain.data.sources import iter_texts
+
+        self.corpus, self.max_chars, self.iter_texts = corpus, max_chars, iter_texts
+        self.documents = self.chars = 0
+
+    def __iter__(self) -> Iterator[str]:
+        corpus = self.corpus
+        head = list(self.iter_texts(corpus, rows=range(min(corpus.rows, 1000))))
+        mean_chars = max(1.0, sum(map(len, head)) / max(1, len(head)))
+        share = min(1.0, self.max_chars / (mean_chars * corpus.rows))  # of the corpus's blocks to read
+        n_blocks = -(-corpus.rows // SAMPLE_BLOCK_ROWS)
+        blocks = np.unique(np.linspace(0, n_blocks - 1, max(1, int(np.ceil(n_blocks * share)))).astype(np.int64))
+        for block in blocks:
+            start = int(block) * SAMPLE_BLOCK_ROWS
+            for doc in self.iter_texts(corpus, rows=range(start, min(start + SAMPLE_BLOCK_ROWS, corpus.rows))):
+                if self.chars and self.chars + len(doc) > self.max_chars:
+                    return
+                self.documents += 1
+                self.chars += len(doc)
+                yield doc
+
+
+def get_tokenizer(model_cfg, data_cfg, fingerprint: str, corpus_fn):
+    """The tokenizer for this run; `corpus_fn()` (the opened corpus) is called only if one must be trained."""
     if model_cfg.tokenizer:
         return load_tokenizer(model_cfg.tokenizer, model_cfg.trust_remote_code)
     if model_cfg.name_or_path:
@@ -77,10 +111,26 @@ def get_tokenizer(model_cfg, data_cfg, fingerprint: str, documents_fn):
         # The model folder is checked first, so a wrong path is reported as the model's.
         folder = local_folder(model_cfg.name_or_path)
         return load_tokenizer(str(folder), model_cfg.trust_remote_code)
-    folder = Path(data_cfg.cache_dir) / "tokenizers" / f"bpe-{model_cfg.tokenizer_vocab_size}-{fingerprint}"
-    if (folder / "tokenizer.json").exists():
+    from cputrain.data.cache_lock import build_once
+
+    sample_mb = data_cfg.tokenizer_sample_mb
+    folder = Path(data_cfg.cache_dir) / "tokenizers" / f"bpe-{model_cfg.tokenizer_vocab_size}-{fingerprint}-{sample_mb:g}mb"
+
+    def train() -> None:
+        corpus = corpus_fn()
+        sample = CorpusSample(corpus, int(sample_mb * 1e6))
+        log.info("tokenizer: training a %d-token byte-level BPE on a sample of at most %g MB of %s (cached in %s)",
+                 model_cfg.tokenizer_vocab_size, sample_mb, data_cfg.source, folder)
+        train_bpe(sample, model_cfg.tokenizer_vocab_size, folder)
+        if sample.documents == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            from cputrain.data.sources import no_text_error
+
+            raise no_text_error(data_cfg.source)
+        log.info("tokenizer: trained on %d documents, %.1f MB of text (%d records in the corpus)", sample.documents,
+                 sample.chars / 1e6, corpus.rows)
+
+    if not build_once(folder.with_name(folder.name + ".lock"), lambda: (folder / "tokenizer.json").exists(), train,
+                      "training the tokenizer", data_cfg.lock_stale_s):
         log.info("tokenizer: cached BPE %s", folder)
-        return load_tokenizer(str(folder))
-    log.info("tokenizer: training a %d-token byte-level BPE on the data (cached in %s)", model_cfg.tokenizer_vocab_size, folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    return train_bpe(documents_fn(), model_cfg.tokenizer_vocab_size, folder)
+    return load_tokenizer(str(folder))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cputrain.config import DataConfig, ModelConfig
-from cputrain.data import order, packing, sources, tokenizer as tokenizers
+from cputrain.data import order, packing, prepare, sources, tokenizer as tokenizers
 from cputrain.errors import DataError
 
 
@@ -22,9 +22,20 @@ def tok(tmp_path_factory):
 # --- packing -----------------------------------------------------------------------------
 
 
-def test_pack_has_no_padding_and_eos_between_documents(tok):
+def _pack(tmp_path, docs, tok, seq_len, val_fraction=0.1, seed=0, num_proc=1, **data):
+    """Pack `docs` the way a run does: a .jsonl corpus, the token cache under tmp_path."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    corpus = tmp_path / f"corpus-{abs(hash(tuple(docs)))}.jsonl"
+    if not corpus.exists():
+        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=seq_len,
+                     val_fraction=val_fraction, **data)
+    return prepare.packed_data(cfg, sources.fingerprint(cfg), seed, tok, num_proc)
+
+
+def test_pack_has_no_padding_and_eos_between_documents(tok, tmp_path):
     docs = [f"document number {i} " + "word " * (i % 17) for i in range(60)]
-    data = packing.pack_documents(docs, tok, seq_len=16, val_fraction=0.1, seed=3)
+    data = _pack(tmp_path, docs, tok, seq_len=16, val_fraction=0.1, seed=3)
     eos = tok.eos_token_id
     assert data.train.shape[1] == 16 and data.val.shape[1] == 16
     assert data.stats["padding_tokens"] == 0
@@ -32,17 +43,22 @@ def test_pack_has_no_padding_and_eos_between_documents(tok):
     # Every token is accounted for: packed + dropped tail = documents + one EOS each.
     packed_tokens = data.train.size + data.val.size
     assert packed_tokens + data.stats["dropped_tail_tokens"] == data.stats["tokens"]
-    encoded = tok(docs, add_special_tokens=False)["input_ids"]
+    encoded = tok([d.strip() for d in docs], add_special_tokens=False)["input_ids"]  # documents are stripped
     assert data.stats["tokens"] == sum(len(e) + 1 for e in encoded)
     # The EOS count in the train stream is the number of train documents whose end was kept.
-    n_eos = int((data.train == eos).sum())
+    n_eos = int((np.asarray(data.train) == eos).sum())
     assert data.stats["documents"] - data.stats["val_documents"] - 1 <= n_eos <= data.stats["documents"] - data.stats["val_documents"]
+    # The train stream is the train documents in corpus order, each followed by EOS.
+    held = set(np.flatnonzero(prepare.validation_mask(60, 0.1, 3)[0]).tolist())
+    expected = [t for i, e in enumerate(encoded) if i not in held for t in e + [eos]]
+    assert np.asarray(data.train).reshape(-1).tolist() == expected[: data.train.size]
 
 
-def test_validation_documents_are_held_out_whole(tok):
+def test_validation_documents_are_held_out_whole(tok, tmp_path):
     docs = [f"unique{i:03d} " + "alpha beta gamma " * 3 for i in range(40)]
-    data = packing.pack_documents(docs, tok, seq_len=8, val_fraction=0.25, seed=0)
+    data = _pack(tmp_path, docs, tok, seq_len=8, val_fraction=0.25, seed=0)
     assert data.stats["val_documents"] == 10
+    assert "permutation" in data.stats["validation_rule"]  # by rule, not by list
 
     def stream(arr):
         return tok.decode(np.asarray(arr).reshape(-1).tolist())
@@ -52,38 +68,80 @@ def test_validation_documents_are_held_out_whole(tok):
     assert len(val_names) >= 9  # the last document may lose its tail
     assert len(train_names) >= 29
     assert not val_names & train_names
+    # The rule in stats.json names them: the held-out records are the seeded permutation's first ones.
+    rule_ids = {f"unique{i:03d}" for i in np.flatnonzero(prepare.validation_mask(40, 0.25, 0)[0])}
+    assert val_names <= rule_ids
 
 
-def test_pack_is_deterministic_by_seed(tok):
+def test_pack_is_deterministic_by_seed(tok, tmp_path):
     docs = [f"doc {i} text text" for i in range(50)]
-    a = packing.pack_documents(docs, tok, 8, 0.2, seed=1)
-    b = packing.pack_documents(docs, tok, 8, 0.2, seed=1)
-    c = packing.pack_documents(docs, tok, 8, 0.2, seed=2)
+    a = _pack(tmp_path / "a", docs, tok, 8, 0.2, seed=1)
+    b = _pack(tmp_path / "b", docs, tok, 8, 0.2, seed=1)
+    c = _pack(tmp_path / "c", docs, tok, 8, 0.2, seed=2)
     assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
     assert not np.array_equal(a.val, c.val)
 
 
-def test_too_little_text_for_one_sequence(tok):
+def test_pack_is_the_same_for_any_number_of_processes(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "CHUNK_CHARS", 2_000)  # many chunks, so the pool really splits the work
+    docs = [f"record {i} " + "lorem ipsum dolor " * (i % 11) for i in range(1500)]
+    one = _pack(tmp_path / "one", docs, tok, 16, 0.05, seed=4, num_proc=1)
+    two = _pack(tmp_path / "two", docs, tok, 16, 0.05, seed=4, num_proc=2)
+    assert two.stats["num_proc"] == 2
+    assert np.array_equal(one.train, two.train) and np.array_equal(one.val, two.val)
+
+
+def test_too_little_text_for_one_sequence(tok, tmp_path):
     with pytest.raises(DataError, match="fewer than one sequence"):
-        packing.pack_documents(["tiny"], tok, seq_len=512, val_fraction=0.0, seed=0)
+        _pack(tmp_path, ["tiny"], tok, seq_len=512, val_fraction=0.0)
 
 
-def test_packed_cache_is_reused_and_complete(tok, tmp_path):
+def test_packed_cache_is_reused_and_complete(tok, tmp_path, monkeypatch):
     calls = []
-
-    def docs():
-        calls.append(1)
-        return [f"cached doc {i} " * 3 for i in range(30)]
-
-    key = {"data": "x", "tokenizer": packing.tokenizer_hash(tok), "seq_len": 8}
-    first = packing.load_or_pack(str(tmp_path), key, docs, tok, 8, 0.1, 0)
-    second = packing.load_or_pack(str(tmp_path), key, docs, tok, 8, 0.1, 0)
+    real_build = prepare.build
+    monkeypatch.setattr(prepare, "build", lambda *a: calls.append(1) or real_build(*a))
+    docs = [f"cached doc {i} " * 3 for i in range(30)]
+    first = _pack(tmp_path, docs, tok, 8)
+    second = _pack(tmp_path, docs, tok, 8)
     assert calls == [1]  # tokenized once
     assert np.array_equal(first.train, second.train) and first.stats == second.stats
-    folders = list((tmp_path / "packed").iterdir())
-    assert len(folders) == 1 and not folders[0].name.count(".tmp")  # no temporary left behind
-    other = packing.load_or_pack(str(tmp_path), {**key, "seq_len": 4}, docs, tok, 4, 0.1, 0)
+    entries = sorted(p.name for p in (tmp_path / "cache" / "packed").iterdir())
+    assert len(entries) == 1 and "." not in entries[0]  # no partial folder or lock left behind
+    other = _pack(tmp_path, docs, tok, 4)
     assert calls == [1, 1] and other.seq_len == 4
+
+
+def test_interrupted_preparation_resumes_to_the_same_cache(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "CHUNK_CHARS", 1_000)
+    monkeypatch.setattr(prepare, "COMMIT_EVERY_S", 0.0)  # commit after every chunk
+    docs = [f"line {i} " + "the quick brown fox " * (i % 7) for i in range(800)]
+    clean = _pack(tmp_path / "clean", docs, tok, 16, 0.1)
+
+    real = prepare.tokenize_rows
+    seen = []
+
+    def killed_after_five(*args):
+        if len(seen) == 5:
+            raise KeyboardInterrupt  # what a kill looks like from here: the loop stops mid-way
+        seen.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(prepare, "tokenize_rows", killed_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        _pack(tmp_path / "resumed", docs, tok, 16, 0.1)
+    partial = next((tmp_path / "resumed" / "cache" / "packed").glob("*.partial"))
+    progress = json.loads((partial / "progress.json").read_text())
+    assert progress["rows_done"] > 0 and not (partial / "stats.json").exists()
+    assert not any(p.suffix == "" for p in partial.parent.iterdir() if p.is_dir())  # never taken as complete
+    # Bytes written after the last commit (a kill between write and commit) are cut off on resume.
+    with open(partial / "train.bin", "ab") as f:
+        f.write(b"\xff" * 64)
+    monkeypatch.setattr(prepare, "tokenize_rows", real)
+    resumed = _pack(tmp_path / "resumed", docs, tok, 16, 0.1)
+    assert resumed.stats["resumed_at_record"] == progress["rows_done"]
+    assert np.array_equal(clean.train, resumed.train) and np.array_equal(clean.val, resumed.val)
+    assert {k: v for k, v in resumed.stats.items() if k not in ("source", "resumed_at_record", "prepare_time_s", "tokens_per_s")} \
+        == {k: v for k, v in clean.stats.items() if k not in ("source", "resumed_at_record", "prepare_time_s", "tokens_per_s")}
 
 
 # --- order -------------------------------------------------------------------------------
@@ -164,7 +222,7 @@ def _file(path, text):
         (lambda p: _file(p / "n.jsonl", '{"text": ""}\n{"text": 5}\n'), "no usable text"),
         (lambda p: _file(p / "f.jsonl", '{"body": "x"}\n'), "no field 'text'"),
         (lambda p: _file(p / "x.csv", "a,b\n"), "unsupported file type"),
-        (lambda p: _file(p / "bad.jsonl", "{not json\n"), "could not read dataset"),
+        (lambda p: _file(p / "bad.jsonl", '{"text": "fine"}\n{not json\n'), r"1 of 2 lines .* line 2"),
         (lambda p: p, "holds no .txt"),
     ],
     ids=["missing", "empty", "blank", "no-strings", "no-field", "csv", "bad-json", "empty-folder"],
@@ -182,20 +240,33 @@ def test_bad_sources_raise_data_error(tmp_path, setup, message):
 
 
 def test_trained_tokenizer_is_cached(tmp_path):
-    data_cfg = DataConfig(cache_dir=str(tmp_path))
+    data_cfg = DataConfig(cache_dir=str(tmp_path), max_documents=100)
     model_cfg = ModelConfig(tokenizer_vocab_size=300)
     calls = []
 
-    def docs():
+    def corpus():
         calls.append(1)
-        return sources._pydoc_documents()[:100]
+        return sources.open_corpus(data_cfg)
 
-    first = tokenizers.get_tokenizer(model_cfg, data_cfg, "fp1", docs)
-    second = tokenizers.get_tokenizer(model_cfg, data_cfg, "fp1", docs)
+    first = tokenizers.get_tokenizer(model_cfg, data_cfg, "fp1", corpus)
+    second = tokenizers.get_tokenizer(model_cfg, data_cfg, "fp1", corpus)
     assert calls == [1]  # trained once; the second run reads the cache
     assert len(first) == len(second) == 300
     assert first.eos_token == tokenizers.EOS and first.eos_token_id is not None
     assert packing.tokenizer_hash(first) == packing.tokenizer_hash(second)
     text = "def f(x):\n    return x ** 2  # ünïcödé"
     assert second.decode(second(text)["input_ids"]) == text  # byte-level: any text round-trips
-    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == ["bpe-300-fp1"]
+    assert sorted(p.name for p in (tmp_path / "tokenizers").iterdir()) == ["bpe-300-fp1-256mb"]  # no lock left
+
+
+def test_tokenizer_sample_is_bounded_and_spread_over_the_corpus(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record{i:05d} " + "x" * 90}) + "\n" for i in range(20_000)))
+    corpus = sources.open_corpus(DataConfig(source=str(path), cache_dir=str(tmp_path / "cache")))
+    sample = tokenizers.CorpusSample(corpus, max_chars=50_000)  # 2.5% of the corpus's 2 MB
+    docs = list(sample)
+    assert sample.chars <= 50_000 and sample.documents == len(docs) and 400 <= len(docs) <= 500
+    ids = sorted(int(d[6:11]) for d in docs)
+    assert ids[0] < 200 and ids[-1] > 19_000  # blocks from the start to the end, not the first 500 records
+    whole = tokenizers.CorpusSample(corpus, max_chars=10**9)
+    assert len(list(whole)) == 20_000  # a budget larger than the corpus reads all of it, in order
