@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from cputrain.config import DataConfig
 from cputrain.data import cache_lock, packing, sources
-from cputrain.data.tokenize_chunk import ChunkTokens, init_worker, tokenize_rows
+from cputrain.data.tokenize_chunk import ChunkTokens, init_worker, portable_tokenizer, tokenize_rows
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -102,7 +102,7 @@ def _chunks(corpus, tokenizer, rows_done: int, held_out: np.ndarray, num_proc: i
     bounds = [(s, min(s + step, corpus.rows)) for s in range(rows_done, corpus.rows, step)]
     files = [f["filename"] for f in corpus.dataset.cache_files]
     if num_proc == 1 or len(bounds) <= 2 or not files:
-        init_worker(None, corpus.dataset, corpus.field, tokenizer, dtype)
+        init_worker(None, corpus.dataset, corpus.field, portable_tokenizer(tokenizer), dtype)
         for a, b in bounds:
             yield tokenize_rows(a, b, held_out[a:b])
         return
@@ -110,7 +110,7 @@ def _chunks(corpus, tokenizer, rows_done: int, held_out: np.ndarray, num_proc: i
     # half-alive. Workers open the Arrow files themselves; only row numbers travel.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(num_proc, initializer=init_worker,
-                  initargs=(files, None, corpus.field, tokenizer, dtype)) as pool:
+                  initargs=(files, None, corpus.field, portable_tokenizer(tokenizer), dtype)) as pool:
         pending: deque = deque()
         todo = iter(bounds)
         while True:

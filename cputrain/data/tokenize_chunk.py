@@ -29,17 +29,37 @@ class ChunkTokens:
     text_chars: int
 
 
+# A worker re-opens its memory map after reading this much text: pages of a mapped file that
+# were read stay in the process's RSS until unmapped, and would grow with the corpus.
+REMAP_EVERY_CHARS = 64_000_000
+
+
+def portable_tokenizer(tokenizer):
+    """What a worker needs to rebuild the tokenizer: the fast tokenizer's JSON (no transformers
+    import in the worker, ~150 MB less per process), or the object itself for a slow tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return ("json", backend.to_str(), tokenizer.eos_token_id)
+    return ("object", tokenizer, tokenizer.eos_token_id)
+
+
+def _open(arrow_files: list[str]):
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in arrow_files])
+
+
 def init_worker(arrow_files: list[str] | None, dataset, field: str, tokenizer, dtype: str) -> None:
+    """`tokenizer` as made by portable_tokenizer; `dataset` is used when `arrow_files` is None."""
     # One thread per process: the pool is the parallelism (Rust threads in every worker would
     # only fight over the same cores).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if arrow_files is not None:
-        import datasets
+    kind, tok, eos = tokenizer
+    if kind == "json":
+        from tokenizers import Tokenizer
 
-        datasets.disable_progress_bars()
-        dataset = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in arrow_files])
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
+        backend = Tokenizer.from_str(tok)
         # encode_batch_fast skips the character offsets nobody here needs (~20% faster).
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
@@ -48,9 +68,10 @@ def init_worker(arrow_files: list[str] | None, dataset, field: str, tokenizer, d
     else:  # a slow (pure Python) tokenizer
 
         def ids_of(texts):
-            return tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return tok(texts, add_special_tokens=False)["input_ids"]
 
-    _state.update(dataset=dataset, field=field, ids_of=ids_of, eos=tokenizer.eos_token_id, dtype=np.dtype(dtype))
+    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else _open(arrow_files), field=field,
+                  ids_of=ids_of, eos=eos, dtype=np.dtype(dtype), chars_since_open=0)
 
 
 def _stream(docs: list[str]) -> np.ndarray:
@@ -77,5 +98,9 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
             continue
         text_chars += len(doc)
         (val_docs if is_val else train_docs).append(doc)
+    s["chars_since_open"] += text_chars
+    if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
+        s["dataset"] = None  # drop the old mapping before the new one exists
+        s["dataset"], s["chars_since_open"] = _open(s["files"]), 0
     return ChunkTokens(start, stop, _stream(train_docs), _stream(val_docs), len(train_docs) + len(val_docs),
                        len(val_docs), text_chars)
