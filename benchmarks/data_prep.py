@@ -27,7 +27,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from itertools import chain
 from pathlib import Path
@@ -36,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.report import machine_line, median, write_block  # noqa: E402
+from cputrain.metrics.tree_memory import TreeMemory  # noqa: E402
 
 GIB = 2**30
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -76,39 +76,6 @@ def write_corpus(path: Path, size_bytes: int) -> Path:
 
 # ------------------------------------------------------------------------------------------
 # Measuring a command
-
-
-class TreeMemory:
-    """Peak of the summed PSS of a process and all its descendants, sampled in a thread."""
-
-    def __init__(self, pid: int, every_s: float = 0.2):
-        import psutil
-
-        self.root, self.every_s, self.peak_bytes = psutil.Process(pid), every_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        import psutil
-
-        while not self._stop.is_set():
-            total = 0
-            try:
-                for p in [self.root, *self.root.children(recursive=True)]:
-                    try:
-                        total += p.memory_full_info().pss
-                    except (psutil.NoSuchProcess, psutil.AccessDenied):
-                        pass
-            except psutil.NoSuchProcess:
-                return
-            self.peak_bytes = max(self.peak_bytes, total)
-            self._stop.wait(self.every_s)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.peak_bytes / GIB
 
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:

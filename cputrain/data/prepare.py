@@ -29,11 +29,12 @@ from cputrain.config import DataConfig
 from cputrain.data import cache_lock, packing, sources
 from cputrain.data.tokenize_chunk import ChunkTokens, init_worker, portable_tokenizer, tokenize_rows
 from cputrain.errors import DataError
+from cputrain.metrics.tree_memory import TreeMemory
 
 log = logging.getLogger("cputrain")
 
 CHUNK_CHARS = 1_000_000  # text per task: large enough to amortise a task, small enough to bound memory
-COMMIT_EVERY_S = 5.0  # how much work a kill can cost: progress.json is rewritten this often
+COMMIT_EVERY_S = 2.0  # how much work a kill can cost: progress.json is rewritten this often
 LOG_EVERY_S = 30.0  # progress lines where no terminal shows a bar (CI, pod logs)
 VALIDATION_RULE = ("record i of the first `records` records is held out (whole) when i is among the first "
                    "`val_records` entries of numpy.random.default_rng(seed).permutation(records); "
@@ -139,6 +140,7 @@ def _report(bar, progress: _Progress, records: int, t0: float, rows0: int, token
 def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Path, final: Path) -> None:
     """Tokenize and pack the corpus into `partial`, then rename it to `final` (complete)."""
     t0 = time.perf_counter()
+    memory = TreeMemory()  # this process and its tokenizing workers, reported in stats.json
     corpus = sources.open_corpus(data_cfg)
     held_out, n_val_records = validation_mask(corpus.rows, data_cfg.val_fraction, seed)
     dtype = packing.token_dtype(len(tokenizer))
@@ -172,6 +174,7 @@ def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Pa
             f.close()
         stats = _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, time.perf_counter() - t0,
                        rows0, tokens0)
+        stats["peak_memory_gib"] = round(memory.stop(), 3)
         (partial / "stats.json").write_text(json.dumps(stats, indent=1))  # written last: marks it complete
         (partial / "progress.json").unlink()
         os.rename(partial, final)
@@ -179,6 +182,8 @@ def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Pa
         if exc.errno in sources.DISK_FULL:
             raise sources.disk_full_error(exc, where) from None
         raise
+    finally:
+        memory.stop()
 
 
 def _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wall_s, rows0, tokens0) -> dict:

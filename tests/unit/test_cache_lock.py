@@ -1,0 +1,70 @@
+"""The cache writer lock: one holder, a heartbeat, and take-over of a dead or silent holder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from cputrain.data.cache_lock import WriterLock, build_once
+
+
+def test_one_holder_at_a_time_and_release(tmp_path):
+    a, b = WriterLock(tmp_path / "x.lock", 60), WriterLock(tmp_path / "x.lock", 60)
+    assert a.try_acquire()
+    assert not b.try_acquire()
+    holder = b.holder()
+    assert holder["host"] == socket.gethostname() and holder["pid"] == os.getpid()
+    a.release()
+    assert not (tmp_path / "x.lock").exists()
+    assert b.try_acquire()
+    b.release()
+
+
+def test_silent_holder_is_taken_over_after_the_stale_time(tmp_path):
+    path = tmp_path / "x.lock"
+    # A holder on another host (its pid means nothing here) whose heartbeat stopped 100 s ago.
+    path.write_text(json.dumps({"host": "node-7", "pid": 1, "since": "earlier"}))
+    old = time.time() - 100
+    os.utime(path, (old, old))
+    assert not WriterLock(path, stale_after_s=300).try_acquire()  # still within its time
+    taker = WriterLock(path, stale_after_s=60)
+    assert taker.try_acquire()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == ["x.lock"]  # the stale file is cleared away
+    taker.release()
+
+
+def test_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
+    path = tmp_path / "x.lock"
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(child.stdout), "pid_started": 0.0}))
+    lock = WriterLock(path, stale_after_s=3600)  # its heartbeat is fresh, but its process is gone
+    assert lock.try_acquire()
+    lock.release()
+
+
+def test_heartbeat_keeps_a_live_holder(tmp_path):
+    path = tmp_path / "x.lock"
+    holder = WriterLock(path, stale_after_s=0.4)  # beats every 0.1 s
+    assert holder.try_acquire()
+    time.sleep(1.0)
+    info = WriterLock(path, 0.4).holder()
+    assert info["heartbeat_age_s"] < 0.4
+    holder.release()
+
+
+def test_build_once_builds_once(tmp_path):
+    built = []
+    marker = tmp_path / "done"
+
+    def build():
+        built.append(1)
+        marker.write_text("x")
+
+    assert build_once(tmp_path / "e.lock", marker.exists, build, "test", 60)
+    assert not build_once(tmp_path / "e.lock", marker.exists, build, "test", 60)
+    assert built == [1] and not (tmp_path / "e.lock").exists()
