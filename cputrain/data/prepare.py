@@ -13,6 +13,7 @@ One writer: see cache_lock; the other ranks and nodes poll for stats.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -147,37 +148,34 @@ def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Pa
     itemsize = np.dtype(dtype).itemsize
     where = f"data.cache_dir '{data_cfg.cache_dir}'"
     try:
-        partial.mkdir(parents=True, exist_ok=True)
-        progress = _Progress(partial, corpus.rows)
-        rows0, tokens0 = progress["rows_done"], progress["train_tokens"] + progress["val_tokens"]
-        if rows0:
-            log.info("data: resuming an interrupted preparation at record %d of %d", rows0, corpus.rows)
-        streams = [_open_stream(partial / "train.bin", progress["train_tokens"], itemsize),
-                   _open_stream(partial / "val.bin", progress["val_tokens"], itemsize)]
-        live = sys.stderr.isatty()
-        bar = tqdm(total=corpus.rows, initial=rows0, unit="doc", desc="tokenize", disable=not live,
-                   dynamic_ncols=True, mininterval=1.0)
-        log.info("data: tokenizing %d records of %s with %d process(es) into %s", corpus.rows, data_cfg.source,
-                 num_proc, partial)
-        last_commit, last_log = time.perf_counter(), [time.perf_counter()]
-        for chunk in _chunks(corpus, tokenizer, rows0, held_out, num_proc, dtype):
-            streams[0].write(chunk.train.tobytes())
-            streams[1].write(chunk.val.tobytes())
-            progress.add(chunk)
-            _report(bar, progress, corpus.rows, t0, rows0, tokens0, last_log)
-            if time.perf_counter() - last_commit >= COMMIT_EVERY_S:
-                progress.commit(streams)
-                last_commit = time.perf_counter()
-        progress.commit(streams)
-        bar.close()
-        for f in streams:
-            f.close()
+        with contextlib.ExitStack() as files:
+            partial.mkdir(parents=True, exist_ok=True)
+            progress = _Progress(partial, corpus.rows)
+            rows0, tokens0 = progress["rows_done"], progress["train_tokens"] + progress["val_tokens"]
+            if rows0:
+                log.info("data: resuming an interrupted preparation at record %d of %d", rows0, corpus.rows)
+            streams = [files.enter_context(_open_stream(partial / "train.bin", progress["train_tokens"], itemsize)),
+                       files.enter_context(_open_stream(partial / "val.bin", progress["val_tokens"], itemsize))]
+            bar = files.enter_context(tqdm(total=corpus.rows, initial=rows0, unit="doc", desc="tokenize",
+                                           disable=not sys.stderr.isatty(), dynamic_ncols=True, mininterval=1.0))
+            log.info("data: tokenizing %d records of %s with %d process(es) into %s", corpus.rows, data_cfg.source,
+                     num_proc, partial)
+            last_commit, last_log = time.perf_counter(), [time.perf_counter()]
+            for chunk in _chunks(corpus, tokenizer, rows0, held_out, num_proc, dtype):
+                streams[0].write(chunk.train.tobytes())
+                streams[1].write(chunk.val.tobytes())
+                progress.add(chunk)
+                _report(bar, progress, corpus.rows, t0, rows0, tokens0, last_log)
+                if time.perf_counter() - last_commit >= COMMIT_EVERY_S:
+                    progress.commit(streams)
+                    last_commit = time.perf_counter()
+            progress.commit(streams)
         stats = _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, time.perf_counter() - t0,
                        rows0, tokens0)
         stats["peak_memory_gib"] = round(memory.stop(), 3)
         (partial / "stats.json").write_text(json.dumps(stats, indent=1))  # written last: marks it complete
-        (partial / "progress.json").unlink()
         os.rename(partial, final)
+        (final / "progress.json").unlink()  # after the rename: a kill before it resumes at the end, not at 0
     except OSError as exc:
         if exc.errno in sources.DISK_FULL:
             raise sources.disk_full_error(exc, where) from None
