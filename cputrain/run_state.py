@@ -25,6 +25,7 @@ from cputrain.config import Config
 from cputrain.dist import process_group as pg
 from cputrain.dist.env import RankEnv
 from cputrain.errors import RunFolderError
+from cputrain.metrics import finite_json
 
 log = logging.getLogger("cputrain")
 
@@ -103,7 +104,7 @@ class RunState:
         if len(kept) < len(rows):
             log.info("metrics.jsonl: %d row(s) after step %d dropped; those steps are trained again",
                      len(rows) - len(kept), step)
-            self.run.write_text("".join(json.dumps(r) + "\n" for r in kept), "metrics.jsonl")
+            self.run.write_text("".join(finite_json.dumps(r) + "\n" for r in kept), "metrics.jsonl")
 
     def read_summary(self) -> dict | None:
         text = self.run.read_text("summary.json")

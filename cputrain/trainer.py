@@ -6,7 +6,6 @@ and zero3 all come through the small protocol in cputrain.parallel.base.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -24,7 +23,7 @@ from cputrain.data import order, packing, sources, tokenizer as tokenizers
 from cputrain.dist import process_group as pg
 from cputrain.dist.env import RankEnv
 from cputrain.hardware import HardwareFacts
-from cputrain.metrics import flops, memory
+from cputrain.metrics import finite_json, flops, memory
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain import model as models
 from cputrain.parallel import get_strategy
@@ -218,6 +217,11 @@ class Trainer:
         window_t0, window_steps = time.perf_counter(), 0
         first_step_done = False
         last_val = None
+        has_val = len(self.data.val) > 0
+        if not has_val and main:  # said once; val_loss stays null in metrics.jsonl and summary.json
+            log.warning("the validation split has 0 sequences (%d training sequences; data.val_fraction=%s): "
+                        "validation is skipped and val_loss is null; raise data.val_fraction or "
+                        "data.max_documents to validate", len(self.data.train), cfg.data.val_fraction)
         memory.reset_peak()
         # The high-water mark is reset around every step, so "training step peak" is the peak of
         # a step alone; what evaluation and checkpoint saves add between steps is folded into
@@ -257,7 +261,7 @@ class Trainer:
                     log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", self.step, self.total_steps,
                              record["loss"], record["lr"], f"{tps:,.0f}", 100 * mfu)
                 window_t0, window_steps = time.perf_counter(), 0
-            if self.step % t.eval_every == 0 or self.step == self.total_steps:
+            if has_val and (self.step % t.eval_every == 0 or self.step == self.total_steps):
                 last_val = self.evaluate()
                 record = record or {"step": self.step}
                 record["val_loss"] = last_val
@@ -265,7 +269,7 @@ class Trainer:
                 window_t0 = time.perf_counter()  # evaluation time is not training throughput
             if record and main:
                 with self.run.fs.open(metrics_file, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                    f.write(finite_json.dumps(record) + "\n")
             if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
                 self.state.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
                 window_t0 = time.perf_counter()
@@ -312,6 +316,6 @@ class Trainer:
         self.phases.write(self.run, self.ranks)
         self.state.export(self.strategy, self.model, self.hf_config, self.tokenizer)
         if self.ranks.is_main:
-            self.run.write_text(json.dumps(summary, indent=2), "summary.json")
+            self.run.write_text(finite_json.dumps(summary, indent=2), "summary.json")
             self.state.after_export()
         return summary

@@ -265,3 +265,27 @@ def test_model_folder_config_without_hidden_size(tmp_path, tiny_model_dir):
     assert_refused(run_cli("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}"),
                    "config.json' lacks hidden_size", "hidden_size=4096")
     assert_no_work(tmp_path / "cache")
+
+
+# --- no NaN in the run's files -----------------------------------------------------------------
+
+
+def strict_json(text: str):
+    """json.loads as a strict reader (jq, JSON.parse) reads: NaN and Infinity are errors."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_empty_validation_split_is_skipped_with_one_warning(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    proc = run_cli("train", *tiny(out, cache_dir, **{"train.max_steps": 4, "train.eval_every": 2,
+                                                     "data.val_fraction": 0.0}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("the validation split has 0 sequences") == 1, proc.stderr[-3000:]
+    rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert not any("val_loss" in r for r in rows)
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["val_loss"] is None and summary["val_ppl"] is None
+    assert "nan" not in proc.stderr.lower()
