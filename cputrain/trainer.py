@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from cputrain.checkpoint.folders import RunFolder
+from cputrain.checkpoint.run_lock import RunLock, take_run_lock
 from cputrain.config import Config
 from cputrain.data import order, packing, sources, tokenizer as tokenizers
 from cputrain.dist import process_group as pg
@@ -36,10 +37,12 @@ log = logging.getLogger("cputrain")
 
 class Trainer:
     def __init__(self, cfg: Config, hw: HardwareFacts, ranks: RankEnv, cpus: list[int] | None = None,
-                 reasons: list | None = None):
+                 reasons: list | None = None, take_over_lock: bool = False):
         self.cfg, self.hw, self.ranks, self.cpus = cfg, hw, ranks, cpus
         self.reasons = reasons or []
         self.run = RunFolder(cfg.output_dir)
+        self.take_over_lock = take_over_lock
+        self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
         self.step = 0  # optimizer steps completed
         self.phases = PhaseRecorder(ranks.rank)
 
@@ -52,6 +55,9 @@ class Trainer:
         pg.set_threads(int(cfg.hardware.threads), self.cpus)
         if ranks.distributed or cfg.parallel.strategy != "single":
             pg.init_process_group(cfg.parallel.backend, ranks.world_size)
+        # One writer per run folder: rank 0 locks it before anything is written there (and
+        # before any tokenizing), and every rank stops if another run holds it.
+        self.lock = take_run_lock(self.run, ranks.is_main, self.take_over_lock)
         self.phases.mark("process group")
 
         # 2. Tokenizer and data. Rank 0 tokenizes (and trains a tokenizer) into the cache first;
@@ -268,6 +274,7 @@ class Trainer:
                 record["val_ppl"] = math.exp(min(last_val, 50))
                 window_t0 = time.perf_counter()  # evaluation time is not training throughput
             if record and main:
+                self.lock.assert_held()  # another run took the folder over: stop before writing beside it
                 with self.run.fs.open(metrics_file, "a") as f:
                     f.write(finite_json.dumps(record) + "\n")
             if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
@@ -280,6 +287,11 @@ class Trainer:
         run_peak_gib = max(run_peak_gib, memory.peak_rss_gib())
         wall_s = time.perf_counter() - wall0
         return self._finish(wall_s, start_step, last_val, run_peak_gib)
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def close(self) -> None:
         """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""

@@ -257,7 +257,7 @@ def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
                           "`cputrain train --node-rank 0` there and that the port is open") from None
 
 
-def launch(cfg: Config, worker_args: list[str], dry_run: bool = False) -> dict | None:
+def launch(cfg: Config, worker_args: list[str], dry_run: bool = False, take_over_lock: bool = False) -> dict | None:
     """Run `cputrain train` here or through the agent; returns rank 0's summary when it ran here."""
     from cputrain.dist.env import normalize
     from cputrain.dist.env_check import check_rank_variables, wait_for_master
@@ -287,7 +287,7 @@ def launch(cfg: Config, worker_args: list[str], dry_run: bool = False) -> dict |
             return {}
         from cputrain.worker import run_worker
 
-        return run_worker(cfg)
+        return run_worker(cfg, take_over_lock=take_over_lock)
     plan = make_plan(cfg, detect())
     if dry_run:
         print("\n".join(plan.lines()))
