@@ -79,6 +79,27 @@ def test_a_second_run_is_refused_and_a_killed_ones_lock_taken_over(tmp_path, cac
     assert steps == list(range(1, step + 4)), steps
 
 
+def test_metrics_rows_are_unique_after_kills_and_restarts(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    common = {"train.max_steps": 60, "train.checkpoint_every": 7, "train.eval_every": 5}
+    for kill_after_step in (4, 16, 30, 45):
+        run = _start(out, cache_dir, **common)
+        try:
+            _wait_for(lambda: run.poll() is not None or any(r["step"] >= kill_after_step for r in _rows(out)))
+        finally:
+            run.send_signal(signal.SIGKILL)
+            run.wait()
+        if kill_after_step == 30:  # as if killed in the middle of an append
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write('{"step": 31, "loss": 3.1')
+    last = run_cli("train", *tiny_overrides(out, cache_dir, **common))
+    assert last.returncode == 0, last.stderr[-3000:]
+    rows = _strict_rows(out)
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, 61)), f"each step once, in order: {steps}"
+    assert [r["step"] for r in rows if "val_loss" in r] == list(range(5, 61, 5))
+    assert not (out / LOCK).exists()
+
 
 def test_take_over_lock_flag(tmp_path, cache_dir):
     """A lock of a run on another host with a fresh heartbeat: refused; --take-over-lock takes it."""
