@@ -23,9 +23,16 @@ from cputrain.checkpoint.folders import RunFolder
 class LocalLockFile:
     def __init__(self, path: str):
         self.path = path
+        self.made: list[str] = []  # folders this lock created, deepest first
 
     def create(self, data: bytes) -> bool:
+        folder = os.path.abspath(os.path.dirname(self.path) or ".")
+        missing = []
+        while not os.path.exists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.made = self.made or missing
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -63,6 +70,13 @@ class LocalLockFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        # A run refused before it wrote anything (bad data, say) leaves no empty run folder.
+        for folder in self.made:
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break  # the run wrote files there, or another run did
+        self.made = []
 
 
 class FsspecLockFile:
