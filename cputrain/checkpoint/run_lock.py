@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from cputrain.checkpoint.folders import RunFolder
 from cputrain.checkpoint.lock_file import lock_file
 from cputrain.errors import RunFolderError, one_line
+from cputrain.hardware import read_system_file
 
 log = logging.getLogger("cputrain")
 
@@ -45,18 +46,10 @@ def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def _process_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22): a pid that
     was reused by another process has another start time. None where there is no such process."""
-    stat = _read(f"/proc/{pid}/stat")
+    stat = read_system_file(f"/proc/{pid}/stat")
     if stat is None:
         return None
     fields = stat.rsplit(")", 1)[-1].split()
@@ -73,7 +66,8 @@ def _machine() -> dict:
         ns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pass
-    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_namespace": ns}
+    return {"host": socket.gethostname(), "boot_id": read_system_file("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": ns}
 
 
 def holder_text(holder: dict, now_s: float | None = None) -> str:
