@@ -55,10 +55,10 @@ class Trainer:
         pg.set_threads(int(cfg.hardware.threads), self.cpus)
         if ranks.distributed or cfg.parallel.strategy != "single":
             pg.init_process_group(cfg.parallel.backend, ranks.world_size)
+        self.phases.mark("process group")
         # One writer per run folder: rank 0 locks it before anything is written there (and
         # before any tokenizing), and every rank stops if another run holds it.
         self.lock = take_run_lock(self.run, ranks.is_main, self.take_over_lock)
-        self.phases.mark("process group")
 
         # 2. Tokenizer and data. Rank 0 tokenizes (and trains a tokenizer) into the cache first;
         #    the others then read the cache instead of all doing the same work at once.
