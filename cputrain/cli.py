@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config file (optional)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=20")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    train.add_argument("--take-over-lock", action="store_true",
+                       help="take output_dir's run.lock from the run holding it (use when that run is gone)")
     # torchrun's flags; each maps onto config section `launch` (PET_* variables give their defaults).
     dist = train.add_argument_group("ranks and nodes (torchrun's flags; default from PET_* variables)")
     dist.add_argument("--nproc-per-node", type=int, help="ranks on this node, started by the torchrun agent")
@@ -125,8 +127,9 @@ def cmd_train(args) -> int:
     overrides = pet_overrides() + overrides + [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
     cfg = load_config(config_path, overrides)
     # Ranks started by the agent re-run this same command, config and overrides included.
-    worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else [])
-    summary = launch(cfg, worker_args, dry_run=args.dry_run)
+    worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else []) + (
+        ["--take-over-lock"] if args.take_over_lock else [])
+    summary = launch(cfg, worker_args, dry_run=args.dry_run, take_over_lock=args.take_over_lock)
     return 0 if summary is not None else 1
 
 

@@ -259,6 +259,14 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_named(cls, value: str) -> str:
+        # An empty path is the current directory: the run folder would be spread over it.
+        if not value.strip():
+            raise ValueError("output_dir is empty; name a run folder, e.g. output_dir=runs/my-run")
+        return value
+
     @model_validator(mode="after")
     def _batch_fits(self):
         if self.train.global_batch_size % self.train.micro_batch_size:

@@ -22,3 +22,11 @@ class ModelError(UserError):
 
 class RunFolderError(UserError):
     """An output_dir that would be damaged by this run."""
+
+
+def one_line(exc: BaseException) -> str:
+    """A library's whole message on one line. Validators (transformers' strict configs among
+    them) put the field on the first line and the reason on the next; the first line alone
+    ends mid-sentence ("Validation error for field 'x':")."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return text or type(exc).__name__

@@ -61,7 +61,8 @@ class HardwareFacts:
         return self.flags.get("amx_bf16", False) or self.flags.get("avx512_bf16", False)
 
 
-def _read(path: str) -> str | None:
+def read_system_file(path: str) -> str | None:
+    """A /proc or /sys file's text, or None where this kernel or container has no such file."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -81,7 +82,7 @@ def _parse_cpu_list(text: str) -> list[int]:
 
 
 def _cpuinfo() -> tuple[str, set[str], float | None]:
-    text = _read("/proc/cpuinfo") or ""
+    text = read_system_file("/proc/cpuinfo") or ""
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
     mhz = re.search(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)
@@ -94,7 +95,7 @@ def _cpuinfo() -> tuple[str, set[str], float | None]:
 
 def _clock_ghz(cpuinfo_ghz: float | None) -> tuple[float, str]:
     # Prefer the rated maximum: peak FLOP/s is about the best the core can do.
-    max_khz = _read("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+    max_khz = read_system_file("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
     if max_khz:
         return int(max_khz) / 1e6, "cpufreq max"
     if cpuinfo_ghz:
@@ -109,7 +110,7 @@ def _numa_of_cpu() -> dict[int, int]:
     node_of = {}
     for node_dir in glob.glob("/sys/devices/system/node/node[0-9]*"):
         node = int(node_dir.rsplit("node", 1)[1])
-        for cpu in _parse_cpu_list(_read(f"{node_dir}/cpulist") or ""):
+        for cpu in _parse_cpu_list(read_system_file(f"{node_dir}/cpulist") or ""):
             node_of[cpu] = node
     return node_of
 
@@ -120,8 +121,8 @@ def _physical_cores(allowed: set[int]) -> list[Core]:
     seen: dict[tuple[int, int], Core] = {}
     for cpu in sorted(allowed):
         base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        socket = int(_read(f"{base}/physical_package_id") or 0)
-        core_id = int(_read(f"{base}/core_id") or cpu)
+        socket = int(read_system_file(f"{base}/physical_package_id") or 0)
+        core_id = int(read_system_file(f"{base}/core_id") or cpu)
         seen.setdefault((socket, core_id), Core(cpu=cpu, socket=socket, numa_node=node_of.get(cpu, 0)))
     return sorted(seen.values(), key=lambda c: (c.numa_node, c.socket, c.cpu))
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from cputrain.config import ModelConfig
-from cputrain.errors import ModelError
+from cputrain.errors import ModelError, one_line
 
 log = logging.getLogger("cputrain")
 
@@ -39,25 +39,39 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def resolve_source(cfg: ModelConfig, vocab_size: int | None) -> ModelSource:
-    from transformers import AutoConfig, CONFIG_MAPPING
+def config_from_arch(arch: dict, vocab_size: int | None):
+    """The transformers config that `model.arch` describes; the library validates every key
+    (integers, heads dividing the hidden size) and its whole message is reported."""
+    from transformers import CONFIG_MAPPING
 
-    if cfg.name_or_path is None:
-        arch = dict(cfg.arch)
-        model_type = arch.pop("model_type", "llama")
-        if model_type not in CONFIG_MAPPING:
-            raise ModelError(f"model.arch.model_type '{model_type}' is not a transformers model type")
-        try:
-            hf_config = CONFIG_MAPPING[model_type](**arch, vocab_size=vocab_size)
-        except Exception as exc:
-            raise ModelError(f"model.arch does not make a valid {model_type} config: {_first_line(exc)}") from None
-        return ModelSource(None, hf_config)
-    folder = local_folder(cfg.name_or_path)
+    arch = dict(arch)
+    model_type = arch.pop("model_type", "llama")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelError(f"model.arch.model_type '{model_type}' is not a transformers model type")
     try:
-        hf_config = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+        return CONFIG_MAPPING[model_type](**arch, vocab_size=vocab_size)
     except Exception as exc:
-        raise ModelError(f"could not read the model config in '{cfg.name_or_path}': {_first_line(exc)}") from None
-    return ModelSource(folder, hf_config)
+        raise ModelError(f"model.arch does not make a valid {model_type} config: {one_line(exc)}") from None
+
+
+def folder_config(cfg: ModelConfig, folder: Path):
+    """The transformers config of a model folder, after its config.json was checked for the sizes."""
+    from transformers import AutoConfig
+
+    from cputrain.model_config_file import read_config_json
+
+    read_config_json(folder / "config.json", trust_remote_code=cfg.trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise ModelError(f"could not read the model config in '{cfg.name_or_path}': {one_line(exc)}") from None
+
+
+def resolve_source(cfg: ModelConfig, vocab_size: int | None) -> ModelSource:
+    if cfg.name_or_path is None:
+        return ModelSource(None, config_from_arch(cfg.arch, vocab_size))
+    folder = local_folder(cfg.name_or_path)
+    return ModelSource(folder, folder_config(cfg, folder))
 
 
 def local_folder(name_or_path: str) -> Path:

@@ -6,7 +6,6 @@ and zero3 all come through the small protocol in cputrain.parallel.base.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -19,12 +18,13 @@ import torch
 from tqdm import tqdm
 
 from cputrain.checkpoint.folders import RunFolder
+from cputrain.checkpoint.run_lock import RunLock, take_run_lock
 from cputrain.config import Config
 from cputrain.data import order
 from cputrain.dist import process_group as pg
 from cputrain.dist.env import RankEnv
 from cputrain.hardware import HardwareFacts
-from cputrain.metrics import flops, memory
+from cputrain.metrics import finite_json, flops, memory
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain import model as models
 from cputrain.parallel import get_strategy
@@ -37,10 +37,12 @@ log = logging.getLogger("cputrain")
 
 class Trainer:
     def __init__(self, cfg: Config, hw: HardwareFacts, ranks: RankEnv, cpus: list[int] | None = None,
-                 reasons: list | None = None):
+                 reasons: list | None = None, take_over_lock: bool = False):
         self.cfg, self.hw, self.ranks, self.cpus = cfg, hw, ranks, cpus
         self.reasons = reasons or []
         self.run = RunFolder(cfg.output_dir)
+        self.take_over_lock = take_over_lock
+        self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
         self.step = 0  # optimizer steps completed
         self.phases = PhaseRecorder(ranks.rank)
 
@@ -54,6 +56,9 @@ class Trainer:
         if ranks.distributed or cfg.parallel.strategy != "single":
             pg.init_process_group(cfg.parallel.backend, ranks.world_size, cfg.parallel.timeout_s)
         self.phases.mark("process group")
+        # One writer per run folder: rank 0 locks it before anything is written there (and
+        # before any tokenizing), and every rank stops if another run holds it.
+        self.lock = take_run_lock(self.run, ranks.is_main, self.take_over_lock)
 
         # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
         #    poll for its completion marker instead of waiting in a collective, so preparing a
@@ -199,6 +204,11 @@ class Trainer:
         window_t0, window_steps = time.perf_counter(), 0
         first_step_done = False
         last_val = None
+        has_val = len(self.data.val) > 0
+        if not has_val and main:  # said once; val_loss stays null in metrics.jsonl and summary.json
+            log.warning("the validation split has 0 sequences (%d training sequences; data.val_fraction=%s): "
+                        "validation is skipped and val_loss is null; raise data.val_fraction or "
+                        "data.max_documents to validate", len(self.data.train), cfg.data.val_fraction)
         memory.reset_peak()
         # The high-water mark is reset around every step, so "training step peak" is the peak of
         # a step alone; what evaluation and checkpoint saves add between steps is folded into
@@ -238,15 +248,16 @@ class Trainer:
                     log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", self.step, self.total_steps,
                              record["loss"], record["lr"], f"{tps:,.0f}", 100 * mfu)
                 window_t0, window_steps = time.perf_counter(), 0
-            if self.step % t.eval_every == 0 or self.step == self.total_steps:
+            if has_val and (self.step % t.eval_every == 0 or self.step == self.total_steps):
                 last_val = self.evaluate()
                 record = record or {"step": self.step}
                 record["val_loss"] = last_val
                 record["val_ppl"] = math.exp(min(last_val, 50))
                 window_t0 = time.perf_counter()  # evaluation time is not training throughput
             if record and main:
+                self.lock.assert_held()  # another run took the folder over: stop before writing beside it
                 with self.run.fs.open(metrics_file, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                    f.write(finite_json.dumps(record) + "\n")
             if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
                 self.state.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
                 window_t0 = time.perf_counter()
@@ -257,6 +268,11 @@ class Trainer:
         run_peak_gib = max(run_peak_gib, memory.peak_rss_gib())
         wall_s = time.perf_counter() - wall0
         return self._finish(wall_s, start_step, last_val, run_peak_gib)
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def close(self) -> None:
         """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""
@@ -293,6 +309,6 @@ class Trainer:
         self.phases.write(self.run, self.ranks)
         self.state.export(self.strategy, self.model, self.hf_config, self.tokenizer)
         if self.ranks.is_main:
-            self.run.write_text(json.dumps(summary, indent=2), "summary.json")
+            self.run.write_text(finite_json.dumps(summary, indent=2), "summary.json")
             self.state.after_export()
         return summary

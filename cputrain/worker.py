@@ -13,7 +13,7 @@ from cputrain.resolve import resolve
 log = logging.getLogger("cputrain")
 
 
-def run_worker(cfg: Config) -> dict:
+def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     ranks = normalize()  # also sets LOCAL_RANK & co. so no library dies on a KeyError
     setup_logging(ranks.rank)
     hw = detect()
@@ -28,9 +28,12 @@ def run_worker(cfg: Config) -> dict:
     from cputrain.trainer import Trainer
 
     cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
-    trainer = Trainer(res.config, hw, ranks, cpus=cpus, reasons=res.reasons)
-    trainer.setup()
-    summary = trainer.fit()
+    trainer = Trainer(res.config, hw, ranks, cpus=cpus, reasons=res.reasons, take_over_lock=take_over_lock)
+    try:
+        trainer.setup()
+        summary = trainer.fit()
+    finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
+        trainer.release_lock()
     if ranks.is_main and summary:
         for line in summary_table(summary):
             log.info(line)

@@ -77,6 +77,13 @@ class RunFolder:
         with self.fs.open(p, "w") as f:
             f.write(text)
 
+    def replace_text(self, text: str, *parts: str) -> None:
+        """Write a file whole under a temporary name, then rename it over the old one: a kill
+        leaves the old content or the new (a rename is atomic on a local or NFS/Lustre path)."""
+        tmp = self.path(*parts) + ".tmp"
+        self.write_text(text, *parts[:-1], parts[-1] + ".tmp")
+        self.fs.mv(tmp, self.path(*parts))
+
     def local_path(self) -> str | None:
         """The plain directory behind the URL, when it is on this machine."""
         return self.root if "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)) else None

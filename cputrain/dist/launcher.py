@@ -257,15 +257,23 @@ def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
                           "`cputrain train --node-rank 0` there and that the port is open") from None
 
 
-def launch(cfg: Config, worker_args: list[str], dry_run: bool = False) -> dict | None:
+def launch(cfg: Config, worker_args: list[str], dry_run: bool = False, take_over_lock: bool = False) -> dict | None:
     """Run `cputrain train` here or through the agent; returns rank 0's summary when it ran here."""
+    from cputrain.dist.env import normalize
+    from cputrain.dist.env_check import check_rank_variables, wait_for_master
     from cputrain.hardware import detect
+    from cputrain.preflight import check_before_work
 
+    # Everything that can be refused without data or weights is refused now, before any rank
+    # starts or waits: leftover rank variables, the run folder, the model config.
+    check_rank_variables()
     outside = started_by_launcher()
+    writer = not outside or normalize(dict(os.environ)).rank == 0  # ranks do not probe the folder at once
+    check_before_work(cfg, probe_output_dir=writer)
+    if outside and not dry_run:
+        wait_for_master(cfg.launch.rdzv_timeout_s)
     if outside or cfg.launch.nproc_per_node * cfg.launch.nnodes == 1:
         if dry_run:
-            from cputrain.dist.env import normalize
-
             ranks = normalize(dict(os.environ))
             single = cfg.model_copy(deep=True)
             single.launch.nnodes, single.launch.nproc_per_node = 1, ranks.local_world_size
@@ -279,7 +287,7 @@ def launch(cfg: Config, worker_args: list[str], dry_run: bool = False) -> dict |
             return {}
         from cputrain.worker import run_worker
 
-        return run_worker(cfg)
+        return run_worker(cfg, take_over_lock=take_over_lock)
     plan = make_plan(cfg, detect())
     if dry_run:
         print("\n".join(plan.lines()))

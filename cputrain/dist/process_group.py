@@ -70,6 +70,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_from_main(value):
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_mean(value: float) -> float:
     if not dist.is_initialized():
         return value

@@ -7,12 +7,11 @@ same total can hold different bytes per rank.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from cputrain.config import ModelConfig
-from cputrain.errors import ModelError
+from cputrain.errors import ModelError, one_line
 
 
 @dataclass(frozen=True)
@@ -96,19 +95,16 @@ def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_
             path = path / "config.json"
         if not path.is_file():
             raise ModelError(f"--model-config '{config_json}' is not a config.json file or a folder holding one")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"'{path}' is not valid JSON (line {exc.lineno}): fix or re-export the config") from None
         from transformers import CONFIG_MAPPING
 
-        model_type = raw.pop("model_type", None)
-        if model_type not in CONFIG_MAPPING:
-            raise ModelError(f"'{path}' has model_type {model_type!r}, which transformers does not know")
+        from cputrain.model_config_file import read_config_json
+
+        fields = dict(read_config_json(path))
+        model_type = fields.pop("model_type")
         try:
-            return CONFIG_MAPPING[model_type](**raw)
+            return CONFIG_MAPPING[model_type](**fields)
         except Exception as exc:
-            raise ModelError(f"'{path}' does not make a valid {model_type} config: {str(exc).splitlines()[0]}") from None
+            raise ModelError(f"'{path}' does not make a valid {model_type} config: {one_line(exc)}") from None
     return models.resolve_source(model_cfg, vocab_size or model_cfg.tokenizer_vocab_size).hf_config
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from conftest import cli_env, run_cli, tiny_overrides
 from dist_helpers import assert_no_survivors, free_port
 
 pytestmark = pytest.mark.slow
@@ -65,3 +66,38 @@ def test_checkpoint_of_another_model_fails_on_every_rank(tmp_path, cache_dir):
     assert proc.stderr.count("holds checkpoints of another run") >= 3
     assert (out / "checkpoints" / "step-000002").is_dir()  # nothing already on disk was lost
     assert_no_survivors(out)
+
+
+# --- rank variables no launcher set: one line in seconds (was a silent hang) --------------------
+
+
+@pytest.mark.parametrize("variables, expected", [
+    ({"WORLD_SIZE": 2}, ["WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not",
+                         "unset WORLD_SIZE", "--nproc-per-node"]),
+    ({"WORLD_SIZE": 2, "RANK": 1}, ["RANK=1, WORLD_SIZE=2 are set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"]),
+    ({"RANK": 1}, ["RANK=1 is set", "one process can only be rank 0", "unset RANK"]),
+], ids=["world-size", "world-size-and-rank", "rank"])
+def test_leftover_rank_variables(tmp_path, variables, expected):
+    started = time.monotonic()
+    proc = run_cli("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache"), env=cli_env(**variables),
+                   timeout=120)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = _error_line(proc)
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
+    for text in expected:
+        assert text in line, line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_rank_started_by_hand_with_no_rank_0_fails_in_seconds(tmp_path):
+    port = free_port()  # nothing listens there
+    env = cli_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    started = time.monotonic()
+    proc = run_cli("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"launch.rdzv_timeout_s": 3}),
+                   env=env, timeout=120)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2
+    line = _error_line(proc)
+    assert f"nothing answers at MASTER_ADDR:MASTER_PORT (127.0.0.1:{port}) after 3s" in line, line
+    assert not (tmp_path / "cache").exists()

@@ -192,3 +192,100 @@ def test_output_dir_that_is_a_file(tmp_path, cache_dir):
 
 def test_eval_needs_at_least_one_sequence(existing_run):
     assert_refused(run_cli("eval", existing_run, "--max-sequences", "0"), "--max-sequences")
+
+
+# --- checked before any work: nothing tokenized, no model built, nothing written -------------
+
+
+def assert_no_work(cache) -> None:
+    """The data cache of the command is still empty: it was refused before tokenizing."""
+    assert not cache.exists() or not any(cache.rglob("*")), sorted(str(p) for p in cache.rglob("*"))
+
+
+def test_empty_output_dir_is_refused(tmp_path, cache_dir):
+    """`output_dir=` used to spread the whole run folder over the current directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = run_cli("train", *tiny(tmp_path / "unused", tmp_path / "cache"), "output_dir=", cwd=cwd)
+    assert_refused(proc, "output_dir is empty", "output_dir=runs/my-run")
+    assert not any(cwd.iterdir())
+    assert_no_work(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("target", ["/proc/cputrain-test/run", "/sys/cputrain-test/run"], ids=["proc", "sys"])
+def test_output_dir_that_cannot_be_written(tmp_path, target):
+    """A pseudo file system refuses the folder: one line, before tokenizing (was a traceback after it)."""
+    cache = tmp_path / "cache"
+    proc = run_cli("train", *tiny(target, cache))
+    assert_refused(proc, f"output_dir '{target}' cannot be created or written", "writable file system")
+    assert_no_work(cache)
+
+
+def test_output_dir_check_leaves_nothing_behind(tmp_path):
+    """The write probe removes the folders it made, so a command refused later leaves no empty run folder."""
+    out = tmp_path / "a" / "b" / "run"
+    proc = run_cli("train", *tiny(out, tmp_path / "cache"), f"data.source={tmp_path / 'absent.txt'}")
+    assert_refused(proc, "absent.txt")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.arch.hidden_size=abc", "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
+    ("model.arch.hidden_size=64.5", "expected int, got float"),
+    ("model.arch.num_attention_heads=5", "The hidden size (64) is not a multiple of the number of attention heads (5)"),
+], ids=["not-an-integer", "a-float", "heads-do-not-divide"])
+def test_bad_arch_is_reported_whole_before_the_data(tmp_path, override, expected):
+    cache = tmp_path / "cache"
+    line = assert_refused(run_cli("train", *tiny(tmp_path / "run", cache), override),
+                          "model.arch does not make a valid llama config", expected)
+    assert not line.endswith(":")
+    assert_no_work(cache)
+    assert not (tmp_path / "run").exists()
+
+
+def test_seq_len_longer_than_the_models_positions(tmp_path, tiny_model_dir):
+    cache = tmp_path / "cache"
+    # the tiny arch has 128 positions
+    assert_refused(run_cli("train", *tiny(tmp_path / "run", cache, **{"data.seq_len": 256})),
+                   "data.seq_len (256) is longer than the model's max_position_embeddings (128)",
+                   "raise model.arch.max_position_embeddings to 256", "data.seq_len=128")
+    # a model folder's config.json says 256
+    assert_refused(run_cli("train", *tiny(tmp_path / "run", cache, **{"data.seq_len": 512}),
+                           f"model.name_or_path={tiny_model_dir}"),
+                   "max_position_embeddings (256)", "data.seq_len=256")
+    assert_no_work(cache)
+
+
+def test_model_folder_config_without_hidden_size(tmp_path, tiny_model_dir):
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, broken)
+    fields = json.loads((broken / "config.json").read_text())
+    del fields["hidden_size"]
+    (broken / "config.json").write_text(json.dumps(fields))
+    assert_refused(run_cli("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}"),
+                   "config.json' lacks hidden_size", "hidden_size=4096")
+    assert_no_work(tmp_path / "cache")
+
+
+# --- no NaN in the run's files -----------------------------------------------------------------
+
+
+def strict_json(text: str):
+    """json.loads as a strict reader (jq, JSON.parse) reads: NaN and Infinity are errors."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_empty_validation_split_is_skipped_with_one_warning(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    proc = run_cli("train", *tiny(out, cache_dir, **{"train.max_steps": 4, "train.eval_every": 2,
+                                                     "data.val_fraction": 0.0}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("the validation split has 0 sequences") == 1, proc.stderr[-3000:]
+    rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert not any("val_loss" in r for r in rows)
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["val_loss"] is None and summary["val_ppl"] is None
+    assert "nan" not in proc.stderr.lower()

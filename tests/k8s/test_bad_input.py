@@ -91,3 +91,20 @@ def test_output_folder_never_overwrites_other_content(tmp_path):
     assert first[0].read_text() == "# edited by hand\n"
     write_folder(objects, tmp_path, overwrite=True)
     assert first[0].read_text() != "# edited by hand\n"
+
+
+@pytest.mark.parametrize("command", ["plan", "k8s"])
+def test_model_config_that_is_not_a_json_object(tmp_path, command):
+    """Was a TypeError traceback (plan) and a silently planned hidden_size of 4096."""
+    not_object = tmp_path / "list.json"
+    not_object.write_text("[1, 2, 3]\n")
+    no_hidden = tmp_path / "no-hidden"
+    no_hidden.mkdir()
+    (no_hidden / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, '
+                                           '"vocab_size": 100, "intermediate_size": 128}')
+    extra = ["--name", "x", "--image", "img:1", "--nnodes", "1", "--nproc-per-node", "1"] if command == "k8s" else ["--world-size", "1"]
+    for config, expected in ((not_object, "holds a JSON list, not an object"), (no_hidden, "lacks hidden_size")):
+        proc = run_cli(command, *ARCH, "--model-config", config, *extra)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

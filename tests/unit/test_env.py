@@ -49,3 +49,26 @@ def test_pet_variables_as_kubeflow_sets_them():
                                   "launch.rdzv_endpoint=trainer-0:29400"]
     with pytest.raises(ConfigError, match="PET_NNODES"):
         pet_overrides({"PET_NNODES": "1:4"})
+
+
+def test_rank_variables_no_launcher_set_are_named():
+    from cputrain.dist.env_check import check_rank_variables
+
+    check_rank_variables({})  # plain python
+    check_rank_variables({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})  # one process, labelled
+    check_rank_variables({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})  # torchrun's own ranks
+    check_rank_variables({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "WORLD_SIZE": "2"})
+    complete = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    check_rank_variables(complete)  # started by hand, every variable there
+    for env, expected in [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"),
+        ({**complete, "LOCAL_RANK": ""}, "LOCAL_RANK='' must be a whole number"),
+        ({k: v for k, v in complete.items() if k != "LOCAL_RANK"}, "but LOCAL_RANK is not"),
+        ({"RANK": "1"}, "one process can only be rank 0"),
+        ({"LOCAL_RANK": "3"}, "LOCAL_RANK=3 is set"),
+        ({**complete, "RANK": "2"}, "RANK must be below WORLD_SIZE"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' must be a whole number"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            check_rank_variables(env)
+        assert expected in str(err.value), (env, str(err.value))

@@ -163,3 +163,27 @@ def test_bad_model_config_is_one_clear_error(tmp_path):
         model_shape(load_config().model, config_json=str(tmp_path))
     with pytest.raises(ConfigError, match="strategy=single runs one rank"):
         make_plan(load_config(None, ["parallel.strategy=single"]), 2, shape=_shape((4, 4)))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[1, 2]", "holds a JSON list, not an object of config fields"),
+    ('"llama"', "holds a JSON str"),
+    (json.dumps({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+                 "intermediate_size": 128}), "lacks hidden_size (transformers would take its llama default, hidden_size=4096"),
+    (json.dumps({"model_type": "llama", "hidden_size": 64}),
+     "lacks num_hidden_layers, num_attention_heads, vocab_size, intermediate_size"),
+    (json.dumps({"hidden_size": 64}), "has model_type None"),
+], ids=["list", "string", "no-hidden-size", "several-missing", "no-model-type"])
+def test_model_config_json_must_describe_the_model(tmp_path, text, expected):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ModelError) as err:
+        model_shape(load_config().model, config_json=str(tmp_path))
+    assert expected in str(err.value)
+
+
+def test_model_config_json_fields_under_a_model_types_own_names(tmp_path):
+    """GPT-2 stores hidden_size as n_embd (its attribute_map): present, so accepted."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100).save_pretrained(tmp_path)
+    assert model_shape(load_config().model, config_json=str(tmp_path)).hidden == 32

@@ -1,0 +1,81 @@
+"""What is checked before any work: no tokenizing, no model building, nothing written.
+
+A run folder that cannot be written, or a model whose config cannot train on this sequence
+length, would otherwise surface minutes later (after the data was tokenized) as a traceback.
+Here each ends as one line, in the process the user started, before any rank exists.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cputrain.checkpoint.folders import RunFolder
+from cputrain.config import Config
+from cputrain.errors import ConfigError, RunFolderError, one_line
+
+
+def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
+    if probe_output_dir:
+        check_output_dir(cfg.output_dir)
+    check_model_fits_seq_len(cfg)
+
+
+def check_output_dir(url: str) -> None:
+    """The run folder can be created and a file written in it; whatever this creates is removed."""
+    run = RunFolder(url)
+    local = run.local_path()
+    try:
+        if local is not None:
+            _probe_local(Path(local))
+        else:
+            probe = run.path(f".cputrain-write-test-{os.getpid()}")
+            run.fs.makedirs(run.root, exist_ok=True)
+            run.fs.pipe_file(probe, b"")
+            run.fs.rm(probe)
+    except RunFolderError:
+        raise
+    except Exception as exc:
+        where = getattr(exc, "filename", None)
+        reason = f"{exc.strerror}: '{where}'" if isinstance(exc, OSError) and exc.strerror and where else one_line(exc)
+        raise RunFolderError(f"output_dir '{url}' cannot be created or written ({reason}); "
+                             "choose an output_dir on a writable file system") from None
+
+
+def _probe_local(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"output_dir '{folder}' is a file, not a folder; choose another output_dir")
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".cputrain-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    finally:
+        # A command refused later (bad data, a held lock) leaves no empty folder behind.
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:
+                break  # no longer empty (another run got there) or never made
+
+
+def check_model_fits_seq_len(cfg: Config) -> None:
+    """model.arch (or a local model folder's config.json) makes a valid config, and data.seq_len
+    fits its positions: RoPE extrapolates silently past max_position_embeddings instead of failing."""
+    from cputrain import model as models
+
+    if cfg.model.name_or_path is None:
+        # The vocabulary comes from the tokenizer later; no other key depends on it.
+        hf_config = models.config_from_arch(cfg.model.arch, cfg.model.tokenizer_vocab_size)
+        fix = f"raise model.arch.max_position_embeddings to {cfg.data.seq_len} or"
+    else:
+        folder = Path(cfg.model.name_or_path).expanduser()
+        if not (folder / "config.json").is_file():
+            return  # a hub id or a missing folder: reported where the model is fetched
+        hf_config = models.folder_config(cfg.model, folder)
+        fix = "the model was trained for no more positions;"
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.data.seq_len > limit:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) is longer than the model's max_position_embeddings "
+                          f"({limit}); {fix} set data.seq_len={limit} or less")
