@@ -242,14 +242,29 @@ def packed_data(data_cfg: DataConfig, data_fingerprint: str, seed: int, tokenize
     return packing.open_packed(final)
 
 
-def prepare(cfg, tokenizer=None):
+def _build_caches(cfg, tokenizer) -> None:
+    from cputrain.log import setup_logging
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    prepare(cfg, tokenizer, isolate=False)
+
+
+def prepare(cfg, tokenizer=None, isolate: bool = True):
     """(tokenizer, packed data) for a config: what `train`, `eval` and `prepare` all use.
 
     `cfg` is resolved (data.num_proc is a number). A tokenizer is trained, once, only for a model
-    built from scratch; the corpus is opened only by the process that builds something.
+    built from scratch; the corpus is opened only by the process that builds something. With
+    `isolate`, whatever must be built is built in a spawned process, so the corpus reader
+    (datasets, pyarrow) and what it allocated never stay in a training rank's memory.
     """
     from cputrain.data import tokenizer as tokenizers
 
+    if isolate:
+        from concurrent.futures import ProcessPoolExecutor
+
+        # Not a multiprocessing.Pool: its workers are daemons, which may not start the tokenizing pool.
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as builder:
+            builder.submit(_build_caches, cfg, tokenizer).result()
     fp = sources.fingerprint(cfg.data)
     if tokenizer is None:
         tokenizer = tokenizers.get_tokenizer(cfg.model, cfg.data, fp, lambda: sources.open_corpus(cfg.data))
