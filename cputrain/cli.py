@@ -142,15 +142,22 @@ def cmd_doctor(args) -> int:
     hw = detect()
     ranks = normalize(dict(os.environ))
     res = resolve(Config(), hw, world_size=ranks.world_size, local_world_size=ranks.local_world_size)
+    from cputrain.metrics.measured_peak import machine_peaks
+
+    measured = machine_peaks(hw, threads=res.config.hardware.threads)
     if args.json:
         from dataclasses import asdict
 
         facts = asdict(hw)
+        facts["measured_peak_flops"] = {p: {"flops": f, "how": how} for p, (f, how) in measured.items()}
         facts["auto"] = {k: {"value": v, "reason": why} for k, v, why in res.reasons}
         print(json.dumps(facts, indent=2, default=str))
         return 0
     for line in report_lines(hw):
         print(line)
+    for precision, (flops, how) in measured.items():
+        share = flops / hw.peak_flops[precision]
+        print(f"measured {precision:<5} {flops / 1e9:9.1f} GFLOP/s = {share:.0%} of the peak above ({how}; best seen here)")
     print("auto settings for one rank on this machine:")
     for key, value, why in res.reasons:
         print(f"  {key} = {value}: {why}")

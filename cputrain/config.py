@@ -55,14 +55,22 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Run Python code shipped with a model folder. Off unless you trust its author."""
 
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel: PyTorch's scaled_dot_product_attention, or the eager reference."""
+    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
+    """Attention kernel: PyTorch's scaled_dot_product_attention (its CPU flash kernel), the eager
+    reference (plain matmuls + softmax), or auto: both are timed once, forward and backward, on
+    this run's attention shape and dtype, and the faster is used (cached per machine and shape)."""
 
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass: less memory, ~30% more compute."""
 
-    compile: bool = False
-    """Compile each decoder block with torch.compile (inductor). The first steps are slower; later ones faster."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile each decoder block with torch.compile (inductor). The first step is slower (its
+    time is logged); later ones faster. auto: on for bf16 on AMX or AVX512-BF16 hardware, where
+    it was measured to pay, except for models built from scratch narrower than 512."""
+
+    chunked_loss: bool = True
+    """Compute the head and its cross-entropy a block of tokens at a time, so the fp32 logits of
+    the whole vocabulary never exist at once (1 GiB per copy for Llama-3 at 2,048 tokens)."""
 
     compile_cache_dir: str | None = None
     """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""

@@ -93,13 +93,19 @@ def _cpuinfo() -> tuple[str, set[str], float | None]:
     )
 
 
-def _clock_ghz(cpuinfo_ghz: float | None) -> tuple[float, str]:
-    # Prefer the rated maximum: peak FLOP/s is about the best the core can do.
+def _clock_ghz(cpuinfo_ghz: float | None, cpu_model: str = "") -> tuple[float, str]:
+    # The highest clock there is a record of: peak FLOP/s is about the best the core can do, and
+    # a clock below the real one makes MFU exceed 100%. cpufreq's maximum (turbo included) where
+    # the kernel shows it; else the rated base clock in the model name ("@ 2.60GHz"); else the
+    # clock /proc/cpuinfo read at that moment (a VM often reports only the base clock there).
     max_khz = read_system_file("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
     if max_khz:
         return int(max_khz) / 1e6, "cpufreq max"
+    rated = re.search(r"@\s*([\d.]+)\s*GHz", cpu_model)
+    if rated:
+        return float(rated.group(1)), "base clock in the CPU model name"
     if cpuinfo_ghz:
-        return cpuinfo_ghz, "/proc/cpuinfo cpu MHz"
+        return cpuinfo_ghz, "/proc/cpuinfo cpu MHz: no cpufreq maximum or rated clock is exposed; the real maximum may be higher"
     freq = psutil.cpu_freq()
     if freq and freq.max:
         return freq.max / 1000, "psutil max"
@@ -173,7 +179,7 @@ def detect() -> HardwareFacts:
     model, cpu_flags, cpuinfo_ghz = _cpuinfo()
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     cores = _physical_cores(allowed)
-    clock, clock_source = _clock_ghz(cpuinfo_ghz)
+    clock, clock_source = _clock_ghz(cpuinfo_ghz, model)
     flags = {name: name in cpu_flags for name in FLAGS_OF_INTEREST}
     peaks, formulas = peak_flops(flags, len(cores), clock)
     return HardwareFacts(

@@ -111,7 +111,8 @@ def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 source.hf_config,
-                attn_implementation=cfg.attn_implementation,
+                # "auto" is decided by timing (trainer); a skeleton built before that, for a plan, is the same either way
+                attn_implementation="sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation,
                 trust_remote_code=cfg.trust_remote_code,
                 dtype=torch.float32,  # master weights stay fp32; bf16 is a compute choice (autocast)
             )

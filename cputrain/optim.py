@@ -16,8 +16,10 @@ def build_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach: one multi-tensor kernel per group instead of a Python loop over parameters.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+    # fused: one kernel per parameter that reads and writes each of param, grad and both moments
+    # once (foreach makes a pass per arithmetic op). Measured on a 97M Llama in bf16 on AMX: +4%
+    # tokens/s (benchmarks/bf16_step.py). Same update rule; CPU support since torch 2.4.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

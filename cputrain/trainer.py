@@ -24,7 +24,10 @@ from cputrain.data import order
 from cputrain.dist import process_group as pg
 from cputrain.dist.env import RankEnv
 from cputrain.hardware import HardwareFacts
+from cputrain.kernels.attention_choice import choose_attention
+from cputrain.kernels.chunked_loss import install_chunked_loss
 from cputrain.metrics import finite_json, flops, memory
+from cputrain.metrics.measured_peak import measured_peak_flops
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain import model as models
 from cputrain.parallel import get_strategy
@@ -69,6 +72,8 @@ class Trainer:
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
         models.check_vocab(source.hf_config, self.tokenizer)
         self.hf_config = source.hf_config
+        if cfg.model.attn_implementation == "auto":
+            self._choose_attention()
         skeleton = models.build_skeleton(source, cfg.model)
         if cfg.model.activation_checkpointing:
             models.enable_activation_checkpointing(skeleton)
@@ -87,6 +92,8 @@ class Trainer:
         )
         self.model = self.strategy.wrap(skeleton)
         self.strategy.load_weights(self.model, source.folder, cfg.seed)
+        if cfg.model.chunked_loss:
+            install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)
 
         # 5. Optimizer and learning-rate schedule.
@@ -109,6 +116,8 @@ class Trainer:
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
+            if ranks.is_main:
+                log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
 
         self.accum = grad_accum_steps(cfg, ranks.world_size)
         self.flops_per_token = flops.flops_per_token(
@@ -117,9 +126,24 @@ class Trainer:
             self.hf_config.hidden_size,
             cfg.data.seq_len,
         )
-        # MFU is against the cores this rank was given, so it reads the same at any rank count.
+        # MFU is against the cores this rank was given, so it reads the same at any rank count:
+        # against the theoretical peak (cores × clock × FLOP/cycle) and against the measured one
+        # (a large matmul of this dtype on this rank's threads, timed once per machine).
         share = int(cfg.hardware.threads) / max(1, self.hw.physical_cores)
         self.peak_flops = self.hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
+        measured, self.measured_peak_how = measured_peak_flops(self.hw.cpu_model, self.hw.flags,
+                                                               int(cfg.hardware.threads), dtype)
+        self.measured_peak_flops = measured * ranks.world_size
+
+    def _choose_attention(self) -> None:
+        """model.attn_implementation=auto: rank 0 times both kernels; every rank uses its choice."""
+        cfg, ranks = self.cfg, self.ranks
+        dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
+        mine = choose_attention(self.hf_config, cfg.train.micro_batch_size, cfg.data.seq_len, dtype) if ranks.is_main else None
+        choice = pg.broadcast_from_main(mine)
+        cfg.model.attn_implementation = choice.implementation
+        if ranks.is_main:
+            log.info("model.attn_implementation = %s: %s", choice.implementation, choice.reason)
 
     def _prepare_data(self) -> None:
         from cputrain.data.prepare import prepare
@@ -230,6 +254,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_t0
                 tps = window_steps * tokens_per_step / elapsed
                 mfu = flops.mfu(tps, self.flops_per_token, self.peak_flops)
+                mfu_measured = flops.mfu(tps, self.flops_per_token, self.measured_peak_flops)
                 record = {
                     "step": self.step,
                     "loss": pg.all_reduce_mean(loss),
@@ -237,6 +262,7 @@ class Trainer:
                     "grad_norm": grad_norm,
                     "tokens_per_s": tps,
                     "mfu": mfu,
+                    "mfu_of_measured_peak": mfu_measured,
                     "step_time_s": elapsed / window_steps,
                     "rss_gib": memory.rss_gib(),
                     "peak_rss_gib": max(run_peak_gib, memory.peak_rss_gib()),
@@ -293,7 +319,9 @@ class Trainer:
             "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
             "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steady])) if steady else 0.0,
+            # MFU against the theoretical peak, and against the measured matmul peak of this machine
             "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
+            "mfu_of_measured_peak": float(np.median([r.get("mfu_of_measured_peak", 0.0) for r in steady])) if steady else 0.0,
             "peak_rss_gib": max([run_peak_gib] + [r.get("peak_rss_gib", 0) for r in rows]),
             "wall_time_s": wall_s,
             "steps_this_session": self.step - start_step,
@@ -304,6 +332,12 @@ class Trainer:
             "parameters": self.counts["total"],
             "flops_per_token": self.flops_per_token,
             "peak_flops": self.peak_flops,
+            "peak_flops_how": self.hw.peak_formula[self.cfg.hardware.precision],
+            "measured_peak_flops": self.measured_peak_flops,
+            "measured_peak_flops_how": self.measured_peak_how,
+            "attn_implementation": self.cfg.model.attn_implementation,
+            "compile": self.cfg.model.compile,
+            "chunked_loss": self.cfg.model.chunked_loss,
         }
         summary.update(self.strategy.comm_summary(steady))
         self.phases.write(self.run, self.ranks)

@@ -202,7 +202,7 @@ class Zero3Strategy(Strategy):
 
             optimizer = DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model.module, optimizer=optimizer, config=self.plan.config, dist_init_required=False
         )

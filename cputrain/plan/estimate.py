@@ -187,17 +187,17 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
     weights_cast = 0 if SHARDED[inp.strategy] else m.total_params
     act = activation_bytes(m, inp.micro_batch, inp.seq_len, inp.precision, inp.activation_checkpointing,
                            weights_cast)
-    # foreach AdamW computes sqrt(exp_avg_sq) for a whole parameter group in one temporary.
-    step_tmp = state.local_params * FP32_BYTES
+    # Fused AdamW updates each parameter in one kernel, with no temporary of a group's size.
+    step_tmp = 0
     if inp.strategy == "zero3":
         if inp.offload_optimizer:
             # DeepSpeedCPUAdam steps the host fp32 partitions in place, on the host gradient buffers.
             step_tmp = 0
         else:
             # Before stepping, DeepSpeed flattens the sub-group's gradient partitions into a new
-            # fp32 tensor as the masters' .grad (stage3 _prepare_fp32_grad_for_sub_group); AdamW's
-            # temporary comes on top. sub_group_size (1e9) puts a whole parameter group in one.
-            step_tmp = 2 * state.local_params * FP32_BYTES
+            # fp32 tensor as the masters' .grad (stage3 _prepare_fp32_grad_for_sub_group).
+            # sub_group_size (1e9) puts a whole parameter group in one.
+            step_tmp = state.local_params * FP32_BYTES
     return RankPlan(
         rank=rank,
         param_bytes=state.param_bytes,
