@@ -71,12 +71,12 @@ def corpus_documents(source: str) -> list[str]:
     return read_documents(DataConfig(source=source))
 
 
-def shared_tokenizer(source: str, cache_dir: str):
+def shared_tokenizer(source: str, cache_dir: str, vocab: int = VOCAB):
     from cputrain.config import DataConfig, ModelConfig
     from cputrain.data import sources, tokenizer
 
     data_cfg = DataConfig(source=source, cache_dir=cache_dir)
-    return tokenizer.get_tokenizer(ModelConfig(tokenizer_vocab_size=VOCAB), data_cfg, sources.fingerprint(data_cfg),
+    return tokenizer.get_tokenizer(ModelConfig(tokenizer_vocab_size=vocab), data_cfg, sources.fingerprint(data_cfg),
                                    lambda: sources.open_corpus(data_cfg))
 
 
@@ -84,14 +84,15 @@ def shared_tokenizer(source: str, cache_dir: str):
 # One Trainer run (runs in its own process; prints one JSON line).
 
 
-def run_hf(kind: str, steps: int, micro: int, accum: int, source: str, cache_dir: str, arch: dict) -> dict:
+def run_hf(kind: str, steps: int, micro: int, accum: int, source: str, cache_dir: str, arch: dict,
+           bf16: bool = False, vocab: int = VOCAB) -> dict:
     import torch
     from torch.utils.data import Dataset
     from transformers import (AutoModelForCausalLM, CONFIG_MAPPING, Trainer, TrainerCallback, TrainingArguments,
                               default_data_collator)
 
     torch.set_num_threads(physical_cores())  # the same threads cputrain's `auto` gives one rank
-    tok = shared_tokenizer(source, cache_dir)
+    tok = shared_tokenizer(source, cache_dir, vocab)
     docs = corpus_documents(source)
     if kind == "hf-padded":
         # The recipe: tokenizer(text, padding="max_length", truncation=True, max_length=512), labels = input
@@ -135,7 +136,7 @@ def run_hf(kind: str, steps: int, micro: int, accum: int, source: str, cache_dir
         args = TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
             learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=WARMUP, weight_decay=0.1,
-            adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, seed=SEED, use_cpu=True, bf16=False,
+            adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, seed=SEED, use_cpu=True, bf16=bf16,
             report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
             disable_tqdm=True, dataloader_num_workers=0,
         )
@@ -159,14 +160,14 @@ def arch_overrides(arch: dict) -> list[str]:
 
 
 def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_dir: str, arch: dict,
-                 extra: tuple[str, ...] = ()) -> dict:
+                 extra: tuple[str, ...] = (), precision: str = "fp32", vocab: int = VOCAB) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = [sys.executable, "-m", "cputrain", "train", f"output_dir={out}/run", f"data.cache_dir={cache_dir}",
-                f"data.source={source}", f"data.seq_len={SEQ_LEN}", f"model.tokenizer_vocab_size={VOCAB}",
+                f"data.source={source}", f"data.seq_len={SEQ_LEN}", f"model.tokenizer_vocab_size={vocab}",
                 *arch_overrides(arch), f"train.max_steps={steps}", f"train.global_batch_size={global_batch}",
                 f"train.micro_batch_size={micro}", f"train.lr={LR}", f"train.warmup_steps={WARMUP}",
                 "train.log_every=1", f"train.eval_every={steps}", "train.eval_batches=1",
-                f"train.checkpoint_every={steps}", "train.sample_tokens=0", "hardware.precision=fp32",
+                f"train.checkpoint_every={steps}", "train.sample_tokens=0", f"hardware.precision={precision}",
                 f"seed={SEED}", *extra]
         proc = subprocess.run(args, capture_output=True, text=True, env=env(), cwd=REPO)
         if proc.returncode:
@@ -174,6 +175,9 @@ def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_d
         summary = json.loads((Path(out) / "run" / "summary.json").read_text())
     # summary.json: the median of the logged windows after the first (the same steady state as above).
     return {"tokens_per_s": summary["tokens_per_s"], "mfu": summary["mfu"], "wall_s": summary["wall_time_s"],
+            "mfu_of_measured_peak": summary.get("mfu_of_measured_peak"),
+            "measured_peak_flops": summary.get("measured_peak_flops"), "peak_flops": summary.get("peak_flops"),
+            "attn_implementation": summary.get("attn_implementation"), "compile": summary.get("compile"),
             "flops_per_token": summary["flops_per_token"], "parameters": summary["parameters"]}
 
 
