@@ -153,7 +153,9 @@ def cmd_doctor(args) -> int:
         facts["auto"] = {k: {"value": v, "reason": why} for k, v, why in res.reasons}
         print(json.dumps(facts, indent=2, default=str))
         return 0
-    for line in report_lines(hw):
+    from cputrain.native_libs import report_lines as native_lib_lines
+
+    for line in report_lines(hw) + native_lib_lines():
         print(line)
     for precision, (flops, how) in measured.items():
         share = flops / hw.peak_flops[precision]

@@ -1,0 +1,40 @@
+"""Which native runtime libraries this machine has for a training process: a malloc
+(tcmalloc or jemalloc) and Intel's OpenMP runtime (libiomp5, PyPI's `intel-openmp`).
+
+torch's CPU wheel runs its thread pool on the GNU OpenMP runtime it ships (libgomp). Intel's
+runtime can be preloaded instead (with KMP_AFFINITY/KMP_BLOCKTIME), and a malloc with per-thread
+caches can replace glibc's. `cputrain doctor` says what is installed; the launcher preloads the
+malloc into ranks it starts (hardware.allocator). benchmarks/bf16_step.py --only runtimes measures
+both on the machine at hand (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+
+def find_intel_openmp() -> str | None:
+    """libiomp5.so from the `intel-openmp` wheel (installed under the environment's lib/), if any."""
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, os.environ.get("CONDA_PREFIX") or "")):
+        if prefix:
+            hits = sorted(glob.glob(os.path.join(prefix, "lib", "libiomp5.so*")))
+            if hits:
+                return hits[0]
+    return None
+
+
+def report_lines() -> list[str]:
+    from cputrain.dist.allocator import find_allocator
+
+    malloc = find_allocator()
+    iomp = find_intel_openmp()
+    return [
+        "malloc         " + (f"{malloc} (preloaded into the ranks cputrain starts; hardware.allocator=system turns it off)"
+                             if malloc else "glibc (no tcmalloc or jemalloc installed: apt install libjemalloc2 or "
+                                            "libtcmalloc-minimal4)"),
+        "OpenMP         " + (f"torch's libgomp; Intel's libiomp5 is installed at {iomp} (not preloaded: see "
+                             "docs/benchmarks.md, block bf16_step)" if iomp else
+                             "torch's libgomp (Intel's libiomp5 not installed: pip install intel-openmp)"),
+    ]
