@@ -126,7 +126,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="fresh processes per run of part 2")
+    ap.add_argument("--step-repeats", type=int, default=2, help="fresh processes per variant of part 1")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per variant of part 1")
     ap.add_argument("--train-steps", type=int, default=16, help="optimizer steps per run of part 2")
     ap.add_argument("--only", choices=["steps", "end-to-end"], default=None)
@@ -145,7 +146,7 @@ def main() -> None:
     if a.only in (None, "steps"):
         variants = {**STEPS, **NOT_KEPT}
         runs: dict[str, list[dict]] = {name: [] for name in variants}
-        for _ in range(repeats):  # interleaved: a slow spell of the machine hits every variant
+        for _ in range(1 if a.quick else a.step_repeats):  # interleaved: a slow spell hits every variant
             for name, v in variants.items():
                 runs[name].append(fresh({"arch": arch, "seq_len": seq_len, "steps": 1 if a.quick else a.steps,
                                          "precision": a.precision, **v}))
@@ -159,7 +160,7 @@ def main() -> None:
         why = next((r["attn_why"] for r in runs[list(STEPS)[3]] if r["attn_why"]), "")
         sections.append(f"""`python benchmarks/bf16_step.py --only steps`: Llama {arch['hidden_size']} wide, {arch['num_hidden_layers']} layers,
 {VOCAB}-token vocabulary, seq_len {seq_len}, micro-batch {MICRO} × {ACCUM} micro-batches a step, {a.precision},
-{physical_cores()} threads; median of {a.steps} timed steps after 2, median over {repeats} fresh process(es).
+{physical_cores()} threads; median of {a.steps} timed steps after 2, median over {1 if a.quick else a.step_repeats} fresh process(es).
 
 | step (cumulative) | step (s) | tokens/s | vs before | first step (s) |
 | --- | ---: | ---: | ---: | ---: |
