@@ -119,7 +119,7 @@ def cmd_train(args) -> int:
             print(f"{key:<34} {default:<22} {doc}")
         return 0
     config_path, overrides = _config_and_overrides(args)
-    from cputrain.dist.launcher import launch, pet_overrides
+    from cputrain.distributed.launcher import launch, pet_overrides
 
     flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
              "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}
@@ -135,7 +135,7 @@ def cmd_train(args) -> int:
 
 def cmd_doctor(args) -> int:
     from cputrain.config import Config
-    from cputrain.dist.env import normalize
+    from cputrain.distributed.env import normalize
     from cputrain.hardware import detect, report_lines
     from cputrain.resolve import resolve
 

@@ -22,8 +22,8 @@ import yaml
 
 from cputrain.checkpoint.folders import RunFolder
 from cputrain.config import Config
-from cputrain.dist import process_group as pg
-from cputrain.dist.env import RankEnv
+from cputrain.distributed import process_group as pg
+from cputrain.distributed.env import RankEnv
 from cputrain.errors import RunFolderError
 from cputrain.metrics import finite_json
 

@@ -21,8 +21,8 @@ from cputrain.checkpoint.folders import RunFolder
 from cputrain.checkpoint.run_lock import RunLock, take_run_lock
 from cputrain.config import Config
 from cputrain.data import order
-from cputrain.dist import process_group as pg
-from cputrain.dist.env import RankEnv
+from cputrain.distributed import process_group as pg
+from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts
 from cputrain.metrics import finite_json, flops, memory
 from cputrain.metrics.phases import PhaseRecorder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from cputrain.config import Config
-from cputrain.dist.env import normalize
+from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.resolve import resolve
@@ -23,8 +23,8 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                  hw.physical_cores, hw.memory_gib)
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
-    from cputrain.dist.placement import cpus_for_rank
-    from cputrain.dist.process_group import collective_threads, destroy, exit_without_teardown
+    from cputrain.distributed.placement import cpus_for_rank
+    from cputrain.distributed.process_group import collective_threads, destroy, exit_without_teardown
     from cputrain.trainer import Trainer
 
     cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
@@ -39,7 +39,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
             log.info(line)
         log.info("run folder: %s", cfg.output_dir)
     # The wrapped model holds the process group: release it, then the group, so no collective
-    # thread is left for interpreter teardown (see dist.process_group.destroy).
+    # thread is left for interpreter teardown (see distributed.process_group.destroy).
     trainer.close()
     del trainer
     destroy()

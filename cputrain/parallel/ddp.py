@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cputrain.dist.comm import CommMeter, summarize
+from cputrain.distributed.comm import CommMeter, summarize
 from cputrain.model import load_into, materialize, random_init
 from cputrain.parallel.base import Strategy, StrategyContext
 

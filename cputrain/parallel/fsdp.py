@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from cputrain.dist.allocator import pin_mmap_threshold
-from cputrain.dist.comm import CommMeter, summarize
+from cputrain.distributed.allocator import pin_mmap_threshold
+from cputrain.distributed.comm import CommMeter, summarize
 from cputrain.errors import ModelError
 from cputrain.model import SafetensorsReader, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext

@@ -35,7 +35,7 @@ from torch import nn  # noqa: E402
 from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, checkpoint_name  # noqa: E402
 from cputrain.errors import ModelError  # noqa: E402
-from cputrain.dist.allocator import pin_mmap_threshold  # noqa: E402
+from cputrain.distributed.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
 from cputrain.resolve import grad_accum_steps  # noqa: E402
 

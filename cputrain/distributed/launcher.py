@@ -24,9 +24,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from cputrain.config import Config
-from cputrain.dist.allocator import AllocatorChoice, choose_allocator, preload_env
-from cputrain.dist.env import started_by_launcher
-from cputrain.dist.placement import core_sets
+from cputrain.distributed.allocator import AllocatorChoice, choose_allocator, preload_env
+from cputrain.distributed.env import started_by_launcher
+from cputrain.distributed.placement import core_sets
 from cputrain.errors import ConfigError, UserError
 from cputrain.hardware import HardwareFacts
 
@@ -122,7 +122,7 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def make_plan(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> LaunchPlan:
     """Everything decided before a rank starts, with reasons; raises on bad input."""
-    from cputrain.dist.placement import cpus_for_rank
+    from cputrain.distributed.placement import cpus_for_rank
     from cputrain.resolve import resolve
 
     env = os.environ if environ is None else environ
@@ -259,8 +259,8 @@ def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
 
 def launch(cfg: Config, worker_args: list[str], dry_run: bool = False, take_over_lock: bool = False) -> dict | None:
     """Run `cputrain train` here or through the agent; returns rank 0's summary when it ran here."""
-    from cputrain.dist.env import normalize
-    from cputrain.dist.env_check import check_rank_variables, wait_for_master
+    from cputrain.distributed.env import normalize
+    from cputrain.distributed.env_check import check_rank_variables, wait_for_master
     from cputrain.hardware import detect
     from cputrain.preflight import check_before_work
 
