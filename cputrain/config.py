@@ -179,6 +179,12 @@ class TrainConfig(Section):
     sample_tokens: int = Field(80, ge=0)
     """Tokens of text generated at the end of the run into sample.txt; 0 skips it."""
 
+    report_to: list[Literal["jsonl", "tensorboard", "mlflow", "wandb"]] = Field(default_factory=lambda: ["jsonl"])
+    """Where the logged scalars go. metrics.jsonl is always written (summary.json, loss.png and a
+    resumed run read it); tensorboard (event files in <output_dir>/tensorboard), mlflow (a local
+    <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set) and wandb (offline unless WANDB_MODE is
+    set) each need their extra, e.g. pip install 'cputrain[tensorboard]'. Rank 0 writes them."""
+
     stop_at_step: int | None = Field(None, gt=0)
     """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)
     untouched: for time-boxed or preemptible jobs. Run again without it to continue."""

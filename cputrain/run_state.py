@@ -25,7 +25,6 @@ from cputrain.config import Config
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.errors import RunFolderError
-from cputrain.metrics import finite_json
 
 log = logging.getLogger("cputrain")
 
@@ -88,45 +87,6 @@ class RunState:
             return
         header = "".join(f"# {key} = {value}: {why}\n" for key, value, why in self.reasons)
         self.run.write_text(header + self.cfg.dump_yaml(), "config.yaml")
-
-    def read_metrics(self) -> list[dict]:
-        return [row for row in self._metrics_lines() if row is not None]
-
-    def _metrics_lines(self) -> list[dict | None]:
-        """Every line of metrics.jsonl, None where it is not a JSON row: a kill in the middle of an
-        append leaves a torn last line, which must not stop the run that resumes."""
-        rows = []
-        for line in (self.run.read_text("metrics.jsonl") or "").splitlines():
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    row = None
-                rows.append(row if isinstance(row, dict) else None)
-        return rows
-
-    def drop_metrics_after(self, step: int) -> None:
-        """Rank 0, at start: forget the rows of steps after `step`, the checkpoint this session
-        resumes from, and any torn line. A run killed between checkpoints logged steps that it now
-        trains again; their old rows would appear twice in metrics.jsonl and skew summary.json and
-        loss.png. The file is replaced whole, so a kill during this leaves the old file or the new."""
-        if not self.ranks.is_main:
-            return
-        lines = self._metrics_lines()
-        by_step = {}  # one row per step; the last written wins
-        for row in lines:
-            if row is not None and row.get("step", 0) <= step:
-                by_step[row.get("step", 0)] = row
-        kept = [by_step[s] for s in sorted(by_step)]
-        torn = lines.count(None)
-        if len(kept) < len(lines):
-            log.info("metrics.jsonl: %d row(s) after step %d dropped; those steps are trained again%s",
-                     len(lines) - torn - len(kept), step, f" ({torn} torn line(s) dropped too)" if torn else "")
-            self.run.replace_text("".join(finite_json.dumps(r) + "\n" for r in kept), "metrics.jsonl")
-
-    def read_summary(self) -> dict | None:
-        text = self.run.read_text("summary.json")
-        return json.loads(text) if text else None
 
     # --- checkpoints -------------------------------------------------------------------
     def save(self, step: int, strategy, model, optimizer, schedule) -> None:

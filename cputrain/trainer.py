@@ -24,8 +24,11 @@ from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts
-from cputrain.metrics import finite_json, flops, memory
+from cputrain.metrics import flops, memory
+from cputrain.metrics.jsonl import MetricsFile
 from cputrain.metrics.phases import PhaseRecorder
+from cputrain.metrics.sinks import MetricsLog
+from cputrain.metrics.summary import read_summary, write_summary
 from cputrain import model as models
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import StrategyContext
@@ -43,6 +46,7 @@ class Trainer:
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
         self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
+        self.metrics_log: MetricsLog | None = None  # rank 0's: metrics.jsonl and the report_to sinks
         self.step = 0  # optimizer steps completed
         self.phases = PhaseRecorder(ranks.rank)
 
@@ -103,7 +107,8 @@ class Trainer:
         if resumed is not None:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
-        self.state.drop_metrics_after(self.step)
+        if ranks.is_main:  # drops the rows of steps trained again; opens the report_to sinks
+            self.metrics_log = MetricsLog(self.run, cfg, self.step)
         self.state.write_run_files()
 
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
@@ -193,9 +198,8 @@ class Trainer:
         main = self.ranks.is_main
         if self.step >= self.total_steps:
             log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
-            return self.state.read_summary() or {}
+            return read_summary(self.run) or {}
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
-        metrics_file = self.run.path("metrics.jsonl")
         # A live bar where a person watches a terminal; plain log lines in CI logs and pod logs.
         live = main and sys.stderr.isatty()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not live, desc="train", unit="step",
@@ -256,8 +260,7 @@ class Trainer:
                 window_t0 = time.perf_counter()  # evaluation time is not training throughput
             if record and main:
                 self.lock.assert_held()  # another run took the folder over: stop before writing beside it
-                with self.run.fs.open(metrics_file, "a") as f:
-                    f.write(finite_json.dumps(record) + "\n")
+                self.metrics_log.log(record)
             if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
                 self.state.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
                 window_t0 = time.perf_counter()
@@ -270,6 +273,8 @@ class Trainer:
         return self._finish(wall_s, start_step, last_val, run_peak_gib)
 
     def release_lock(self) -> None:
+        if self.metrics_log is not None:  # flushes the sinks' files, also on an error exit
+            self.metrics_log.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -283,7 +288,7 @@ class Trainer:
             self.__dict__.pop(name, None)
 
     def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:
-        rows = self.state.read_metrics()
+        rows = MetricsFile(self.run).rows()
         train_rows = [r for r in rows if "tokens_per_s" in r]
         steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
         summary = {
@@ -309,6 +314,6 @@ class Trainer:
         self.phases.write(self.run, self.ranks)
         self.state.export(self.strategy, self.model, self.hf_config, self.tokenizer)
         if self.ranks.is_main:
-            self.run.write_text(finite_json.dumps(summary, indent=2), "summary.json")
+            write_summary(self.run, summary)
             self.state.after_export()
         return summary

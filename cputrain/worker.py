@@ -8,6 +8,7 @@ from cputrain.config import Config
 from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
+from cputrain.metrics.summary import summary_table
 from cputrain.resolve import resolve
 
 log = logging.getLogger("cputrain")
@@ -49,24 +50,3 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                   "ending without interpreter teardown", ranks.rank, len(held), ", ".join(held))
         exit_without_teardown(0)
     return summary
-
-
-def summary_table(s: dict) -> list[str]:
-    def fmt(v, spec):
-        return "n/a" if v is None else format(v, spec)
-
-    rows = [
-        ("steps", fmt(s.get("final_step"), "d")),
-        ("final train loss", fmt(s.get("final_loss"), ".4f")),
-        ("validation loss", f"{fmt(s.get('first_val_loss'), '.4f')} → {fmt(s.get('val_loss'), '.4f')}"),
-        ("validation perplexity", fmt(s.get("val_ppl"), ".2f")),
-        ("useful tokens/s", fmt(s.get("tokens_per_s"), ",.0f")),
-        ("MFU", fmt(s.get("mfu"), ".1%")),
-        ("peak RSS (GiB)", fmt(s.get("peak_rss_gib"), ".2f")),
-        ("wall time (s)", fmt(s.get("wall_time_s"), ".1f")),
-        ("ranks × threads", f"{s.get('world_size')} × {s.get('threads_per_rank')} ({s.get('strategy')}, {s.get('precision')})"),
-    ]
-    if "comm_fraction" in s:
-        rows.append(("time in communication", fmt(s.get("comm_fraction"), ".1%")))
-    width = max(len(k) for k, _ in rows)
-    return ["summary"] + [f"  {k:<{width}}  {v}" for k, v in rows]
