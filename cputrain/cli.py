@@ -129,7 +129,10 @@ def cmd_train(args) -> int:
     # Ranks started by the agent re-run this same command, config and overrides included.
     worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else []) + (
         ["--take-over-lock"] if args.take_over_lock else [])
-    summary = launch(cfg, worker_args, dry_run=args.dry_run, take_over_lock=args.take_over_lock)
+    from cputrain.worker import run_worker
+
+    summary = launch(cfg, worker_args, run_here=lambda: run_worker(cfg, take_over_lock=args.take_over_lock),
+                     dry_run=args.dry_run)
     return 0 if summary is not None else 1
 
 

@@ -7,7 +7,6 @@ parameter is copied straight into its final storage (or, under FSDP, only this r
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,10 +27,6 @@ class ModelSource:
 
     folder: Path | None
     hf_config: object  # transformers PretrainedConfig
-
-    @property
-    def pretrained(self) -> bool:
-        return self.folder is not None
 
 
 def _first_line(exc: Exception) -> str:
@@ -202,9 +197,9 @@ def load_into(
                 missing.append(name)
                 continue
             full_shape = reader.shape(key)
-            if list(_global_shape(param)) != full_shape:
+            if list(param.shape) != full_shape:  # a DTensor reports its global shape here too
                 raise ModelError(
-                    f"weights for '{name}' have shape {full_shape}, the model expects {list(_global_shape(param))}; "
+                    f"weights for '{name}' have shape {full_shape}, the model expects {list(param.shape)}; "
                     "the weights do not belong to this model config"
                 )
             (copy_fn or _copy_whole)(name, param, reader, key)
@@ -212,10 +207,6 @@ def load_into(
         raise ModelError(f"weights file lacks {len(missing)} parameters of the model (first: '{missing[0]}'); wrong model folder?")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-
-
-def _global_shape(param: torch.Tensor):
-    return param.shape  # a DTensor reports its global shape here too
 
 
 def _copy_whole(name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
@@ -282,7 +273,3 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     non_embedding = total - emb.numel() + (emb.numel() if tied else 0)
     return {"total": total, "non_embedding": non_embedding, "embedding": emb.numel()}
 
-
-def write_config_json(folder: Path, hf_config) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config.to_dict(), indent=2, default=str))

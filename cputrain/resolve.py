@@ -6,6 +6,8 @@ run can be repeated exactly and nobody has to guess what "auto" meant on that ma
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -83,6 +85,30 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             "change one of them so each rank gets whole micro-batches"
         )
     return res
+
+
+# The keys "auto" may stand for, and the environment variable in which the torchrun agent hands
+# its resolved values to the ranks it starts.
+AUTO_KEYS = ("hardware.precision", "hardware.threads", "data.num_proc", "parallel.strategy", "parallel.backend")
+AGENT_SETTINGS_VAR = "CPUTRAIN_AGENT_SETTINGS"
+
+
+def settings_of(cfg: Config) -> dict:
+    """The values of the keys "auto" may stand for, as `section.key` → value."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in AUTO_KEYS}
+
+
+def check_agent_agrees(cfg: Config, environ: dict | None = None) -> None:
+    """A rank started by cputrain's agent resolved "auto" as the agent did (the agent printed its
+    plan and set each rank's threads from it); a rank that differs stops, naming the key."""
+    text = (os.environ if environ is None else environ).get(AGENT_SETTINGS_VAR)
+    if not text:
+        return
+    agent, mine = json.loads(text), settings_of(cfg)
+    for key in AUTO_KEYS:
+        if key in agent and agent[key] != mine[key]:
+            raise ConfigError(f"{key} resolved to {mine[key]!r} in this rank but to {agent[key]!r} in the agent "
+                              "that started it; set it explicitly in the config")
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from cputrain.metrics.summary import read_summary, write_summary
 from cputrain import model as models
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import StrategyContext
-from cputrain.resolve import grad_accum_steps
 from cputrain.run_state import RunState, check_compatible
 
 log = logging.getLogger("cputrain")
@@ -115,7 +113,6 @@ class Trainer:
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
 
-        self.accum = grad_accum_steps(cfg, ranks.world_size)
         self.flops_per_token = flops.flops_per_token(
             self.counts["non_embedding"],
             self.hf_config.num_hidden_layers,

@@ -9,7 +9,7 @@ from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
-from cputrain.resolve import resolve
+from cputrain.resolve import check_agent_agrees, resolve
 
 log = logging.getLogger("cputrain")
 
@@ -19,6 +19,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     setup_logging(ranks.rank)
     hw = detect()
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size)
+    check_agent_agrees(res.config)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,6 @@ class StrategyContext:
     rank: int
     world_size: int
     compute_dtype: torch.dtype
-    extras: dict = field(default_factory=dict)
 
 
 class Strategy:
