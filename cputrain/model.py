@@ -177,11 +177,13 @@ def load_into(
     model: nn.Module,
     folder: Path,
     copy_fn: Callable[[str, torch.Tensor, SafetensorsReader, str], None] | None = None,
+    shape_of: Callable[[torch.Tensor], list[int]] = lambda param: list(param.shape),
 ) -> None:
     """Copy every parameter from the safetensors files into the materialized `model`.
 
     `copy_fn(param_name, param, reader, key)` lets a strategy copy only what its rank owns; the
-    default copies the whole tensor.
+    default copies the whole tensor. `shape_of` is a parameter's full shape (a DTensor's
+    `shape` is already the global one; a ZeRO-3 partition keeps it in ds_shape).
     """
     reader = SafetensorsReader(folder)
     tied = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")} if getattr(
@@ -197,9 +199,9 @@ def load_into(
                 missing.append(name)
                 continue
             full_shape = reader.shape(key)
-            if list(param.shape) != full_shape:  # a DTensor reports its global shape here too
+            if shape_of(param) != full_shape:
                 raise ModelError(
-                    f"weights for '{name}' have shape {full_shape}, the model expects {list(param.shape)}; "
+                    f"weights for '{name}' have shape {full_shape}, the model expects {shape_of(param)}; "
                     "the weights do not belong to this model config"
                 )
             (copy_fn or _copy_whole)(name, param, reader, key)

@@ -16,11 +16,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cputrain.checkpoint.checkpoints import Checkpoints
 from cputrain.checkpoint.folders import RunFolder
+from cputrain.checkpoint.run_config import check_compatible, write_run_config
 from cputrain.checkpoint.run_lock import RunLock, take_run_lock
 from cputrain.config import Config
 from cputrain.data import order
-from cputrain.distributed import process_group as pg
+from cputrain.distributed import comm, process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts
 from cputrain.metrics import flops, memory
@@ -31,7 +33,6 @@ from cputrain.metrics.summary import read_summary, write_summary
 from cputrain import model as models
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import StrategyContext
-from cputrain.run_state import RunState, check_compatible
 
 log = logging.getLogger("cputrain")
 
@@ -46,6 +47,7 @@ class Trainer:
         self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
         self.metrics_log: MetricsLog | None = None  # rank 0's: metrics.jsonl and the report_to sinks
         self.step = 0  # optimizer steps completed
+        self.exported = False  # model/ written by this session (the worker then plots and samples)
         self.phases = PhaseRecorder(ranks.rank)
 
     # ------------------------------------------------------------------------------------
@@ -87,8 +89,9 @@ class Trainer:
         self.strategy = get_strategy(
             cfg.parallel.strategy, ctx=StrategyContext(cfg, ranks.rank, ranks.world_size, dtype)
         )
+        self.phases.tensors_held = self.strategy.tensors_held
         self.model = self.strategy.wrap(skeleton)
-        self.strategy.load_weights(self.model, source.folder, cfg.seed)
+        self.strategy.load_weights(self.model, source.folder)
         self.phases.mark("sharded weights", model=self.model)
 
         # 5. Optimizer and learning-rate schedule.
@@ -100,14 +103,15 @@ class Trainer:
         self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
 
         # 6. Resume from the newest complete checkpoint, if this run folder has one.
-        self.state = RunState(self.run, cfg, ranks, self.reasons)
-        resumed = self.state.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
+        self.checkpoints = Checkpoints(self.run, cfg, ranks)
+        resumed = self.checkpoints.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
         if resumed is not None:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
         if ranks.is_main:  # drops the rows of steps trained again; opens the report_to sinks
             self.metrics_log = MetricsLog(self.run, cfg, self.step)
-        self.state.write_run_files()
+        if ranks.is_main:
+            write_run_config(self.run, cfg, self.reasons)
 
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
@@ -243,7 +247,7 @@ class Trainer:
                     "peak_rss_gib": max(run_peak_gib, memory.peak_rss_gib()),
                     "epoch": self.order.epoch_of(self.step),
                 }
-                record.update(self.strategy.comm_stats())
+                record.update(self.strategy.meter.window())
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
                 if main and not live:
                     log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", self.step, self.total_steps,
@@ -259,7 +263,7 @@ class Trainer:
                 self.lock.assert_held()  # another run took the folder over: stop before writing beside it
                 self.metrics_log.log(record)
             if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
-                self.state.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+                self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
                 window_t0 = time.perf_counter()
             bar.update(1)
         bar.close()
@@ -281,7 +285,7 @@ class Trainer:
         strategy = getattr(self, "strategy", None)
         if strategy is not None:
             strategy.close()
-        for name in ("model", "optimizer", "schedule", "state", "strategy"):
+        for name in ("model", "optimizer", "schedule", "checkpoints", "strategy"):
             self.__dict__.pop(name, None)
 
     def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:
@@ -307,10 +311,10 @@ class Trainer:
             "flops_per_token": self.flops_per_token,
             "peak_flops": self.peak_flops,
         }
-        summary.update(self.strategy.comm_summary(steady))
+        summary.update(comm.summarize(steady))
         self.phases.write(self.run, self.ranks)
-        self.state.export(self.strategy, self.model, self.hf_config, self.tokenizer)
+        self.checkpoints.export(self.strategy, self.model, self.hf_config, self.tokenizer)
+        self.exported = True
         if self.ranks.is_main:
             write_summary(self.run, summary)
-            self.state.after_export()
         return summary

@@ -34,6 +34,8 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     try:
         trainer.setup()
         summary = trainer.fit()
+        if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
+            after_export(res.config)
     finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
         trainer.release_lock()
     if ranks.is_main and summary:
@@ -51,3 +53,25 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                   "ending without interpreter teardown", ranks.rank, len(held), ", ".join(held))
         exit_without_teardown(0)
     return summary
+
+
+def after_export(cfg: Config) -> None:
+    """Rank 0, once model/ and metrics.jsonl are written: loss.png (metrics.plot owns it) and
+    sample.txt (generated from the exported model) in a local run folder."""
+    from pathlib import Path
+
+    from cputrain.checkpoint.folders import RunFolder
+
+    run = RunFolder(cfg.output_dir)
+    local = run.local_path()
+    if local is None:
+        return
+    from cputrain.metrics.jsonl import MetricsFile
+    from cputrain.metrics.plot import plot_losses
+
+    plot_losses(MetricsFile(run).rows(), Path(local) / "loss.png")
+    if cfg.train.sample_tokens > 0:
+        from cputrain.generate import generate_text
+
+        text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed)
+        (Path(local) / "sample.txt").write_text(text + "\n")
