@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from cputrain.config import Config
+from cputrain.config import Config, ResolvedConfig, batch_error
 from cputrain.errors import ConfigError
 from cputrain.hardware import HardwareFacts
 
@@ -26,7 +26,7 @@ EMULATED_BF16_WARNING = (
 
 @dataclass
 class Resolution:
-    config: Config
+    config: Config  # a ResolvedConfig once resolve() returns
     reasons: list[tuple[str, str, str]] = field(default_factory=list)  # (key, value, why)
 
     def note(self, key: str, value, why: str) -> None:
@@ -77,13 +77,10 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         why = "oneccl_bindings_for_pytorch imports" if backend == "ccl" else "oneCCL bindings not installed; gloo ships with torch"
         res.note("parallel.backend", backend, why)
 
-    per_step = cfg.train.micro_batch_size * world_size
-    if cfg.train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size ({cfg.train.global_batch_size}) is not divisible by "
-            f"micro_batch_size × world size ({cfg.train.micro_batch_size} × {world_size}); "
-            "change one of them so each rank gets whole micro-batches"
-        )
+    error = batch_error(cfg.train, world_size)
+    if error:
+        raise ConfigError(error)
+    res.config = ResolvedConfig.model_validate(cfg.model_dump())
     return res
 
 

@@ -20,7 +20,7 @@ from cputrain.checkpoint.checkpoints import Checkpoints
 from cputrain.checkpoint.folders import RunFolder
 from cputrain.checkpoint.run_config import check_compatible, write_run_config
 from cputrain.checkpoint.run_lock import RunLock, take_run_lock
-from cputrain.config import Config
+from cputrain.config import ResolvedConfig
 from cputrain.data import order
 from cputrain.distributed import comm, process_group as pg
 from cputrain.distributed.env import RankEnv
@@ -31,14 +31,14 @@ from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.sinks import MetricsLog
 from cputrain.metrics.summary import read_summary, write_summary
 from cputrain import model as models
-from cputrain.parallel import get_strategy
+from cputrain.parallel import get_strategy, needs_process_group
 from cputrain.parallel.base import StrategyContext
 
 log = logging.getLogger("cputrain")
 
 
 class Trainer:
-    def __init__(self, cfg: Config, hw: HardwareFacts, ranks: RankEnv, cpus: list[int] | None = None,
+    def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, cpus: list[int] | None = None,
                  reasons: list | None = None, take_over_lock: bool = False):
         self.cfg, self.hw, self.ranks, self.cpus = cfg, hw, ranks, cpus
         self.reasons = reasons or []
@@ -56,8 +56,8 @@ class Trainer:
         check_compatible(self.run, cfg)  # before anything is written into an existing run folder
 
         # 1. Process group and this rank's cores: everything after runs on the right threads.
-        pg.set_threads(int(cfg.hardware.threads), self.cpus)
-        if ranks.distributed or cfg.parallel.strategy != "single":
+        pg.set_threads(cfg.hardware.threads, self.cpus)
+        if ranks.distributed or needs_process_group(cfg.parallel.strategy):
             pg.init_process_group(cfg.parallel.backend, ranks.world_size, cfg.parallel.timeout_s)
         self.phases.mark("process group")
         # One writer per run folder: rank 0 locks it before anything is written there (and
@@ -85,7 +85,7 @@ class Trainer:
 
         # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
         #    materializes only this rank's shard: an 8B model never exists whole in any rank.
-        dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
+        dtype = cfg.hardware.dtype
         self.strategy = get_strategy(
             cfg.parallel.strategy, ctx=StrategyContext(cfg, ranks.rank, ranks.world_size, dtype)
         )
@@ -124,7 +124,7 @@ class Trainer:
             cfg.data.seq_len,
         )
         # MFU is against the cores this rank was given, so it reads the same at any rank count.
-        share = int(cfg.hardware.threads) / max(1, self.hw.physical_cores)
+        share = cfg.hardware.threads / max(1, self.hw.physical_cores)
         self.peak_flops = self.hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
 
     def _prepare_data(self) -> None:

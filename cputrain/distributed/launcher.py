@@ -142,7 +142,7 @@ def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> 
     res = resolve(cfg, hw, world, launch.nproc_per_node)  # raises if the world size does not divide the batch
     res.note("launch.nproc_per_node", launch.nproc_per_node,
              "ranks on this node, each with threads = cores ÷ ranks (not torchrun's OMP_NUM_THREADS=1)")
-    threads = int(res.config.hardware.threads)
+    threads = res.config.hardware.threads
     sets = core_sets(hw, launch.nproc_per_node)
     plan = NodeLaunch(
         nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, node_rank=launch.node_rank,
