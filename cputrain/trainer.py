@@ -108,9 +108,8 @@ class Trainer:
         if resumed is not None:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
-        if ranks.is_main:  # drops the rows of steps trained again; opens the report_to sinks
+        if ranks.is_main:  # metrics.jsonl loses the rows of steps trained again; the report_to sinks open
             self.metrics_log = MetricsLog(self.run, cfg, self.step)
-        if ranks.is_main:
             write_run_config(self.run, cfg, self.reasons)
 
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
