@@ -2,7 +2,7 @@
 #   make demo   install, then train the built-in demo (about 3 minutes on 2 cores)
 #   make test   install with the test tools, then run the test suite
 VENV ?= .venv
-EXTRAS_TEST ?= dev,deepspeed
+EXTRAS_TEST ?= dev,deepspeed,tensorboard,mlflow,wandb
 
 .PHONY: demo test install install-test
 

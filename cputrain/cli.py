@@ -119,7 +119,7 @@ def cmd_train(args) -> int:
             print(f"{key:<34} {default:<22} {doc}")
         return 0
     config_path, overrides = _config_and_overrides(args)
-    from cputrain.dist.launcher import launch, pet_overrides
+    from cputrain.distributed.launcher import launch, pet_overrides
 
     flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
              "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}
@@ -129,13 +129,16 @@ def cmd_train(args) -> int:
     # Ranks started by the agent re-run this same command, config and overrides included.
     worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else []) + (
         ["--take-over-lock"] if args.take_over_lock else [])
-    summary = launch(cfg, worker_args, dry_run=args.dry_run, take_over_lock=args.take_over_lock)
+    from cputrain.worker import run_worker
+
+    summary = launch(cfg, worker_args, run_here=lambda: run_worker(cfg, take_over_lock=args.take_over_lock),
+                     dry_run=args.dry_run)
     return 0 if summary is not None else 1
 
 
 def cmd_doctor(args) -> int:
     from cputrain.config import Config
-    from cputrain.dist.env import normalize
+    from cputrain.distributed.env import normalize
     from cputrain.hardware import detect, report_lines
     from cputrain.resolve import resolve
 

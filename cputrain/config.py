@@ -35,6 +35,26 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+def _positive_or_auto(section: Section, dotted: str):
+    value = getattr(section, dotted.rsplit(".", 1)[1])
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"{dotted} must be a positive integer or 'auto'")
+    return section
+
+
+def batch_error(train: "TrainConfig", world_size: int = 1) -> str | None:
+    """The one batch-divisibility rule: whole micro-batches per step, and per rank once the
+    world size is known (config validation asks with one rank, cputrain.resolve with all)."""
+    if train.global_batch_size % train.micro_batch_size:
+        return (f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size ({train.micro_batch_size})")
+    if train.global_batch_size % (train.micro_batch_size * world_size):
+        return (f"train.global_batch_size ({train.global_batch_size}) is not divisible by "
+                f"micro_batch_size × world size ({train.micro_batch_size} × {world_size}); "
+                "change one of them so each rank gets whole micro-batches")
+    return None
+
+
 class ModelConfig(Section):
     name_or_path: str | None = None
     """Local Hugging Face model folder (or hub id where there is a network) to fine-tune.
@@ -129,9 +149,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _positive_num_proc(self):
-        if isinstance(self.num_proc, int) and self.num_proc < 1:
-            raise ValueError("data.num_proc must be a positive integer or 'auto'")
-        return self
+        return _positive_or_auto(self, "data.num_proc")
 
 
 class TrainConfig(Section):
@@ -187,6 +205,12 @@ class TrainConfig(Section):
     sample_tokens: int = Field(80, ge=0)
     """Tokens of text generated at the end of the run into sample.txt; 0 skips it."""
 
+    report_to: list[Literal["jsonl", "tensorboard", "mlflow", "wandb"]] = Field(default_factory=lambda: ["jsonl"])
+    """Where the logged scalars go. metrics.jsonl is always written (summary.json, loss.png and a
+    resumed run read it); tensorboard (event files in <output_dir>/tensorboard), mlflow (a local
+    <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set) and wandb (offline unless WANDB_MODE is
+    set) each need their extra, e.g. pip install 'cputrain[tensorboard]'. Rank 0 writes them."""
+
     stop_at_step: int | None = Field(None, gt=0)
     """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)
     untouched: for time-boxed or preemptible jobs. Run again without it to continue."""
@@ -207,9 +231,7 @@ class HardwareConfig(Section):
 
     @model_validator(mode="after")
     def _positive_threads(self):
-        if isinstance(self.threads, int) and self.threads < 1:
-            raise ValueError("hardware.threads must be a positive integer or 'auto'")
-        return self
+        return _positive_or_auto(self, "hardware.threads")
 
 
 class ParallelConfig(Section):
@@ -277,17 +299,54 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _batch_fits(self):
-        if self.train.global_batch_size % self.train.micro_batch_size:
-            raise ValueError(
-                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size ({self.train.micro_batch_size})"
-            )
+        error = batch_error(self.train)
+        if error:
+            raise ValueError(error)
         if self.train.max_steps is None and self.train.epochs is None:
             raise ValueError("set train.max_steps or train.epochs")
         return self
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Resolved: what cputrain.resolve returns, with no "auto" left, so code downstream takes a
+# thread count as an int and a precision as a torch dtype without casting.
+
+
+class ResolvedHardwareConfig(HardwareConfig):
+    precision: Literal["fp32", "bf16"]
+    threads: int = Field(gt=0)
+
+    @property
+    def dtype(self):
+        """The compute dtype: torch.bfloat16 or torch.float32."""
+        import torch
+
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+
+class ResolvedModelConfig(ModelConfig):
+    compile: bool  # attn_implementation stays "auto" here: the trainer times it on the model's shape
+
+
+class ResolvedDataConfig(DataConfig):
+    num_proc: int = Field(gt=0)
+
+
+class ResolvedParallelConfig(ParallelConfig):
+    strategy: Literal["single", "ddp", "fsdp", "zero3"]
+    backend: Literal["gloo", "ccl"]
+
+
+class ResolvedConfig(Config):
+    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value."""
+
+    model: ResolvedModelConfig
+    data: ResolvedDataConfig
+    hardware: ResolvedHardwareConfig
+    parallel: ResolvedParallelConfig
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,12 +413,17 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def named_file_text(path: str | Path, missing: str) -> str:
+    """The text of a file the user named; `missing` is the one-line error when it is no file."""
+    if not Path(path).is_file():
+        raise ConfigError(missing)
+    return Path(path).read_text()
+
+
 def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' not found; pass an existing YAML file or none for the default run")
+    text = named_file_text(path, f"config file '{path}' not found; pass an existing YAML file or none for the default run")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

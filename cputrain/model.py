@@ -7,7 +7,6 @@ parameter is copied straight into its final storage (or, under FSDP, only this r
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,10 +27,6 @@ class ModelSource:
 
     folder: Path | None
     hf_config: object  # transformers PretrainedConfig
-
-    @property
-    def pretrained(self) -> bool:
-        return self.folder is not None
 
 
 def _first_line(exc: Exception) -> str:
@@ -183,11 +178,13 @@ def load_into(
     model: nn.Module,
     folder: Path,
     copy_fn: Callable[[str, torch.Tensor, SafetensorsReader, str], None] | None = None,
+    shape_of: Callable[[torch.Tensor], list[int]] = lambda param: list(param.shape),
 ) -> None:
     """Copy every parameter from the safetensors files into the materialized `model`.
 
     `copy_fn(param_name, param, reader, key)` lets a strategy copy only what its rank owns; the
-    default copies the whole tensor.
+    default copies the whole tensor. `shape_of` is a parameter's full shape (a DTensor's
+    `shape` is already the global one; a ZeRO-3 partition keeps it in ds_shape).
     """
     reader = SafetensorsReader(folder)
     tied = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")} if getattr(
@@ -203,9 +200,9 @@ def load_into(
                 missing.append(name)
                 continue
             full_shape = reader.shape(key)
-            if list(_global_shape(param)) != full_shape:
+            if shape_of(param) != full_shape:
                 raise ModelError(
-                    f"weights for '{name}' have shape {full_shape}, the model expects {list(_global_shape(param))}; "
+                    f"weights for '{name}' have shape {full_shape}, the model expects {shape_of(param)}; "
                     "the weights do not belong to this model config"
                 )
             (copy_fn or _copy_whole)(name, param, reader, key)
@@ -213,10 +210,6 @@ def load_into(
         raise ModelError(f"weights file lacks {len(missing)} parameters of the model (first: '{missing[0]}'); wrong model folder?")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-
-
-def _global_shape(param: torch.Tensor):
-    return param.shape  # a DTensor reports its global shape here too
 
 
 def _copy_whole(name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
@@ -283,7 +276,3 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     non_embedding = total - emb.numel() + (emb.numel() if tied else 0)
     return {"total": total, "non_embedding": non_embedding, "embedding": emb.numel()}
 
-
-def write_config_json(folder: Path, hf_config) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config.to_dict(), indent=2, default=str))

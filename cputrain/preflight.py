@@ -19,6 +19,13 @@ def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
     if probe_output_dir:
         check_output_dir(cfg.output_dir)
     check_model_fits_seq_len(cfg)
+    check_report_to(cfg)
+
+
+def check_report_to(cfg: Config) -> None:
+    from cputrain.metrics.sinks import check_installed
+
+    check_installed(cfg)
 
 
 def check_output_dir(url: str) -> None:

@@ -6,10 +6,12 @@ run can be repeated exactly and nobody has to guess what "auto" meant on that ma
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from dataclasses import dataclass, field
 
-from cputrain.config import Config
+from cputrain.config import Config, ResolvedConfig, batch_error
 from cputrain.errors import ConfigError
 from cputrain.hardware import HardwareFacts
 
@@ -24,7 +26,7 @@ EMULATED_BF16_WARNING = (
 
 @dataclass
 class Resolution:
-    config: Config
+    config: Config  # a ResolvedConfig once resolve() returns
     reasons: list[tuple[str, str, str]] = field(default_factory=list)  # (key, value, why)
 
     def note(self, key: str, value, why: str) -> None:
@@ -90,14 +92,36 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         why = "oneccl_bindings_for_pytorch imports" if backend == "ccl" else "oneCCL bindings not installed; gloo ships with torch"
         res.note("parallel.backend", backend, why)
 
-    per_step = cfg.train.micro_batch_size * world_size
-    if cfg.train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size ({cfg.train.global_batch_size}) is not divisible by "
-            f"micro_batch_size × world size ({cfg.train.micro_batch_size} × {world_size}); "
-            "change one of them so each rank gets whole micro-batches"
-        )
+    error = batch_error(cfg.train, world_size)
+    if error:
+        raise ConfigError(error)
+    res.config = ResolvedConfig.model_validate(cfg.model_dump())
     return res
+
+
+# The keys "auto" may stand for, and the environment variable in which the torchrun agent hands
+# its resolved values to the ranks it starts.
+AUTO_KEYS = ("hardware.precision", "hardware.threads", "data.num_proc", "parallel.strategy", "parallel.backend",
+             "model.compile")
+AGENT_SETTINGS_VAR = "CPUTRAIN_AGENT_SETTINGS"
+
+
+def settings_of(cfg: Config) -> dict:
+    """The values of the keys "auto" may stand for, as `section.key` → value."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in AUTO_KEYS}
+
+
+def check_agent_agrees(cfg: Config, environ: dict | None = None) -> None:
+    """A rank started by cputrain's agent resolved "auto" as the agent did (the agent printed its
+    plan and set each rank's threads from it); a rank that differs stops, naming the key."""
+    text = (os.environ if environ is None else environ).get(AGENT_SETTINGS_VAR)
+    if not text:
+        return
+    agent, mine = json.loads(text), settings_of(cfg)
+    for key in AUTO_KEYS:
+        if key in agent and agent[key] != mine[key]:
+            raise ConfigError(f"{key} resolved to {mine[key]!r} in this rank but to {agent[key]!r} in the agent "
+                              "that started it; set it explicitly in the config")
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 
 from cputrain.config import Config
-from cputrain.dist.env import normalize
+from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
-from cputrain.resolve import resolve
+from cputrain.metrics.summary import summary_table
+from cputrain.resolve import check_agent_agrees, resolve
 
 log = logging.getLogger("cputrain")
 
@@ -18,13 +19,14 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     setup_logging(ranks.rank)
     hw = detect()
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size)
+    check_agent_agrees(res.config)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
-    from cputrain.dist.placement import cpus_for_rank
-    from cputrain.dist.process_group import collective_threads, destroy, exit_without_teardown
+    from cputrain.distributed.placement import cpus_for_rank
+    from cputrain.distributed.process_group import collective_threads, destroy, exit_without_teardown
     from cputrain.trainer import Trainer
 
     cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
@@ -32,6 +34,8 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     try:
         trainer.setup()
         summary = trainer.fit()
+        if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
+            after_export(res.config)
     finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
         trainer.release_lock()
     if ranks.is_main and summary:
@@ -39,7 +43,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
             log.info(line)
         log.info("run folder: %s", cfg.output_dir)
     # The wrapped model holds the process group: release it, then the group, so no collective
-    # thread is left for interpreter teardown (see dist.process_group.destroy).
+    # thread is left for interpreter teardown (see distributed.process_group.destroy).
     trainer.close()
     del trainer
     destroy()
@@ -51,23 +55,23 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     return summary
 
 
-def summary_table(s: dict) -> list[str]:
-    def fmt(v, spec):
-        return "n/a" if v is None else format(v, spec)
+def after_export(cfg: Config) -> None:
+    """Rank 0, once model/ and metrics.jsonl are written: loss.png (metrics.plot owns it) and
+    sample.txt (generated from the exported model) in a local run folder."""
+    from pathlib import Path
 
-    rows = [
-        ("steps", fmt(s.get("final_step"), "d")),
-        ("final train loss", fmt(s.get("final_loss"), ".4f")),
-        ("validation loss", f"{fmt(s.get('first_val_loss'), '.4f')} → {fmt(s.get('val_loss'), '.4f')}"),
-        ("validation perplexity", fmt(s.get("val_ppl"), ".2f")),
-        ("useful tokens/s", fmt(s.get("tokens_per_s"), ",.0f")),
-        ("MFU (theoretical peak)", fmt(s.get("mfu"), ".1%")),
-        ("MFU (measured matmul peak)", fmt(s.get("mfu_of_measured_peak"), ".1%")),
-        ("peak RSS (GiB)", fmt(s.get("peak_rss_gib"), ".2f")),
-        ("wall time (s)", fmt(s.get("wall_time_s"), ".1f")),
-        ("ranks × threads", f"{s.get('world_size')} × {s.get('threads_per_rank')} ({s.get('strategy')}, {s.get('precision')})"),
-    ]
-    if "comm_fraction" in s:
-        rows.append(("time in communication", fmt(s.get("comm_fraction"), ".1%")))
-    width = max(len(k) for k, _ in rows)
-    return ["summary"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    from cputrain.checkpoint.folders import RunFolder
+
+    run = RunFolder(cfg.output_dir)
+    local = run.local_path()
+    if local is None:
+        return
+    from cputrain.metrics.jsonl import MetricsFile
+    from cputrain.metrics.plot import plot_losses
+
+    plot_losses(MetricsFile(run).rows(), Path(local) / "loss.png")
+    if cfg.train.sample_tokens > 0:
+        from cputrain.generate import generate_text
+
+        text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed)
+        (Path(local) / "sample.txt").write_text(text + "\n")

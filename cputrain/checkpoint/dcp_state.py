@@ -7,6 +7,8 @@ get_state_dict/set_state_dict turn any of those models into plain fully-qualifie
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import fsspec
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -37,3 +39,24 @@ def load_dcp(model, optimizer, path: str) -> None:
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
         options=StateDictOptions(strict=True),
     )
+
+
+class CheckpointState(Protocol):
+    """What a strategy hands the checkpoint object: state it can save to and load from a folder."""
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+
+class DCPState:
+    """Model and optimizer state of the single, DDP and FSDP strategies, through DCP."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def save(self, path: str) -> None:
+        save_dcp(self.model, self.optimizer, path)
+
+    def load(self, path: str) -> None:
+        load_dcp(self.model, self.optimizer, path)

@@ -212,7 +212,7 @@ def _user() -> str:
 def take_run_lock(run: RunFolder, is_main: bool, take_over: bool = False) -> RunLock | None:
     """Rank 0 takes the lock; every rank learns whether it did, so a refused run ends on every
     rank at once (also under mpirun, where no agent stops the other ranks)."""
-    from cputrain.dist import process_group as pg
+    from cputrain.distributed import process_group as pg
 
     lock, refused = None, None
     if is_main:

@@ -8,7 +8,7 @@ Kubeflow runtime would, so the container command is the same.
 from __future__ import annotations
 
 from cputrain.k8s import pod
-from cputrain.k8s.options import RDZV_PORT, ClusterOptions, PodResources
+from cputrain.k8s.options import RDZV_PORT, ClusterOptions, PodResources, manifest
 
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -28,18 +28,16 @@ def pet_env(opts: ClusterOptions) -> list[dict]:
 
 
 def service(opts: ClusterOptions) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": opts.service_name, "namespace": opts.namespace, "labels": opts.labels},
-        "spec": {
+    return manifest(
+        opts, "v1", "Service", opts.service_name,
+        spec={
             "clusterIP": "None",
             # Node 0 must be resolvable before it is Ready: the others dial it while it waits for them.
             "publishNotReadyAddresses": True,
             "selector": opts.labels,
             "ports": [{"name": "rendezvous", "port": RDZV_PORT, "targetPort": RDZV_PORT}],
         },
-    }
+    )
 
 
 def indexed_job(opts: ClusterOptions, res: PodResources) -> dict:
@@ -52,11 +50,9 @@ def indexed_job(opts: ClusterOptions, res: PodResources) -> dict:
         "resources": pod.resources(res),
         "volumeMounts": pod.volume_mounts(),
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": opts.name, "namespace": opts.namespace, "labels": opts.labels},
-        "spec": {
+    return manifest(
+        opts, "batch/v1", "Job", opts.name,
+        spec={
             "completionMode": "Indexed",
             "completions": opts.nnodes,
             "parallelism": opts.nnodes,
@@ -75,4 +71,4 @@ def indexed_job(opts: ClusterOptions, res: PodResources) -> dict:
                 },
             },
         },
-    }
+    )

@@ -75,6 +75,13 @@ class ClusterOptions:
         return {"app.kubernetes.io/name": "cputrain", "app.kubernetes.io/instance": self.name}
 
 
+def manifest(opts: ClusterOptions, api_version: str, kind: str, name: str, **body) -> dict:
+    """A namespaced object of this job: its head (apiVersion, kind, metadata with the job's
+    namespace and labels), then `body` (spec, data, …) in the order given."""
+    return {"apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": opts.namespace, "labels": opts.labels}, **body}
+
+
 def parse_secret_env(items: list[str]) -> list[tuple[str, str, str]]:
     """`VAR=secret:key` → (VAR, secret, key). Only references: a value is never accepted."""
     out = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cputrain.config import Config
 from cputrain.k8s import pod
-from cputrain.k8s.options import ClusterOptions
+from cputrain.k8s.options import ClusterOptions, manifest
 
 
 DEEPSPEED_FILE = "deepspeed.json"
@@ -37,22 +37,15 @@ def config_map(cfg: Config, opts: ClusterOptions) -> dict:
         # Read and checked here (bad JSON, a wrong stage fail now, not in the pods); shipped as is.
         read_user_config(cfg.parallel.deepspeed_config)
         data[DEEPSPEED_FILE] = Path(cfg.parallel.deepspeed_config).read_text()
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": f"{opts.name}-config", "namespace": opts.namespace, "labels": opts.labels},
-        "data": data,
-    }
+    return manifest(opts, "v1", "ConfigMap", f"{opts.name}-config", data=data)
 
 
 def output_claim(opts: ClusterOptions) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": opts.pvc_name, "namespace": opts.namespace, "labels": opts.labels},
-        "spec": {
+    return manifest(
+        opts, "v1", "PersistentVolumeClaim", opts.pvc_name,
+        spec={
             "accessModes": ["ReadWriteMany"],  # every node writes the same run folder
             "storageClassName": opts.storage_class,
             "resources": {"requests": {"storage": opts.storage}},
         },
-    }
+    )

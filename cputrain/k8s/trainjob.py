@@ -11,7 +11,7 @@ runtime patch on the runtime's "node" job.
 from __future__ import annotations
 
 from cputrain.k8s import pod
-from cputrain.k8s.options import ClusterOptions, PodResources
+from cputrain.k8s.options import ClusterOptions, PodResources, manifest
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
 RUNTIME = "torch-distributed"
@@ -26,11 +26,9 @@ def trainjob(opts: ClusterOptions, res: PodResources) -> dict:
         "volumes": pod.volumes(opts, res),
         "containers": [{"name": pod.CONTAINER, "volumeMounts": pod.volume_mounts()}],
     }
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "TrainJob",
-        "metadata": {"name": opts.name, "namespace": opts.namespace, "labels": opts.labels},
-        "spec": {
+    return manifest(
+        opts, API_VERSION, "TrainJob", opts.name,
+        spec={
             "runtimeRef": {"name": RUNTIME, "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime"},
             "trainer": {
                 "image": opts.image,
@@ -51,4 +49,4 @@ def trainjob(opts: ClusterOptions, res: PodResources) -> dict:
                 }]}}},
             }],
         },
-    }
+    )

@@ -57,22 +57,23 @@ def storage_bytes(tensors, exclude=()) -> int:
     return sum(seen.values())
 
 
-def state_bytes(model=None, optimizer=None) -> dict[str, int]:
+def _parameters_and_grads(model) -> tuple[list, list, list]:
+    params = list(model.parameters())
+    return params, [p.grad for p in params], []
+
+
+def state_bytes(model=None, optimizer=None, tensors_held=_parameters_and_grads) -> dict[str, int]:
     """param/grad/optimizer bytes this rank holds right now.
 
-    A model that keeps its state outside module.parameters() (DeepSpeed ZeRO-3: partitions,
-    gradient buffers, fp32 masters) says itself where, through `tensors_held()`. Optimizer bytes
-    are its state (AdamW moments) plus master copies of parameters it steps that are not the
-    model's own parameters.
+    `tensors_held(model)` gives the (parameter, gradient, master) tensors: the strategy's
+    (DeepSpeed ZeRO-3 keeps partitions, gradient buffers and fp32 masters outside
+    module.parameters()). Optimizer bytes are its state (AdamW moments) plus master copies of
+    parameters it steps that are not the model's own parameters.
     """
     out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
     params, grads, masters = [], [], []
     if model is not None:
-        if hasattr(model, "tensors_held"):
-            params, grads, masters = model.tensors_held()
-        else:
-            params = list(model.parameters())
-            grads = [p.grad for p in params]
+        params, grads, masters = tensors_held(model)
         out["param_bytes"] = storage_bytes(params)
         out["grad_bytes"] = storage_bytes(grads)
     if optimizer is not None:
@@ -88,7 +89,7 @@ class PhaseRecorder:
     def __init__(self, rank: int):
         self.rank = rank
         self.rows: list[dict] = []
-        self.extra_bytes_fn = None  # a strategy may report state it keeps outside torch
+        self.tensors_held = _parameters_and_grads  # the strategy's, once it exists (Strategy.tensors_held)
         self._hooked = False
         self._model = None
         self._at_step: dict[str, int] | None = None  # bytes held when the optimizer step began
@@ -101,7 +102,7 @@ class PhaseRecorder:
         self._hooked, self._model = True, model
 
         def before_step(opt, args, kwargs):
-            now = state_bytes(self._model, opt)
+            now = state_bytes(self._model, opt, self.tensors_held)
             if self._at_step is None:
                 self._at_step = now
             else:  # DeepSpeed steps one parameter group at a time: keep the largest
@@ -114,12 +115,10 @@ class PhaseRecorder:
         set measured figures of its own (the step peak is measured around the steps)."""
         assert phase in PHASES, phase
         row = {"phase": phase, "rss_gib": memory.rss_gib(), "peak_rss_gib": memory.peak_rss_gib()}
-        row.update(state_bytes(model, optimizer))
+        row.update(state_bytes(model, optimizer, self.tensors_held))
         if phase in ("first step done", "training step peak") and self._at_step is not None:
             # After the step the gradients are gone; their bytes are those measured inside it.
             row.update({k: max(row[k], v) for k, v in self._at_step.items()})
-        if self.extra_bytes_fn is not None:
-            row.update({k: v for k, v in self.extra_bytes_fn().items() if v})
         row.update(extra)
         self.rows.append(row)
         if optimizer is not None:

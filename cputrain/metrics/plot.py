@@ -1,18 +1,16 @@
-"""The loss curve as a PNG, from metrics.jsonl."""
+"""loss.png, the loss curve, from the rows of metrics.jsonl (metrics.jsonl.MetricsFile reads them)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
-def plot_losses(metrics_jsonl: Path, out_png: Path) -> None:
+def plot_losses(rows: list[dict], out_png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)

@@ -13,6 +13,12 @@ from cputrain.errors import ConfigError
 _MODULES = {"single": "single", "ddp": "ddp", "fsdp": "fsdp", "zero3": "zero3"}
 
 
+def needs_process_group(name: str) -> bool:
+    """Whether a strategy runs collectives even with one rank (all but single); asked before the
+    strategy's module is imported, so DeepSpeed is not loaded ahead of the process group."""
+    return name != "single"
+
+
 def get_strategy(name: str, **kwargs):
     if name not in _MODULES:
         raise ConfigError(f"unknown parallel.strategy '{name}'; choose one of {sorted(_MODULES)}")

@@ -2,6 +2,9 @@
 
 Build order (see trainer.setup): wrap(skeleton) → load_weights → build_optimizer. Wrapping
 comes before any weight exists so that a sharding strategy materializes only its own shard.
+Code that every strategy shares lives beside the protocol, not in a strategy: the meter
+(distributed.comm), weight-decay groups (optim.decay_groups), reading rows of a safetensors
+file into whatever a rank holds (model.load_into with a copy_fn).
 """
 
 from __future__ import annotations
@@ -9,13 +12,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from cputrain.config import Config
+from cputrain.distributed.comm import NO_METER, CommMeter
+
+if TYPE_CHECKING:
+    from cputrain.checkpoint.dcp_state import CheckpointState
 
 
 log = logging.getLogger("cputrain")
@@ -40,15 +48,22 @@ class StrategyContext:
     rank: int
     world_size: int
     compute_dtype: torch.dtype
-    extras: dict = field(default_factory=dict)
 
 
 class Strategy:
+    """One meaning per method. Build: wrap, load_weights, build_optimizer. Step: autocast,
+    accumulation, backward, step. State: checkpoint_state (what a checkpoint saves and loads),
+    full_state_dict (what the export writes), tensors_held (what the memory report counts).
+    `meter` is the communication meter (no-op where nothing is metered). Strategies write no
+    files: the checkpoint object (cputrain.checkpoint.checkpoints) does."""
+
     name = "base"
     supports_offload = False  # keeps optimizer state / parameters in host memory on request (zero3)
+    metered = False  # collectives are timed and counted (ddp, fsdp: the trainer logs comm_* fields)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
+        self.meter = CommMeter.install() if self.metered else NO_METER
         if ctx.rank == 0:
             for line in ignored_settings(self, ctx.cfg):
                 log.warning("warning: %s", line)
@@ -58,8 +73,9 @@ class Strategy:
         """Wrap the model skeleton (possibly on meta). Return what the trainer calls forward on."""
         return model
 
-    def load_weights(self, model: nn.Module, folder: Path | None, seed: int) -> None:
-        """Fill the wrapped model: from `folder`'s safetensors, or random init from `seed`."""
+    def load_weights(self, model: nn.Module, folder: Path | None) -> None:
+        """Materialise and fill the wrapped model: from `folder`'s safetensors, or random init
+        from the config's seed."""
         raise NotImplementedError
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -89,33 +105,26 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    # --- reporting -----------------------------------------------------------------------
-    def comm_stats(self) -> dict:
-        """Communication since the last call (time in collectives, bytes sent/received)."""
-        return {}
+    # --- state ---------------------------------------------------------------------------
+    def checkpoint_state(self, model: nn.Module, optimizer) -> CheckpointState:
+        """Model and optimizer state, which the checkpoint object saves to and loads from a step folder."""
+        from cputrain.checkpoint.dcp_state import DCPState
 
-    def comm_summary(self, rows: list[dict]) -> dict:
-        """Communication figures for summary.json, from the logged rows."""
-        return {}
-
-    # --- checkpoint ----------------------------------------------------------------------
-    def save(self, model: nn.Module, optimizer, path: str) -> None:
-        from cputrain.checkpoint.dcp_state import save_dcp
-
-        save_dcp(model, optimizer, path)
-
-    def load(self, model: nn.Module, optimizer, path: str) -> None:
-        from cputrain.checkpoint.dcp_state import load_dcp
-
-        load_dcp(model, optimizer, path)
+        return DCPState(model, optimizer)
 
     def full_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) pairs, one tensor at a time, for the HF export (rank 0 writes them)."""
-        for name, tensor in model.state_dict().items():
-            yield name, tensor
+        for name, tensor in self.unwrap(model).state_dict().items():
+            yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    def tensors_held(self, model: nn.Module) -> tuple[list, list, list]:
+        """(parameter, gradient, master) tensors this rank holds, for the memory report."""
+        params = list(model.parameters())
+        return params, [p.grad for p in params], []
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        """The Hugging Face module inside the wrapper (compile and the export name its blocks)."""
         return model
 
     def close(self) -> None:
-        pass
+        self.meter.uninstall()

@@ -12,12 +12,10 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cputrain.dist.comm import CommMeter, summarize
 from cputrain.model import load_into, materialize, random_init
 from cputrain.parallel.base import Strategy, StrategyContext
 
@@ -33,16 +31,14 @@ def _metered_allreduce_hook(_state, bucket):
 
 class DDPStrategy(Strategy):
     name = "ddp"
-
-    def __init__(self, ctx: StrategyContext):
-        super().__init__(ctx)
-        self.meter = CommMeter.install()
+    metered = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         materialize(model)
         if self.ctx.cfg.model.name_or_path is None:
             # Initialise now, exactly as the single strategy does (init, then tie): initialising
             # after tying would draw the shared embedding twice and start from other weights.
+            # DDP broadcasts rank 0's parameters as it is built, so they must exist by then.
             random_init(model, self.ctx.cfg.seed)
         else:
             model.tie_weights()  # to_empty unties shared parameters; DDP must see the tied set
@@ -50,36 +46,17 @@ class DDPStrategy(Strategy):
         ddp.register_comm_hook(None, _metered_allreduce_hook)
         return ddp
 
-    def load_weights(self, model: nn.Module, folder: Path | None, seed: int) -> None:
-        # Every rank fills the same values (same file, or the seed at wrap time), so replicas
-        # agree without a second broadcast.
+    def load_weights(self, model: nn.Module, folder: Path | None) -> None:
+        # Every rank fills the same values (the same file; or the seed, drawn at wrap time), so
+        # replicas agree without a second broadcast.
         if folder is not None:
             load_into(model.module, folder)
-        elif seed != self.ctx.cfg.seed:
-            random_init(model.module, seed)
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()
 
-    def comm_stats(self) -> dict:
-        return self.meter.window()
-
-    def comm_summary(self, rows: list[dict]) -> dict:
-        return summarize(rows)
-
-    def save(self, model, optimizer, path: str) -> None:
-        with self.meter.suspended():
-            super().save(model, optimizer, path)
-
-    def full_state_dict(self, model: nn.Module):
-        with self.meter.suspended():
-            yield from model.module.state_dict().items()
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
-
-    def close(self) -> None:
-        self.meter.uninstall()
 
 
 def build(ctx: StrategyContext) -> Strategy:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from cputrain.config import Config
+from cputrain.config import Config, named_file_text
 from cputrain.errors import ConfigError, UserError
 
 # 0.16 is the oldest release whose CPU accelerator, zero.Init and consolidated ZeRO-3
@@ -60,11 +60,9 @@ def check_version(version: str) -> str:
 
 def read_user_config(path: str | Path) -> dict:
     """A DeepSpeed JSON file, or a one-line error naming the file, line and column."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"parallel.deepspeed_config '{path}' not found; point it at a DeepSpeed JSON file")
+    text = named_file_text(path, f"parallel.deepspeed_config '{path}' not found; point it at a DeepSpeed JSON file")
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"parallel.deepspeed_config '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"

@@ -21,8 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from cputrain.dist.allocator import pin_mmap_threshold
-from cputrain.dist.comm import CommMeter, summarize
+from cputrain.distributed.allocator import pin_mmap_threshold
 from cputrain.errors import ModelError
 from cputrain.model import SafetensorsReader, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
@@ -87,11 +86,11 @@ class RowFiles:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    metered = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         pin_mmap_threshold()  # before the init replica and the first step free anything
-        self.meter = CommMeter.install()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         kwargs = {}
@@ -103,7 +102,7 @@ class FSDPStrategy(Strategy):
         fully_shard(model, **kwargs)
         return model
 
-    def load_weights(self, model: nn.Module, folder: Path | None, seed: int) -> None:
+    def load_weights(self, model: nn.Module, folder: Path | None) -> None:
         materialize(model)  # allocates only this rank's shard of every parameter
         if folder is not None:
             files = RowFiles(safetensors_files(folder))
@@ -112,7 +111,7 @@ class FSDPStrategy(Strategy):
             finally:
                 files.close()
             return
-        full = self._full_random_init(model, seed)
+        full = self._full_random_init(model, self.ctx.cfg.seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if isinstance(param, DTensor):
@@ -136,24 +135,11 @@ class FSDPStrategy(Strategy):
         # The mixed-precision policy casts parameters to bf16 itself; autocast on top would only add casts.
         return contextlib.nullcontext()
 
-    def comm_stats(self) -> dict:
-        return self.meter.window()
-
-    def comm_summary(self, rows: list[dict]) -> dict:
-        return summarize(rows)
-
-    def save(self, model, optimizer, path: str) -> None:
-        with self.meter.suspended():
-            super().save(model, optimizer, path)
-
-    def full_state_dict(self, model: nn.Module):
-        """One gathered parameter at a time: at most one full tensor beside this rank's shards."""
-        with self.meter.suspended():
-            for name, tensor in model.state_dict().items():
-                yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    # full_state_dict: the protocol's own, which gathers one parameter at a time (full_tensor),
+    # so at most one full tensor exists beside this rank's shards.
 
     def close(self) -> None:
-        self.meter.uninstall()
+        super().close()
         # DTensor's sharding-propagation caches keep the specs of every op seen, and through their
         # device mesh the process group: cleared, the group can be destroyed before teardown.
         try:

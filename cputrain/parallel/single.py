@@ -13,10 +13,10 @@ from cputrain.parallel.base import Strategy, StrategyContext
 class SingleStrategy(Strategy):
     name = "single"
 
-    def load_weights(self, model: nn.Module, folder: Path | None, seed: int) -> None:
+    def load_weights(self, model: nn.Module, folder: Path | None) -> None:
         materialize(model)
         if folder is None:
-            random_init(model, seed)
+            random_init(model, self.ctx.cfg.seed)
         else:
             load_into(model, folder)
 

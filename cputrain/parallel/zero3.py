@@ -33,9 +33,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
-from cputrain.model import SafetensorsReader, checkpoint_name  # noqa: E402
-from cputrain.errors import ModelError  # noqa: E402
-from cputrain.dist.allocator import pin_mmap_threshold  # noqa: E402
+from cputrain.model import SafetensorsReader, load_into  # noqa: E402
+from cputrain.optim import decay_groups  # noqa: E402
+from cputrain.distributed.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
 from cputrain.resolve import grad_accum_steps  # noqa: E402
 
@@ -63,26 +63,6 @@ class Zero3Model(nn.Module):
     @property
     def config(self):
         return self.module.config
-
-    def tensors_held(self) -> tuple[list, list, list]:
-        """(parameter, gradient, master) tensors this rank holds, where DeepSpeed keeps them:
-        partitions (ds_tensor), gradient partitions and fp32 master partitions all live outside
-        module.parameters().
-
-        Gradients are the partitions that persist through backward (grad_partitions_flat_buffer;
-        with optimizer offload, the fp32 gradient buffers on the host). DeepSpeed also makes a
-        flattened copy of one parameter group's gradients for the length of its optimizer step;
-        that transient copy shows in the step's peak RSS, not here.
-        """
-        params = list({id(p): p for p in self.module.parameters()}.values())
-        param_tensors = [getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params]
-        zero = self.engine.optimizer if self.engine is not None else None
-        if zero is None:
-            return param_tensors, [], []
-        masters = list(getattr(zero, "fp32_partitioned_groups_flat", []))
-        flat = getattr(zero, "grad_partitions_flat_buffer", None)
-        grads = [flat] if flat is not None else [m.grad for m in masters]
-        return param_tensors, grads, masters
 
 
 class Zero3Strategy(Strategy):
@@ -142,7 +122,7 @@ class Zero3Strategy(Strategy):
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return Zero3Model(module)
 
-    def load_weights(self, model: Zero3Model, folder: Path | None, seed: int) -> None:
+    def load_weights(self, model: Zero3Model, folder: Path | None) -> None:
         module = model.module
         if folder is None:
             # transformers' own ZeRO-3 init: each module's parameters are gathered, initialised
@@ -150,53 +130,32 @@ class Zero3Strategy(Strategy):
             # scattered back; only one module's parameters are ever whole at a time.
             from transformers.integrations.deepspeed import initialize_weights_zero3
 
-            torch.manual_seed(seed)
+            torch.manual_seed(self.ctx.cfg.seed)
             for sub in module.modules():
                 sub._is_hf_initialized = False
             initialize_weights_zero3(module)
             module.tie_weights()
             return
-        self._load_partitions(module, folder)
+        # Each rank reads from the safetensors files only the rows that cover its partition.
+        load_into(module, folder, copy_fn=self._copy_partition, shape_of=lambda param: list(param.ds_shape))
 
-    def _load_partitions(self, module: nn.Module, folder: Path) -> None:
-        """Each rank reads from the safetensors files only the rows that cover its partition."""
-        reader = SafetensorsReader(folder)
-        tied = getattr(module.config, "tie_word_embeddings", False)
-        missing = []
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                key = checkpoint_name(name, reader)
-                if key is None:
-                    if not (tied and name.endswith("lm_head.weight")):
-                        missing.append(name)
-                    continue
-                shape = list(param.ds_shape)
-                if reader.shape(key) != shape:
-                    raise ModelError(
-                        f"weights for '{name}' have shape {reader.shape(key)}, the model expects {shape}; "
-                        "the weights do not belong to this model config"
-                    )
-                part = param.ds_tensor
-                start = self.ctx.rank * part.numel()  # partitions are equal slices of the flat tensor
-                count = min(part.numel(), max(0, param.ds_numel - start))
-                if count == 0:
-                    continue  # this rank holds only padding of a small parameter
-                row = param.ds_numel // shape[0] if shape else 1
-                first, last = start // row, math.ceil((start + count) / row)
-                rows = reader.read(key, slice(first, last)) if shape else reader.read(key)
-                flat = rows.reshape(-1)[start - first * row : start - first * row + count]
-                part.data[:count].copy_(flat.to(part.dtype))
-        if missing:
-            raise ModelError(f"weights file lacks {len(missing)} parameters of the model (first: '{missing[0]}'); "
-                             "wrong model folder?")
+    def _copy_partition(self, name: str, param: nn.Parameter, reader: SafetensorsReader, key: str) -> None:
+        shape = list(param.ds_shape)
+        part = param.ds_tensor
+        start = self.ctx.rank * part.numel()  # partitions are equal slices of the flat tensor
+        count = min(part.numel(), max(0, param.ds_numel - start))
+        if count == 0:
+            return  # this rank holds only padding of a small parameter
+        row = param.ds_numel // shape[0] if shape else 1
+        first, last = start // row, math.ceil((start + count) / row)
+        rows = reader.read(key, slice(first, last)) if shape else reader.read(key)
+        flat = rows.reshape(-1)[start - first * row : start - first * row + count]
+        part.data[:count].copy_(flat.to(part.dtype))
 
     def build_optimizer(self, model: Zero3Model) -> torch.optim.Optimizer:
         t = self.ctx.cfg.train
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        # Norm gains and biases are 1-D (ds_shape: a partitioned parameter's own shape is empty).
-        decay = [p for p in params if len(p.ds_shape) >= 2]
-        no_decay = [p for p in params if len(p.ds_shape) < 2]
-        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # ds_shape: a partitioned parameter's own shape is empty.
+        groups = decay_groups(model.module.parameters(), t.weight_decay, ndim=lambda p: len(p.ds_shape))
         if self.plan.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -230,23 +189,29 @@ class Zero3Strategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    # --- checkpoint ----------------------------------------------------------------------
-    @staticmethod
-    def _local(path: str) -> str:
-        if "://" in path and not path.startswith("file://"):
-            raise ConfigError(f"strategy zero3 saves checkpoints through DeepSpeed, which needs a local output_dir, "
-                              f"not '{path}'")
-        return path.removeprefix("file://")
+    # --- state ---------------------------------------------------------------------------
+    def checkpoint_state(self, model: nn.Module, optimizer) -> DeepSpeedState:
+        return DeepSpeedState(self.engine)
 
-    def save(self, model: nn.Module, optimizer, path: str) -> None:
-        # Every rank writes its own partitions: model states on rank 0, optimizer states per rank.
-        self.engine.save_checkpoint(self._local(path), tag=TAG, save_latest=False)
+    def tensors_held(self, model: Zero3Model) -> tuple[list, list, list]:
+        """(parameter, gradient, master) tensors this rank holds, where DeepSpeed keeps them:
+        partitions (ds_tensor), gradient partitions and fp32 master partitions all live outside
+        module.parameters().
 
-    def load(self, model: nn.Module, optimizer, path: str) -> None:
-        loaded, _ = self.engine.load_checkpoint(self._local(path), tag=TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
-        if loaded is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint '{TAG}' under {path}")
+        Gradients are the partitions that persist through backward (grad_partitions_flat_buffer;
+        with optimizer offload, the fp32 gradient buffers on the host). DeepSpeed also makes a
+        flattened copy of one parameter group's gradients for the length of its optimizer step;
+        that transient copy shows in the step's peak RSS, not here.
+        """
+        params = list({id(p): p for p in model.module.parameters()}.values())
+        param_tensors = [getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params]
+        zero = self.engine.optimizer if self.engine is not None else None
+        if zero is None:
+            return param_tensors, [], []
+        masters = list(getattr(zero, "fp32_partitioned_groups_flat", []))
+        flat = getattr(zero, "grad_partitions_flat_buffer", None)
+        grads = [flat] if flat is not None else [m.grad for m in masters]
+        return param_tensors, grads, masters
 
     def full_state_dict(self, model: Zero3Model) -> Iterator[tuple[str, torch.Tensor]]:
         """One parameter gathered at a time (a collective: every rank iterates), returned as fp32."""
@@ -265,7 +230,32 @@ class Zero3Strategy(Strategy):
         return model.module
 
     def close(self) -> None:
+        super().close()
         self.engine = None
+
+
+class DeepSpeedState:
+    """The engine's own checkpoint (DeepSpeed's layout under the step's state/): every rank
+    writes its own partitions, model states on rank 0, optimizer states per rank."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @staticmethod
+    def _local(path: str) -> str:
+        if "://" in path and not path.startswith("file://"):
+            raise ConfigError(f"strategy zero3 saves checkpoints through DeepSpeed, which needs a local output_dir, "
+                              f"not '{path}'")
+        return path.removeprefix("file://")
+
+    def save(self, path: str) -> None:
+        self.engine.save_checkpoint(self._local(path), tag=TAG, save_latest=False)
+
+    def load(self, path: str) -> None:
+        loaded, _ = self.engine.load_checkpoint(self._local(path), tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{TAG}' under {path}")
 
 
 def build(ctx: StrategyContext) -> Strategy:

@@ -29,7 +29,7 @@ RANK_SCRIPT = textwrap.dedent("""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from cputrain.dist import process_group as pg
+    from cputrain.distributed import process_group as pg
 
     pg.init_process_group("gloo", world_size=2)
     model = DistributedDataParallel(nn.Linear(8, 8))

@@ -6,7 +6,7 @@ import datetime
 
 import torch.distributed as dist
 
-from cputrain.dist.process_group import agent_store_of_this_round
+from cputrain.distributed.process_group import agent_store_of_this_round
 
 TIMEOUT = datetime.timedelta(seconds=10)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cputrain.dist.env import normalize, started_by_launcher
-from cputrain.dist.launcher import pet_overrides
+from cputrain.distributed.env import normalize, started_by_launcher
+from cputrain.distributed.launcher import pet_overrides
 from cputrain.errors import ConfigError
 
 
@@ -52,7 +52,7 @@ def test_pet_variables_as_kubeflow_sets_them():
 
 
 def test_rank_variables_no_launcher_set_are_named():
-    from cputrain.dist.env_check import check_rank_variables
+    from cputrain.distributed.env_check import check_rank_variables
 
     check_rank_variables({})  # plain python
     check_rank_variables({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})  # one process, labelled

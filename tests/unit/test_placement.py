@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cputrain.dist.allocator import choose_allocator, preload_env
-from cputrain.dist.placement import core_sets
+from cputrain.distributed.allocator import choose_allocator, preload_env
+from cputrain.distributed.placement import core_sets
 from cputrain.hardware import Core, detect
 
 

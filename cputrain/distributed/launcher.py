@@ -16,19 +16,21 @@ bad flag fails at once on every node instead of as a hang.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
-import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cputrain.config import Config
-from cputrain.dist.allocator import AllocatorChoice, choose_allocator, preload_env
-from cputrain.dist.env import started_by_launcher
-from cputrain.dist.placement import core_sets
+from cputrain.distributed.allocator import AllocatorChoice, choose_allocator, preload_env
+from cputrain.distributed.env import started_by_launcher
+from cputrain.distributed.placement import core_sets
 from cputrain.errors import ConfigError, UserError
 from cputrain.hardware import HardwareFacts
+from cputrain.resolve import AGENT_SETTINGS_VAR, resolve, settings_of
 
 log = logging.getLogger("cputrain")
 
@@ -68,7 +70,8 @@ def pet_overrides(environ: dict | None = None) -> list[str]:
 
 
 @dataclass
-class RankPlan:
+class RankPlacement:
+    """Where one rank of this node runs: its threads and cores (the memory per rank is plan/'s)."""
     rank: int
     local_rank: int
     threads: int
@@ -76,7 +79,8 @@ class RankPlan:
 
 
 @dataclass
-class LaunchPlan:
+class NodeLaunch:
+    """What this node's agent starts, decided and explained before any rank exists."""
     nnodes: int
     nproc_per_node: int
     node_rank: int
@@ -85,7 +89,8 @@ class LaunchPlan:
     allocator: AllocatorChoice
     reasons: list[tuple[str, str, str]]
     placement_reason: str
-    ranks: list[RankPlan] = field(default_factory=list)
+    settings: dict  # the resolved values of every "auto" key (resolve.settings_of), handed to the ranks
+    ranks: list[RankPlacement] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -120,11 +125,9 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_plan(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> LaunchPlan:
+def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> NodeLaunch:
     """Everything decided before a rank starts, with reasons; raises on bad input."""
-    from cputrain.dist.placement import cpus_for_rank
-    from cputrain.resolve import resolve
-
+    from cputrain.distributed.placement import cpus_for_rank
     env = os.environ if environ is None else environ
     launch = cfg.launch
     if launch.node_rank >= launch.nnodes:
@@ -139,17 +142,17 @@ def make_plan(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> La
     res = resolve(cfg, hw, world, launch.nproc_per_node)  # raises if the world size does not divide the batch
     res.note("launch.nproc_per_node", launch.nproc_per_node,
              "ranks on this node, each with threads = cores ÷ ranks (not torchrun's OMP_NUM_THREADS=1)")
-    threads = int(res.config.hardware.threads)
+    threads = res.config.hardware.threads
     sets = core_sets(hw, launch.nproc_per_node)
-    plan = LaunchPlan(
+    plan = NodeLaunch(
         nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, node_rank=launch.node_rank,
         endpoint=endpoint, is_host=launch.node_rank == 0,
         allocator=choose_allocator(res.config.hardware.allocator, env),
-        reasons=res.reasons, placement_reason=sets.reason if res.config.hardware.pin_cores else "pinning off (hardware.pin_cores=false)",
+        reasons=res.reasons, settings=settings_of(res.config), placement_reason=sets.reason if res.config.hardware.pin_cores else "pinning off (hardware.pin_cores=false)",
     )
     for local in range(launch.nproc_per_node):
         cpus = cpus_for_rank(hw, local, launch.nproc_per_node, res.config) if res.config.hardware.pin_cores else None
-        plan.ranks.append(RankPlan(launch.node_rank * launch.nproc_per_node + local, local, threads, cpus))
+        plan.ranks.append(RankPlacement(launch.node_rank * launch.nproc_per_node + local, local, threads, cpus))
     return plan
 
 
@@ -166,7 +169,7 @@ def check_port_free(endpoint: str) -> None:
             raise LaunchError(f"cannot listen on the rendezvous endpoint {endpoint}: {exc.strerror}") from None
 
 
-def torchrun_args(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> list[str]:
+def torchrun_args(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> list[str]:
     """The torchrun command line (without `torchrun`) that starts this node's ranks."""
     timeout = cfg.launch.rdzv_timeout_s
     # One rendezvous id per run folder, so every node of a run joins the same rendezvous.
@@ -223,7 +226,7 @@ def _failure_message(err) -> LaunchError:
                        exit_code=2 if user_error else 1)
 
 
-def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
+def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
@@ -233,6 +236,8 @@ def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
         check_port_free(plan.endpoint)
     # Each rank's environment: threads = cores ÷ ranks (torchrun would set 1), and the allocator.
     os.environ["OMP_NUM_THREADS"] = str(plan.ranks[0].threads)
+    # What "auto" resolved to here: every rank resolves again and must come to the same values.
+    os.environ[AGENT_SETTINGS_VAR] = json.dumps(plan.settings)
     preload_env(plan.allocator, os.environ)
     # A fresh store for each rendezvous round, hosted by that round's rank 0 on a port node 0's
     # agent picks: the agent's shared store would hand a round restarted after a lost rank the
@@ -257,10 +262,11 @@ def run_agent(plan: LaunchPlan, cfg: Config, worker_args: list[str]) -> dict:
                           "`cputrain train --node-rank 0` there and that the port is open") from None
 
 
-def launch(cfg: Config, worker_args: list[str], dry_run: bool = False, take_over_lock: bool = False) -> dict | None:
-    """Run `cputrain train` here or through the agent; returns rank 0's summary when it ran here."""
-    from cputrain.dist.env import normalize
-    from cputrain.dist.env_check import check_rank_variables, wait_for_master
+def launch(cfg: Config, worker_args: list[str], run_here: Callable[[], dict], dry_run: bool = False) -> dict | None:
+    """Run `cputrain train` here (`run_here`, the worker) or through the agent; returns rank 0's
+    summary when it ran here. The worker is passed in, so this package never imports upward."""
+    from cputrain.distributed.env import normalize
+    from cputrain.distributed.env_check import check_rank_variables, wait_for_master
     from cputrain.hardware import detect
     from cputrain.preflight import check_before_work
 
@@ -278,17 +284,15 @@ def launch(cfg: Config, worker_args: list[str], dry_run: bool = False, take_over
             single = cfg.model_copy(deep=True)
             single.launch.nnodes, single.launch.nproc_per_node = 1, ranks.local_world_size
             single.launch.node_rank = 0
-            plan = make_plan(single, detect())
+            plan = node_launch(single, detect())
             plan.ranks = [r for r in plan.ranks if r.local_rank == ranks.local_rank]
             for r in plan.ranks:
                 r.rank = ranks.rank
             print(f"started by {ranks.launcher}: rank {ranks.rank} of {ranks.world_size}")
             print("\n".join(plan.lines()))
             return {}
-        from cputrain.worker import run_worker
-
-        return run_worker(cfg, take_over_lock=take_over_lock)
-    plan = make_plan(cfg, detect())
+        return run_here()
+    plan = node_launch(cfg, detect())
     if dry_run:
         print("\n".join(plan.lines()))
         print("  agent: torchrun " + " ".join(torchrun_args(plan, cfg, worker_args)))

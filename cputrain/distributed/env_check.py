@@ -14,7 +14,7 @@ import os
 import socket
 import time
 
-from cputrain.dist.env import _MPI_NAMES
+from cputrain.distributed.env import _MPI_NAMES
 from cputrain.errors import ConfigError
 
 RANK_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

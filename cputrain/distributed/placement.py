@@ -70,4 +70,4 @@ def cpus_for_rank(hw: HardwareFacts, local_rank: int, local_world_size: int, cfg
     if local_world_size == 1 and cfg.hardware.threads == hw.physical_cores:
         return None  # one rank owning the machine: leave the scheduler free (and hyper-threads usable)
     mine = core_sets(hw, local_world_size).sets[local_rank]
-    return mine[: max(1, int(cfg.hardware.threads))] or None
+    return mine[: cfg.hardware.threads] or None

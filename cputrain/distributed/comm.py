@@ -150,6 +150,22 @@ class CommMeter:
         return window
 
 
+class _NoMeter:
+    """The meter of a strategy that meters nothing (single, zero3): no figures, nothing to suspend."""
+
+    def window(self) -> dict:
+        return {}
+
+    def suspended(self):
+        return contextlib.nullcontext()
+
+    def uninstall(self) -> None:
+        pass
+
+
+NO_METER = _NoMeter()
+
+
 def _per_rank(busy_s: float, sent: int, recv: int) -> dict:
     """Every rank's figures of this window, in rank order (metrics.jsonl is written by rank 0,
     whose own figures are the fields above). Every rank logs at the same steps, so all call this

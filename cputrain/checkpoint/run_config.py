@@ -1,0 +1,68 @@
+"""config.yaml, the resolved config of the run: the only module that reads or writes it in a run
+folder. Its identity keys decide whether the folder's checkpoints may continue this run.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from cputrain.checkpoint.folders import RunFolder
+from cputrain.config import Config
+from cputrain.errors import RunFolderError
+
+NAME = "config.yaml"
+
+# Keys that define what is being trained. A run folder's checkpoints only continue a run whose
+# values here are the same; everything else (steps, logging, ranks, threads) may change.
+IDENTITY_KEYS = (
+    "seed",
+    "model.name_or_path",
+    "model.arch",
+    "model.tokenizer",
+    "model.tokenizer_vocab_size",
+    "data.source",
+    "data.hf_config",
+    "data.text_field",
+    "data.seq_len",
+    "data.val_fraction",
+    "data.max_documents",
+    "train.global_batch_size",
+)
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def check_compatible(run: RunFolder, cfg: Config) -> None:
+    """Refuse to touch a run folder whose checkpoints belong to a different run."""
+    if run.fs.exists(run.root) and not run.fs.isdir(run.root):
+        raise RunFolderError(f"output_dir '{run.url}' is a file, not a folder; choose another output_dir")
+    if not run.complete_steps():
+        return
+    old_text = run.read_text(NAME)
+    if old_text is None:
+        raise RunFolderError(
+            f"output_dir '{run.url}' holds checkpoints but no config.yaml; choose another output_dir"
+        )
+    old, new = yaml.safe_load(old_text) or {}, cfg.model_dump(mode="json")
+    for key in IDENTITY_KEYS:
+        there, now = _get(old, key), _get(new, key)
+        if there != now:
+            if isinstance(there, dict) and isinstance(now, dict):  # name the one entry that differs
+                sub = next(k for k in sorted(set(there) | set(now), key=str) if there.get(k) != now.get(k))
+                key, there, now = f"{key}.{sub}", there.get(sub), now.get(sub)
+            raise RunFolderError(
+                f"output_dir '{run.url}' holds checkpoints of another run ({key}: {there!r} there, "
+                f"{now!r} now); choose a new output_dir or set {key} back to resume it"
+            )
+
+
+
+
+def write_run_config(run: RunFolder, cfg: Config, reasons: list) -> None:
+    """The resolved config, with the reason for each "auto" choice as a comment above it (rank 0)."""
+    header = "".join(f"# {key} = {value}: {why}\n" for key, value, why in reasons)
+    run.write_text(header + cfg.dump_yaml(), NAME)
