@@ -21,15 +21,14 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.vs_hf_trainer import (SEQ_LEN, env, in_fresh_process as hf_in_fresh_process,  # noqa: E402
+from benchmarks.step_timing import run_child, time_steps  # noqa: E402
+from benchmarks.vs_hf_trainer import (SEQ_LEN, in_fresh_process as hf_in_fresh_process,  # noqa: E402
                                       physical_cores, run_cputrain, shared_tokenizer)
 
 VOCAB = 8192
@@ -101,24 +100,11 @@ def step_child(opts: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
-    step()
-    first_s = time.perf_counter() - t0
-    step()
-    times = []
-    for _ in range(opts["steps"]):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "first_step_s": first_s, "attn": attn, "attn_why": why}
+    return {**time_steps(step, opts["steps"]), "attn": attn, "attn_why": why}
 
 
 def fresh(opts: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(opts)], capture_output=True, text=True,
-                          env=env(), cwd=REPO)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, json.dumps(opts))
 
 
 def main() -> None:

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.vs_hf_trainer import env, physical_cores  # noqa: E402
+from benchmarks.step_timing import run_child, time_steps  # noqa: E402
+from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "rope_theta": 500000.0, "vocab_size": 128256, "num_hidden_layers": 32, "max_position_embeddings": 8192}
@@ -84,17 +82,8 @@ def layers_child(opts: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    step()
-    times = []
-    for _ in range(opts["steps"]):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
     per_layer = sum(p.numel() for p in params) // opts["layers"]
-    return {"step_s": statistics.median(times), "first_step_s": first, "params_per_layer": per_layer,
+    return {**time_steps(step, opts["steps"]), "params_per_layer": per_layer,
             "attn": choice.implementation, "attn_why": choice.reason}
 
 
@@ -123,25 +112,14 @@ def head_child(opts: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(opts["steps"]):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
     import resource
 
-    return {"step_s": statistics.median(times), "head_params": cfg.vocab_size * cfg.hidden_size,
+    return {**time_steps(step, opts["steps"]), "head_params": cfg.vocab_size * cfg.hidden_size,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def fresh(kind: str, opts: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(opts)], capture_output=True,
-                          text=True, env=env(), cwd=REPO)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, kind, json.dumps(opts))
 
 
 def main() -> None:

@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.vs_hf_trainer import ARCH, SEQ_LEN, VOCAB, env, physical_cores  # noqa: E402
+from benchmarks.step_timing import run_child, time_steps  # noqa: E402
+from benchmarks.vs_hf_trainer import ARCH, SEQ_LEN, VOCAB, physical_cores  # noqa: E402
 
 MICRO_BATCH = 4
 VARIANTS = {
@@ -68,14 +67,7 @@ def child(opts: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(3):  # warm-up: allocation, and compilation for the compiled variant
-        step()
-    times = []
-    for _ in range(opts["steps"]):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    out = {"step_s": statistics.median(times)}
+    out = {"step_s": time_steps(step, opts["steps"], warmup=3)["step_s"]}  # warm-up: allocation, compilation
     if opts.get("profile"):
         from torch.profiler import ProfilerActivity, profile
 
@@ -103,11 +95,7 @@ def child(opts: dict) -> dict:
 
 
 def in_fresh_process(opts: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(opts)], capture_output=True, text=True,
-                          env=env(), cwd=REPO)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, json.dumps(opts))
 
 
 def main() -> None:
