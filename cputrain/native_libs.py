@@ -4,8 +4,8 @@
 torch's CPU wheel runs its thread pool on the GNU OpenMP runtime it ships (libgomp). Intel's
 runtime can be preloaded instead (with KMP_AFFINITY/KMP_BLOCKTIME), and a malloc with per-thread
 caches can replace glibc's. `cputrain doctor` says what is installed; the launcher preloads the
-malloc into ranks it starts (hardware.allocator). benchmarks/bf16_step.py --only runtimes measures
-both on the machine at hand (docs/benchmarks.md).
+malloc into ranks it starts (hardware.allocator). Whether libiomp5 pays has not been measured, so
+it is reported, not preloaded.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def report_lines() -> list[str]:
         "malloc         " + (f"{malloc} (preloaded into the ranks cputrain starts; hardware.allocator=system turns it off)"
                              if malloc else "glibc (no tcmalloc or jemalloc installed: apt install libjemalloc2 or "
                                             "libtcmalloc-minimal4)"),
-        "OpenMP         " + (f"torch's libgomp; Intel's libiomp5 is installed at {iomp} (not preloaded: see "
-                             "docs/benchmarks.md, block bf16_step)" if iomp else
+        "OpenMP         " + (f"torch's libgomp; Intel's libiomp5 is installed at {iomp} (not preloaded: "
+                             "its effect is not measured yet)" if iomp else
                              "torch's libgomp (Intel's libiomp5 not installed: pip install intel-openmp)"),
     ]

@@ -320,16 +320,20 @@ class Trainer:
         rows = MetricsFile(self.run).rows()
         train_rows = [r for r in rows if "tokens_per_s" in r]
         steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
+
+        def steady_median(key: str) -> float:
+            return float(np.median([r.get(key, 0.0) for r in steady])) if steady else 0.0
+
         summary = {
             "final_step": self.step,
             "final_loss": train_rows[-1]["loss"] if train_rows else None,
             "val_loss": val_loss,
             "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
             "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
-            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in steady])) if steady else 0.0,
+            "tokens_per_s": steady_median("tokens_per_s"),
             # MFU against the theoretical peak, and against the measured matmul peak of this machine
-            "mfu": float(np.median([r["mfu"] for r in steady])) if steady else 0.0,
-            "mfu_of_measured_peak": float(np.median([r.get("mfu_of_measured_peak", 0.0) for r in steady])) if steady else 0.0,
+            "mfu": steady_median("mfu"),
+            "mfu_of_measured_peak": steady_median("mfu_of_measured_peak"),
             "peak_rss_gib": max([run_peak_gib] + [r.get("peak_rss_gib", 0) for r in rows]),
             "wall_time_s": wall_s,
             "steps_this_session": self.step - start_step,

@@ -46,18 +46,16 @@ KERNELS = {"sdpa": _sdpa, "eager": _eager}
 
 def time_forward_backward(fn, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
                           dtype: torch.dtype) -> float:
-    """Seconds for one forward + backward of `fn`, after one untimed call."""
+    """Seconds for one forward + backward of `fn`, after one untimed call (which pays for
+    allocation and kernel set-up)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seq_len, head_dim, generator=gen).to(dtype).requires_grad_()
     k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     grad = torch.ones(batch, heads, seq_len, head_dim, dtype=dtype)
-    best = math.inf
-    for i in range(2):
-        t0 = time.perf_counter()
-        fn(q, k, v).backward(grad)
-        if i:  # the first call pays for allocation and kernel set-up
-            best = min(best, time.perf_counter() - t0)
-    return best
+    fn(q, k, v).backward(grad)
+    t0 = time.perf_counter()
+    fn(q, k, v).backward(grad)
+    return time.perf_counter() - t0
 
 
 def choose_attention(hf_config, micro_batch: int, seq_len: int, dtype: torch.dtype) -> AttentionChoice:

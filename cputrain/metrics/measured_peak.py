@@ -2,7 +2,7 @@
 
 The theoretical peak (cores × clock × FLOP/cycle, cputrain.hardware) assumes the best clock and
 every cycle busy; a matmul never gets there (on a Xeon with AMX, 2 threads: 5.3 TFLOP/s in theory,
-1.6–2.4 measured for bf16). MFU against both tells apart "the step wastes the machine" from "the
+1.4–1.7 TFLOP/s measured for a 4096² bf16 product). MFU against both tells apart "the step wastes the machine" from "the
 machine is slower than its data sheet". The matmul is timed once per machine, dtype and thread
 count and cached, so runs and `cputrain doctor` do not pay for it again.
 """

@@ -74,7 +74,6 @@ def test_the_two_attention_kernels_agree():
 
 def test_attention_choice_is_the_faster_and_says_why(monkeypatch):
     times = {attention_choice._sdpa: 0.2, attention_choice._eager: 0.1}
-    monkeypatch.setattr(attention_choice, "KERNELS", {"sdpa": attention_choice._sdpa, "eager": attention_choice._eager})
     monkeypatch.setattr(attention_choice, "time_forward_backward", lambda fn, *a: times[fn])
     cfg = CONFIG_MAPPING["llama"](hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     choice = attention_choice.choose_attention(cfg, micro_batch=2, seq_len=32, dtype=torch.bfloat16)
@@ -111,3 +110,17 @@ def test_adamw_is_fused():
 
     opt = build_adamw(torch.nn.Linear(4, 4), TrainConfig())
     assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+
+
+def test_doctor_names_intel_openmp_where_the_wheel_put_it(monkeypatch, tmp_path):
+    from cputrain import native_libs
+
+    monkeypatch.setattr(native_libs.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(native_libs.sys, "base_prefix", str(tmp_path))
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    assert native_libs.find_intel_openmp() is None
+    assert "pip install intel-openmp" in native_libs.report_lines()[1]
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    assert native_libs.find_intel_openmp() == str(tmp_path / "lib" / "libiomp5.so")
+    assert str(tmp_path / "lib" / "libiomp5.so") in native_libs.report_lines()[1]
