@@ -55,6 +55,49 @@ def batch_error(train: "TrainConfig", world_size: int = 1) -> str | None:
     return None
 
 
+# The attention and MLP projections of Llama-style decoder blocks (Llama, Mistral, Qwen2, Gemma …).
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    """Train low-rank adapters (LoRA, through the peft library) instead of every weight. The base
+    model stays frozen: stored in bf16 where the compute is bf16, with no gradients or optimizer
+    state; checkpoints hold the adapters only. Needs model.name_or_path (a pretrained base)."""
+
+    rank: int = 16
+    """Rank r of each adapter: the update of a d_out × d_in weight is B·A with B d_out × r, A r × d_in."""
+
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the adapters' output: alpha ÷ rank (peft's lora_alpha)."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input (peft's lora_dropout)."""
+
+    target_modules: list[str] | Literal["auto"] = "auto"
+    """Names of the linear layers that get adapters (a name matches a module whose name ends with
+    it). auto: the attention and MLP projections of Llama-style models (q_proj … down_proj), else
+    peft's default for the model type."""
+
+    init_weights: bool | Literal["gaussian"] = True
+    """peft's init_lora_weights: true (A like nn.Linear, B zero: the model starts as the base),
+    gaussian (A normal with std 1/r, B zero) or false (both random: for tests only)."""
+
+    @field_validator("rank")
+    @classmethod
+    def _rank_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"model.lora.rank must be a positive integer (8–64 is usual), not {value}")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_named(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("model.lora.target_modules is empty; name linear layers (e.g. [q_proj, v_proj]) or use auto")
+        return value
+
+
 class ModelConfig(Section):
     name_or_path: str | None = None
     """Local Hugging Face model folder (or hub id where there is a network) to fine-tune.
@@ -94,6 +137,8 @@ class ModelConfig(Section):
 
     compile_cache_dir: str | None = None
     """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @field_validator("arch", mode="before")
     @classmethod
@@ -304,6 +349,18 @@ class Config(Section):
             raise ValueError(error)
         if self.train.max_steps is None and self.train.epochs is None:
             raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self):
+        if not self.model.lora.enabled:
+            return self
+        if self.model.name_or_path is None:
+            raise ValueError("model.lora needs pretrained weights to adapt: set model.name_or_path to a model folder "
+                             "(or set model.lora.enabled=false to train a model from scratch)")
+        if self.parallel.strategy == "zero3":
+            raise ValueError("parallel.strategy=zero3 does not take model.lora: the frozen bf16 base of an 8B model "
+                             "fits one node (cputrain plan); use single, ddp or fsdp")
         return self
 
     def dump_yaml(self) -> str:

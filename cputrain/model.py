@@ -17,6 +17,7 @@ from torch import nn
 
 from cputrain.config import ModelConfig
 from cputrain.errors import ModelError, one_line
+from cputrain.lora.adapters import is_adapter_parameter
 
 log = logging.getLogger("cputrain")
 
@@ -167,7 +168,9 @@ class SafetensorsReader:
 
 
 def checkpoint_name(param_name: str, reader: SafetensorsReader) -> str | None:
-    """The key under which `param_name` is stored (wrappers add prefixes; some files drop `model.`)."""
+    """The key under which `param_name` is stored (wrappers add prefixes; some files drop `model.`;
+    a layer with LoRA adapters keeps its own weight as `<layer>.base_layer.weight`)."""
+    param_name = param_name.replace(".base_layer.", ".")
     for candidate in (param_name, param_name.removeprefix("model."), f"model.{param_name}"):
         if candidate in reader.where:
             return candidate
@@ -193,6 +196,8 @@ def load_into(
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=True):
+            if is_adapter_parameter(name):
+                continue  # LoRA adapters are not in the base model's files (cputrain.lora.adapters fills them)
             key = checkpoint_name(name, reader)
             if key is None:
                 if id(param) in tied:
@@ -214,6 +219,18 @@ def load_into(
 
 def _copy_whole(name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
     param.copy_(reader.read(key))
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole tensor `full` into what this rank holds of `param`: all of it, or for an
+    FSDP2 DTensor its own rows. Every rank holds the same `full`, so nothing is scattered."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
 
 
 def check_vocab(model_config, tokenizer) -> None:
@@ -264,15 +281,16 @@ def compile_blocks(model: nn.Module, cache_dir: str) -> None:
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Total and non-embedding parameters (the input embedding table is a lookup, not a matmul)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
+    """Total and non-embedding parameters (the input embedding table is a lookup, not a matmul),
+    and the non-embedding ones that are trained (all of them, or only LoRA adapters)."""
+    params = list(model.parameters())  # each shared parameter once
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
     emb = model.get_input_embeddings().weight
     tied = getattr(model.config, "tie_word_embeddings", False)
     # A tied lm_head still does a vocab × hidden matmul per token: keep it in the compute count.
     non_embedding = total - emb.numel() + (emb.numel() if tied else 0)
-    return {"total": total, "non_embedding": non_embedding, "embedding": emb.numel()}
+    trained_non_embedding = trained - (emb.numel() if emb.requires_grad and not tied else 0)
+    return {"total": total, "non_embedding": non_embedding, "embedding": emb.numel(),
+            "trained": trained, "trained_non_embedding": trained_non_embedding}
 

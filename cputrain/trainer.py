@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cputrain.checkpoint import base_model
 from cputrain.checkpoint.checkpoints import Checkpoints
 from cputrain.checkpoint.folders import RunFolder
 from cputrain.checkpoint.run_config import check_compatible, write_run_config
@@ -79,6 +80,7 @@ class Trainer:
         if cfg.model.attn_implementation == "auto":
             self._choose_attention()
         skeleton = models.build_skeleton(source, cfg.model)
+        adapter_init = self._add_adapters(skeleton, source) if cfg.model.lora.enabled else {}
         if cfg.model.activation_checkpointing:
             models.enable_activation_checkpointing(skeleton)
         self.counts = models.parameter_counts(skeleton)
@@ -97,6 +99,10 @@ class Trainer:
         self.phases.tensors_held = self.strategy.tensors_held
         self.model = self.strategy.wrap(skeleton)
         self.strategy.load_weights(self.model, source.folder)
+        if adapter_init:
+            from cputrain.lora.adapters import fill_adapters
+
+            fill_adapters(self.strategy.unwrap(self.model), adapter_init)
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)
@@ -118,6 +124,8 @@ class Trainer:
         if ranks.is_main:  # metrics.jsonl loses the rows of steps trained again; the report_to sinks open
             self.metrics_log = MetricsLog(self.run, cfg, self.step)
             write_run_config(self.run, cfg, self.reasons)
+            if cfg.model.lora.enabled:  # what the adapters were trained on, checked on resume
+                base_model.record(self.run, source.folder)
 
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
@@ -130,6 +138,7 @@ class Trainer:
             self.hf_config.num_hidden_layers,
             self.hf_config.hidden_size,
             cfg.data.seq_len,
+            trained_params=self.counts["trained_non_embedding"],  # LoRA: weight gradients of the adapters only
         )
         # MFU is against the cores this rank was given, so it reads the same at any rank count:
         # against the theoretical peak (cores × clock × FLOP/cycle) and against the measured one
@@ -139,6 +148,23 @@ class Trainer:
         measured, self.measured_peak_how = measured_peak_flops(self.hw.cpu_model, self.hw.flags,
                                                                cfg.hardware.threads, dtype)
         self.measured_peak_flops = measured * ranks.world_size
+
+    def _add_adapters(self, skeleton, source) -> dict:
+        """model.lora: peft's adapters into the skeleton, the rest frozen (bf16 where the compute
+        is); returns their initial values, copied in once the strategy has materialized the model."""
+        from cputrain.lora.adapters import add_adapters
+
+        cfg = self.cfg
+        base_model.check_same_base(self.run, source.folder)
+        initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=cfg.hardware.dtype, seed=cfg.seed,
+                               base_path=str(source.folder.resolve()))
+        if self.ranks.is_main:
+            trained = sum(t.numel() for t in initial.values())
+            total = sum(p.numel() for p in skeleton.parameters())
+            log.info("model.lora: rank %d on %s: %s trained parameters (%.2f%% of %s); the base is frozen in %s",
+                     cfg.model.lora.rank, ", ".join(sorted(skeleton.peft_config["default"].target_modules)), f"{trained:,}",
+                     100 * trained / total, f"{total:,}", str(cfg.hardware.dtype).removeprefix("torch."))
+        return initial
 
     def _choose_attention(self) -> None:
         """model.attn_implementation=auto: rank 0 times both kernels; every rank uses its choice."""
@@ -350,6 +376,8 @@ class Trainer:
             "attn_implementation": self.cfg.model.attn_implementation,
             "compile": self.cfg.model.compile,
             "chunked_loss": self.cfg.model.chunked_loss,
+            "trained_parameters": self.counts["trained"],
+            "lora": self.cfg.model.lora.enabled,
         }
         summary.update(comm.summarize(steady))
         self.phases.write(self.run, self.ranks)

@@ -2,9 +2,10 @@
 keep the last k, export a plain Hugging Face model. Strategies hand it their state
 (Strategy.checkpoint_state, Strategy.full_state_dict) and write no files themselves.
 
-    checkpoints/step-N/  state/ (DCP: model + optimizer; zero3: DeepSpeed's), rng/rank-K.pt,
+    checkpoints/step-N/  state/ (DCP: model + optimizer, trained parameters only, so a LoRA
+                         checkpoint is its adapters; zero3: DeepSpeed's), rng/rank-K.pt,
                          trainer_state.json (written last: the folder counts once it exists)
-    model/               the export
+    model/               the export: a plain Hugging Face model, or for LoRA a peft adapter folder
 """
 
 from __future__ import annotations
@@ -96,7 +97,14 @@ class Checkpoints:
             staging = tempfile.mkdtemp(prefix="cputrain-export-")
             target = f"{staging}/model"
         with strategy.meter.suspended():  # the gathers of the export are not training-step traffic
-            export_hf(strategy.full_state_dict(model), hf_config, tokenizer, target, is_writer=self.ranks.is_main)
+            if self.cfg.model.lora.enabled:  # the adapters alone, as a peft adapter folder
+                from cputrain.lora.adapter_folder import write_adapter_folder
+                from cputrain.lora.adapters import is_adapter_parameter
+
+                write_adapter_folder(strategy.full_state_dict(model, keep=is_adapter_parameter),
+                                     strategy.unwrap(model), tokenizer, target, is_writer=self.ranks.is_main)
+            else:
+                export_hf(strategy.full_state_dict(model), hf_config, tokenizer, target, is_writer=self.ranks.is_main)
         if self.ranks.is_main and local is None:
             self.run.fs.put(target, self.run.path("model"), recursive=True)
         pg.barrier()

@@ -26,18 +26,24 @@ def _storage(path: str, write: bool):
     return FsspecWriter(path) if write else FsspecReader(path)
 
 
+# Frozen parameters are never saved: they are the base model's weights, read again from its
+# files when a run resumes (a LoRA checkpoint is then the adapters and their optimizer state).
+# With every parameter trained this changes nothing.
+SAVED = StateDictOptions(ignore_frozen_params=True)
+
+
 def save_dcp(model, optimizer, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVED)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_storage(path, write=True))
 
 
 def load_dcp(model, optimizer, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVED)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, storage_reader=_storage(path, write=False))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=True),
+        options=StateDictOptions(strict=True, ignore_frozen_params=True),
     )
 
 

@@ -32,10 +32,7 @@ def export_hf(
     """Write `out_dir` from (name, full tensor) pairs. Every rank iterates (gathers are
     collective); only the writer keeps and writes the tensors."""
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    tmp = fresh_staging(out) if is_writer else None
     tied = getattr(hf_config, "tie_word_embeddings", False)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, shard_files, weight_map, total_bytes = 0, [], {}, 0
@@ -73,7 +70,19 @@ def export_hf(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    # Swap in the new export only once it is whole.
+    swap_in(tmp, out)
+
+
+def fresh_staging(out: Path) -> Path:
+    """An empty `<out>.tmp` beside `out`, where an export is written before swap_in."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Put the finished export in place of the old one only once it is whole."""
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)

@@ -27,6 +27,10 @@ IDENTITY_KEYS = (
     "data.val_fraction",
     "data.max_documents",
     "train.global_batch_size",
+    "model.lora.enabled",  # checked first below: adapters-only checkpoints cannot continue a full fine-tune
+    "model.lora.rank",
+    "model.lora.alpha",
+    "model.lora.target_modules",
 )
 
 
@@ -48,6 +52,13 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
             f"output_dir '{run.url}' holds checkpoints but no config.yaml; choose another output_dir"
         )
     old, new = yaml.safe_load(old_text) or {}, cfg.model_dump(mode="json")
+    was_lora = bool(_get(old, "model.lora.enabled"))
+    if was_lora != cfg.model.lora.enabled:
+        held, now = ("LoRA adapters", "full fine-tuning") if was_lora else ("a full fine-tune", "LoRA")
+        raise RunFolderError(
+            f"output_dir '{run.url}' holds checkpoints of {held}, and this config asks for {now}; set "
+            f"model.lora.enabled={str(was_lora).lower()} to resume that run, or choose a new output_dir"
+        )
     for key in IDENTITY_KEYS:
         there, now = _get(old, key), _get(new, key)
         if there != now:
@@ -58,8 +69,6 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
                 f"output_dir '{run.url}' holds checkpoints of another run ({key}: {there!r} there, "
                 f"{now!r} now); choose a new output_dir or set {key} back to resume it"
             )
-
-
 
 
 def write_run_config(run: RunFolder, cfg: Config, reasons: list) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -112,10 +112,13 @@ class Strategy:
 
         return DCPState(model, optimizer)
 
-    def full_state_dict(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) pairs, one tensor at a time, for the HF export (rank 0 writes them)."""
+    def full_state_dict(self, model: nn.Module, keep: Callable[[str], bool] = lambda name: True
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs, one tensor at a time, for the HF export (rank 0 writes them);
+        only names `keep` accepts are gathered (a LoRA export gathers the adapters alone)."""
         for name, tensor in self.unwrap(model).state_dict().items():
-            yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if keep(name):
+                yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
     def tensors_held(self, model: nn.Module) -> tuple[list, list, list]:
         """(parameter, gradient, master) tensors this rank holds, for the memory report."""

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from cputrain.distributed.allocator import pin_mmap_threshold
 from cputrain.errors import ModelError
-from cputrain.model import SafetensorsReader, decoder_blocks, load_into, materialize, random_init, safetensors_files
+from cputrain.model import (SafetensorsReader, copy_full_into, decoder_blocks, load_into, materialize, random_init,
+                            safetensors_files)
 from cputrain.parallel.base import Strategy, StrategyContext
 
 
@@ -114,12 +115,7 @@ class FSDPStrategy(Strategy):
         full = self._full_random_init(model, self.ctx.cfg.seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if isinstance(param, DTensor):
-                    # src_data_rank=None: every rank computed the same init, so no scatter is needed.
-                    shard = distribute_tensor(full[name], param.device_mesh, param.placements, src_data_rank=None)
-                    param.to_local().copy_(shard.to_local())
-                else:
-                    param.copy_(full[name])
+                copy_full_into(param, full[name])  # every rank computed the same init: no scatter
 
     @staticmethod
     def _full_random_init(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cputrain.parallel.deepspeed_config import plan_for, require_deepspeed
@@ -213,16 +213,19 @@ class Zero3Strategy(Strategy):
         grads = [flat] if flat is not None else [m.grad for m in masters]
         return param_tensors, grads, masters
 
-    def full_state_dict(self, model: Zero3Model) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_state_dict(self, model: Zero3Model, keep: Callable[[str], bool] = lambda name: True
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
         """One parameter gathered at a time (a collective: every rank iterates), returned as fp32."""
         module = model.module
         for name, param in module.named_parameters():
+            if not keep(name):
+                continue
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 full = param.data.detach().to(torch.float32, copy=True)
             yield name, full
         params = {n for n, _ in module.named_parameters()}
         for name, tensor in module.state_dict().items():
-            if name not in params and not (getattr(module.config, "tie_word_embeddings", False)
+            if name not in params and keep(name) and not (getattr(module.config, "tie_word_embeddings", False)
                                            and name.endswith("lm_head.weight")):
                 yield name, tensor  # persistent buffers are never partitioned
 

@@ -1,0 +1,94 @@
+"""The adapter folder a LoRA run exports as model/, and the two ways to use it.
+
+    model/  adapter_config.json, adapter_model.safetensors (peft's format and key names, so
+            peft.PeftModel.from_pretrained loads it onto the base), the tokenizer's files
+
+load_adapted puts it on its base for generate and eval; merge_into_base writes a plain Hugging
+Face model with the adapters folded into the weights (`cputrain export RUN --merge`).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from cputrain.errors import ModelError, one_line
+from cputrain.lora.adapters import ADAPTER
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+# PeftModel's own prefix: its state dict names the wrapped model `base_model.model`.
+PEFT_PREFIX = "base_model.model."
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    return (folder / CONFIG_NAME).is_file()
+
+
+def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], model, tokenizer, out_dir: str,
+                         is_writer: bool) -> None:
+    """Write `out_dir` from the (name, full tensor) pairs of the adapters. Every rank iterates
+    (under FSDP each tensor is a collective gather); only the writer keeps and writes them."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from cputrain.checkpoint.export import fresh_staging, swap_in
+
+    gathered = {name: tensor.detach().contiguous() for name, tensor in tensors}
+    if not is_writer:
+        return
+    # peft's own conversion: drops the adapter's name from every key, as its save_pretrained does
+    adapter_sd = get_peft_model_state_dict(model, state_dict=gathered, adapter_name=ADAPTER)
+    out = Path(out_dir)
+    tmp = fresh_staging(out)
+    save_file({PEFT_PREFIX + k: v for k, v in adapter_sd.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    model.peft_config[ADAPTER].save_pretrained(str(tmp))
+    tokenizer.save_pretrained(tmp)
+    swap_in(tmp, out)
+
+
+def base_of(folder: Path) -> str:
+    """The base model folder an adapter folder was trained on (its adapter_config.json says)."""
+    base = json.loads((folder / CONFIG_NAME).read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ModelError(
+            f"the LoRA adapter in '{folder}' was trained on base model '{base}', which is not on this machine; "
+            "copy the base there, or merge on a machine that has it (cputrain export RUN --merge)"
+        )
+    return base
+
+
+def load_adapted(folder: Path, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False):
+    """The base model with the adapter folder's adapters on it (a peft PeftModel)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = base_of(folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        with warnings.catch_warnings():  # peft asks transformers 5 for a renamed attribute; nothing to act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            return PeftModel.from_pretrained(model, str(folder))
+    except Exception as exc:
+        raise ModelError(f"could not load the LoRA adapter in '{folder}' onto '{base}': {one_line(exc)}") from None
+
+
+def merge_into_base(folder: Path, out: Path) -> Path:
+    """Write `out`: the base with the adapters merged into its weights, in the base's own dtype,
+    as a plain Hugging Face model folder (with the tokenizer). `out` must not exist yet."""
+    from cputrain.checkpoint.export import fresh_staging, swap_in
+    from cputrain.data.tokenizer import load_tokenizer
+
+    if out.exists():
+        raise ModelError(f"'{out}' already exists; remove it or name another folder with --out")
+    model = load_adapted(folder, dtype="auto")  # bf16 bases stay bf16: 16 GB for Llama-3-8B, not 32
+    merged = model.merge_and_unload()
+    tmp = fresh_staging(out)
+    merged.save_pretrained(str(tmp), safe_serialization=True)
+    load_tokenizer(str(folder)).save_pretrained(str(tmp))
+    swap_in(tmp, out)
+    return out

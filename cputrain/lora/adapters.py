@@ -1,0 +1,132 @@
+"""Adding LoRA adapters to the model skeleton, before any strategy wraps it.
+
+peft's `inject_adapter_in_model` puts its LoRA layers into the Hugging Face model in place: the
+model keeps its class and its module names (so decoder_blocks, the chunked loss, FSDP2's units,
+compile and the export find what they expect), each targeted linear becomes
+`<name>.base_layer` + `<name>.lora_A.default` / `lora_B.default`, and every other parameter is
+frozen. The skeleton is on the meta device, so the adapters are too: their initial values are
+computed here by peft's own initialisation on small CPU tensors, kept, and copied into whatever
+each rank holds once the strategy has materialized it (fill_adapters), like the base weights
+are copied from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cputrain.config import LLAMA_PROJECTIONS, LoraConfig
+from cputrain.errors import ModelError, one_line
+
+ADAPTER = "default"  # peft's adapter name; the exported folder holds this one adapter
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The distinct last name parts of the model's linear layers, in model order (what
+    target_modules can name)."""
+    names = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf not in names:
+            names.append(leaf)
+    return names
+
+
+def _matches(module_name: str, target: str) -> bool:
+    # peft's rule for a list of names: the whole name, or its last dotted parts
+    return module_name == target or module_name.endswith("." + target)
+
+
+def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """The names the adapters go on, checked against the model's linear layers."""
+    linears = linear_layer_names(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if cfg.target_modules == "auto":
+        if all(name in linears for name in LLAMA_PROJECTIONS):
+            return list(LLAMA_PROJECTIONS)
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+        if model_type not in PEFT_DEFAULTS:
+            raise ModelError(
+                f"peft has no default LoRA targets for model type '{model_type}' and it has no Llama-style "
+                f"projections; set model.lora.target_modules to some of its linear layers: {', '.join(linears)}"
+            )
+        return list(PEFT_DEFAULTS[model_type])
+    linear_modules = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for target in cfg.target_modules:
+        if not any(_matches(name, target) for name in linear_modules):
+            raise ModelError(
+                f"model.lora.target_modules: '{target}' names no linear layer of this {model_type or 'model'}; "
+                f"its linear layers are: {', '.join(linears)}"
+            )
+    return list(cfg.target_modules)
+
+
+def peft_config(model: nn.Module, cfg: LoraConfig, base_path: str | None = None):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_modules(model, cfg),
+        init_lora_weights=cfg.init_weights, bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_path,
+    )
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """A parameter peft added: it is not in the base model's files."""
+    return ".lora_" in name
+
+
+def lora_layers(model: nn.Module):
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, seed: int,
+                 base_path: str | None = None) -> dict[str, torch.Tensor]:
+    """Put LoRA adapters into the skeleton `model` in place, freeze the rest and store it in
+    `frozen_dtype`; return the adapters' initial values (parameter name → full fp32 tensor)."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(model, cfg, base_path)
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ModelError(f"peft could not add LoRA adapters to this model: {one_line(exc)}") from None
+    # Frozen weights need no fp32 master copy: no gradient or optimizer step ever touches them.
+    # In bf16 they take 2 bytes per parameter and feed the bf16 matmuls without a cast.
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(frozen_dtype)
+    initial = {}
+    # peft's own initialisation, on CPU tensors, from the run's seed (the same on every rank),
+    # without touching the global generator the data order and dropout draw from.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, layer in lora_layers(model):
+            a, b = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
+            a.to_empty(device="cpu")
+            b.to_empty(device="cpu")
+            if cfg.init_weights is False:  # peft's init_lora_weights=False: both as nn.Linear draws them
+                a.reset_parameters()
+                b.reset_parameters()
+            else:
+                layer.reset_lora_parameters(ADAPTER, cfg.init_weights)
+            initial[f"{name}.lora_A.{ADAPTER}.weight"] = a.weight.detach().clone()
+            initial[f"{name}.lora_B.{ADAPTER}.weight"] = b.weight.detach().clone()
+            a.to("meta")
+            b.to("meta")
+            # peft casts a layer's input to the adapter's dtype (fp32) before A; under bf16
+            # autocast that is a round trip to fp32 and back per layer for nothing.
+            layer.cast_input_dtype_enabled = frozen_dtype == torch.float32
+    return initial
+
+
+def fill_adapters(model: nn.Module, initial: dict[str, torch.Tensor]) -> None:
+    """Copy the adapters' initial values into the materialized (possibly sharded) model."""
+    from cputrain.model import copy_full_into
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in initial.items():
+            copy_full_into(params[name], full)
