@@ -1,4 +1,4 @@
-"""`cputrain` command line: train, prepare, doctor, generate, eval, plan, k8s.
+"""`cputrain` command line: train, prepare, doctor, generate, eval, export, plan, k8s.
 
 Every user error ends as one line on stderr and exit code 2; `--debug` shows the traceback.
 """
@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   cputrain doctor
   cputrain generate runs/default --prompt "The list"
   cputrain eval runs/default
+  cputrain export runs/lora --merge                # a LoRA run's adapters folded into a plain model
 """
 
 
@@ -83,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: %(default)s)")
     ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences")
     _add_common(ev)
+
+    exp = sub.add_parser(
+        "export", help="write a plain Hugging Face model from a LoRA run (--merge: adapters folded into the base)",
+        description="A LoRA run exports its adapters (model/: a peft adapter folder on its base). --merge loads the "
+        "base, folds the adapters into its weights and writes a plain Hugging Face model folder that transformers "
+        "loads without peft. Nothing is overwritten: the output folder must not exist.")
+    exp.add_argument("path", help="LoRA run folder (its model/ is used) or a peft adapter folder")
+    exp.add_argument("--merge", action="store_true", help="merge the adapters into the base weights")
+    exp.add_argument("--out", help="output folder (default: <run>/model-merged)")
+    _add_common(exp)
 
     prep = sub.add_parser(
         "prepare", help="tokenize and pack a config's data into data.cache_dir ahead of training",
@@ -207,6 +218,24 @@ def _resolved_here(config_path, overrides):
     return resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1).config
 
 
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from cputrain.generate import model_folder
+    from cputrain.lora.adapter_folder import is_adapter_folder, merge_into_base
+
+    folder = Path(model_folder(args.path))
+    if not is_adapter_folder(folder):
+        raise UserError(f"'{folder}' is already a plain Hugging Face model (no LoRA adapter to merge); use it as it is")
+    if not args.merge:
+        raise UserError(f"'{folder}' holds LoRA adapters, which peft loads onto their base; "
+                        "add --merge to write them folded into a plain model")
+    run = folder.parent if folder.name == "model" else folder
+    out = Path(args.out) if args.out else run / "model-merged"
+    print(f"merged model: {merge_into_base(folder, out)}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from cputrain.data.prepare import prepare
 
@@ -221,7 +250,7 @@ def cmd_prepare(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, "eval": cmd_eval,
-            "prepare": cmd_prepare}
+            "prepare": cmd_prepare, "export": cmd_export}
 
 
 def cmd_plan(args) -> int:
