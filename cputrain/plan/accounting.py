@@ -27,6 +27,11 @@ memory.json is compared against these exactly:
   holds its whole tensor beside its partition (at N = 1 the partition is the tensor).
 - AdamW keeps `exp_avg` and `exp_avg_sq` shaped like the (local) parameter, plus one 4-byte
   `step` scalar tensor per parameter.
+
+LoRA (model.lora) trains only the adapters: they get the accounting above, and every other
+parameter is frozen: its stored bytes (2 in bf16, 4 in fp32) and nothing else, no gradient,
+no optimizer state, no fp32 master. FSDP2 shards a frozen parameter like any other (padded
+dim 0, in its own dtype); DDP's buckets hold the adapters' gradients only. zero3 takes no LoRA.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class StateBytes:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    local_params: int  # elements of parameters this rank holds
+    local_params: int  # elements of trained parameters this rank holds (frozen ones add only their bytes)
 
 
 def fsdp_rows(dim0: int, world_size: int, rank: int) -> int:
@@ -92,8 +97,13 @@ def state_bytes(shape: ModelShape, strategy: str, precision: str, world_size: in
     """Exact bytes of parameters, gradients and optimizer state held by `rank`."""
     p_bytes, g_bytes, k_bytes = BYTES_PER_PARAM[(strategy, precision)]
     ws = world_size if SHARDED[strategy] else 1
-    local = sum(local_numel(p.shape, strategy, ws, rank) for p in shape.params)
+    trained = [p for p in shape.params if p.trainable]
+    frozen = [p for p in shape.params if not p.trainable]
+    local = sum(local_numel(p.shape, strategy, ws, rank) for p in trained)
+    frozen_bytes = sum(local_numel(p.shape, strategy, ws, rank) * p.stored_bytes for p in frozen)
     if strategy == "zero3":
+        if frozen:
+            raise ValueError("zero3 is not planned with frozen parameters: cputrain refuses model.lora with zero3")
         # DeepSpeed hands the optimizer one flat fp32 partition per parameter group (cputrain's
         # two: matrices with weight decay, vectors without; sub_group_size 1e9 keeps each whole),
         # so torch's AdamW keeps one `step` scalar per group; DeepSpeedCPUAdam (offload) keeps
@@ -102,7 +112,7 @@ def state_bytes(shape: ModelShape, strategy: str, precision: str, world_size: in
         groups = 0 if offload_optimizer else len({len(p.shape) >= 2 for p in shape.params})
         return StateBytes(param_bytes=(local + persistent) * p_bytes, grad_bytes=local * g_bytes,
                           optimizer_bytes=local * k_bytes + groups * ADAM_STEP_BYTES, local_params=local)
-    owned = sum(local_numel(p.shape, strategy, ws, rank, padded=False) for p in shape.params)
-    optimizer = owned * ADAM_MOMENTS * FP32_BYTES + len(shape.params) * ADAM_STEP_BYTES
-    return StateBytes(param_bytes=local * p_bytes, grad_bytes=local * g_bytes, optimizer_bytes=optimizer,
-                      local_params=local)
+    owned = sum(local_numel(p.shape, strategy, ws, rank, padded=False) for p in trained)
+    optimizer = owned * ADAM_MOMENTS * FP32_BYTES + len(trained) * ADAM_STEP_BYTES
+    return StateBytes(param_bytes=local * p_bytes + frozen_bytes, grad_bytes=local * g_bytes,
+                      optimizer_bytes=optimizer, local_params=local)

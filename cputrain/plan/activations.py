@@ -18,7 +18,14 @@ redone for Llama's blocks. With activation checkpointing a block keeps only its 
 and one block at a time is recomputed in full.
 
 Under bf16 autocast the matmul outputs are bf16 (2 bytes) while norms and the softmax stay
-fp32; autocast also keeps a bf16 copy of every weight used in the forward for the backward.
+fp32; autocast also keeps a bf16 copy of every fp32 weight used in the forward for the backward.
+
+LoRA: the backward still runs through every frozen block to reach the adapters, so the
+activations above stay (a frozen linear saves no input of its own, but its adapter's lora_A
+saves that same tensor). Each adapted linear adds lora_A's output (t·r, saved by lora_B) and,
+with model.lora.dropout > 0, its own dropout of the input (t·in, and a t·in byte mask). A
+frozen bf16 embedding makes the hidden states between blocks bf16: the block inputs activation
+checkpointing keeps are 2 bytes each, and no weight of the frozen base is cast by autocast.
 """
 
 from __future__ import annotations
@@ -45,16 +52,31 @@ def _block_elements(m: ModelShape, tokens: int) -> tuple[int, int]:
     return norms, matmul
 
 
+def adapter_bytes(m: ModelShape, tokens: int, matmul_bytes: int, dropout: float = 0.0) -> dict[str, int]:
+    """Bytes the LoRA adapters save per FSDP unit ("layers.N", "root"): lora_A's output (t × r)
+    per adapted linear, and with dropout its dropped-out input (t × in) and mask (1 byte each)."""
+    out: dict[str, int] = {}
+    for a in m.adapter_inputs():
+        rank, width = a.shape[0], a.shape[-1]
+        saved = tokens * rank * matmul_bytes
+        if dropout > 0:
+            saved += tokens * width * (matmul_bytes + 1)
+        out[a.unit] = out.get(a.unit, 0) + saved
+    return out
+
+
 def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool,
-                     local_weight_params: int) -> ActivationBytes:
+                     local_weight_params: int, lora_dropout: float = 0.0) -> ActivationBytes:
     tokens = micro_batch * seq_len
     matmul_bytes = 2 if precision == "bf16" else 4
     norms, matmul = _block_elements(m, tokens)
-    block = norms * 4 + matmul * matmul_bytes
+    adapters = adapter_bytes(m, tokens, matmul_bytes, lora_dropout)
+    block = norms * 4 + matmul * matmul_bytes + max((v for u, v in adapters.items() if u != "root"), default=0)
     if checkpointing:
-        blocks = m.layers * tokens * m.hidden * 4 + block  # block inputs + one block recomputed
+        blocks = m.layers * tokens * m.hidden * m.residual_bytes + block  # block inputs + one block recomputed
     else:
         blocks = m.layers * block
     head = 2 * tokens * m.hidden * 4 + 3 * tokens * m.vocab * 4  # logits are upcast to fp32 for the loss
+    head += adapters.get("root", 0)  # an adapted head
     weight_copies = local_weight_params * 2 if precision == "bf16" else 0
     return ActivationBytes(saved_bytes=blocks + head, weight_copy_bytes=weight_copies)

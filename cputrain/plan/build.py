@@ -8,7 +8,7 @@ from cputrain.config import Config
 from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, resolve_inputs
 from cputrain.plan.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
-from cputrain.plan.model_shape import ModelShape, model_shape
+from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape
 
 
 @dataclass
@@ -36,19 +36,35 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
             "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", 10**9))}
 
 
+def planned_precision(cfg: Config) -> str:
+    """hardware.precision as the plan takes it ("auto" is bf16: every built-in instance has AMX)."""
+    return "bf16" if cfg.hardware.precision == "auto" else cfg.hardware.precision
+
+
 def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
               instances: list[Instance] | None = None, config_json: str | None = None,
               vocab_size: int | None = None, shape: ModelShape | None = None) -> Plan:
-    shape = shape or model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json)
+    """`shape`: the model as built (the trainer's skeleton, adapters and dtypes included);
+    without it the model is built from the config, with model.lora's adapters added the same way."""
+    if shape is None:
+        import torch
+
+        frozen_dtype = torch.bfloat16 if planned_precision(cfg) == "bf16" else torch.float32
+        shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, frozen_dtype=frozen_dtype,
+                            seed=cfg.seed)
     inputs = resolve_inputs(
         cfg.parallel.strategy, cfg.hardware.precision, world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
         activation_checkpointing=cfg.model.activation_checkpointing,
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
         from_scratch=cfg.model.name_or_path is None,
+        lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
         **_zero3_settings(cfg, world_size, shape),
     )
     notes = []
+    if config_json is None and known_hub_config(cfg.model.name_or_path) is not None:
+        notes.append(f"{cfg.model.name_or_path}: its shape is built in (nothing fetched); --model-config "
+                     "plans another config.json")
     if cfg.hardware.precision == "auto":
         notes.append("hardware.precision=auto planned as bf16 (what it resolves to on AMX instances)")
     if inputs.offload_optimizer or inputs.offload_param:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cputrain.errors import ConfigError
+from cputrain.lora.adapters import is_adapter_parameter
 from cputrain.plan.accounting import FP32_BYTES, SHARDED, state_bytes
 from cputrain.plan.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
@@ -40,6 +41,7 @@ class PlanInputs:
     from_scratch: bool = True  # random init from model.arch; False: weights from a model folder
     persistence_threshold: int = 0  # zero3: DeepSpeed's stage3_param_persistence_threshold
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance (its default)
+    lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
 
 
 @dataclass(frozen=True)
@@ -117,15 +119,17 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
     units = m.unit_params()
     blocks = [n for u, n in units.items() if u != "root"] or [0]
     root = units.get("root", 0)
+    trained_blocks = [n for u, n in m.unit_params(trainable_only=True).items() if u != "root"] or [0]
     gathered_bytes = 2 if inp.precision == "bf16" else 4
     if inp.strategy == "ddp":
-        return 0 if DDP_GRAD_AS_BUCKET_VIEW else m.total_params * FP32_BYTES
+        return 0 if DDP_GRAD_AS_BUCKET_VIEW else m.trainable_params * FP32_BYTES
     if inp.strategy == "fsdp":
         # Unsharded (all-gathered) parameters in the compute dtype: the root unit (embeddings,
         # final norm, head) stays gathered through the step, plus the current block and the one
-        # prefetched; the backward adds one block's unsharded gradients before the reduce-scatter.
-        # Gradients are reduced in fp32 (cputrain.parallel.fsdp's MixedPrecisionPolicy).
-        return (root + 2 * max(blocks)) * gathered_bytes + max(blocks) * FP32_BYTES
+        # prefetched; the backward adds one block's unsharded gradients before the reduce-scatter
+        # (of its trained parameters: a frozen one gets none). Gradients are reduced in fp32
+        # (cputrain.parallel.fsdp's MixedPrecisionPolicy).
+        return (root + 2 * max(blocks)) * gathered_bytes + max(trained_blocks) * FP32_BYTES
     if inp.strategy == "zero3":
         # Gathered parameters (see zero3_gathered_numel) and one block's full gradients before
         # they are reduced into the partitions.
@@ -141,15 +145,15 @@ DDP_BROADCASTS_IN_FLIGHT = 2
 
 def _ddp_broadcast_bytes(m: ModelShape) -> int:
     """Flattened copies alive while DDP broadcasts the weights: the largest two adjacent buckets.
-    A bucket takes parameters in order until it reaches the bucket size."""
-    buckets, current = [], 0
+    A bucket takes parameters of one dtype in order until it reaches the bucket size (c10d's
+    take_tensors: a frozen bf16 base and fp32 adapters fill buckets of their own); what is left
+    of each dtype goes last. Every parameter is broadcast, frozen or not."""
+    buckets, current = [], {}
     for p in m.params:
-        current += p.numel * FP32_BYTES
-        if current >= DDP_BROADCAST_BUCKET_BYTES:
-            buckets.append(current)
-            current = 0
-    if current:
-        buckets.append(current)
+        current[p.stored_bytes] = current.get(p.stored_bytes, 0) + p.numel * p.stored_bytes
+        if current[p.stored_bytes] >= DDP_BROADCAST_BUCKET_BYTES:
+            buckets.append(current.pop(p.stored_bytes))
+    buckets += [b for b in current.values() if b]
     n = DDP_BROADCASTS_IN_FLIGHT
     return max((sum(buckets[i:i + n]) for i in range(max(1, len(buckets) - n + 1))), default=0)
 
@@ -166,7 +170,14 @@ def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
       in flattened buckets of 250 MiB, two in flight at a time: see _ddp_broadcast_bytes.
     - single and ddp initialise their own full copy in place; a model folder is read straight
       into the parameters (fsdp: only the rank's rows), so loading adds no second copy.
+    - LoRA: the adapters' initial values, whole and fp32 on every rank, are computed with the
+      skeleton and kept until they are copied into the materialized (sharded) adapters.
     """
+    adapter_init = sum(p.numel for p in m.params if is_adapter_parameter(p.name)) * FP32_BYTES
+    return adapter_init + _strategy_load_bytes(m, inp)
+
+
+def _strategy_load_bytes(m: ModelShape, inp: PlanInputs) -> int:
     if inp.strategy == "ddp":
         return _ddp_broadcast_bytes(m)
     if not inp.from_scratch:
@@ -182,11 +193,12 @@ def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
 def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
     state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank, inp.persistence_threshold,
                         inp.offload_optimizer and inp.strategy == "zero3")
-    # Autocast keeps bf16 copies of the weights it casts; sharded strategies gather (and cast)
-    # one unit at a time, which the communication buffers already count.
-    weights_cast = 0 if SHARDED[inp.strategy] else m.total_params
+    # Autocast keeps bf16 copies of the fp32 weights it casts (a frozen base already stored in
+    # bf16 is used as it is); sharded strategies gather (and cast) one unit at a time, which the
+    # communication buffers already count.
+    weights_cast = 0 if SHARDED[inp.strategy] else sum(p.numel for p in m.params if p.stored_bytes == FP32_BYTES)
     act = activation_bytes(m, inp.micro_batch, inp.seq_len, inp.precision, inp.activation_checkpointing,
-                           weights_cast)
+                           weights_cast, inp.lora_dropout)
     # Fused AdamW updates each parameter in one kernel, with no temporary of a group's size.
     step_tmp = 0
     if inp.strategy == "zero3":

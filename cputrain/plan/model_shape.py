@@ -3,6 +3,12 @@
 The estimator needs shapes, not only a total, because sharding works per tensor: FSDP2 splits
 each parameter along dim 0 and DeepSpeed pads each flattened parameter, so two models with the
 same total can hold different bytes per rank.
+
+It also needs to know which parameters are trained. With model.lora the skeleton gets peft's
+adapters (cputrain.lora.adapters.add_adapters, the function the trainer calls, so the targets
+and shapes are the run's own): each targeted linear keeps its weight frozen as
+`<name>.base_layer.weight`, stored in the compute dtype, and gains `lora_A` (r × in) and
+`lora_B` (out × r), trained in fp32. A frozen parameter costs its stored bytes and nothing else.
 """
 
 from __future__ import annotations
@@ -12,6 +18,29 @@ from pathlib import Path
 
 from cputrain.config import ModelConfig
 from cputrain.errors import ModelError, one_line
+from cputrain.lora.adapters import is_adapter_parameter
+
+# Shapes of models on the Hugging Face hub that `cputrain plan` knows without fetching anything
+# (model.name_or_path as a hub id, no local folder): the fields of their config.json that decide
+# a parameter's shape. Meta-Llama-3-8B and its siblings share one shape.
+_LLAMA3_8B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+    "tie_word_embeddings": False, "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+}
+KNOWN_HUB_CONFIGS = {
+    name: _LLAMA3_8B
+    for name in ("meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct", "meta-llama/Llama-3.1-8B",
+                 "meta-llama/Llama-3.1-8B-Instruct")
+}
+
+
+def known_hub_config(name_or_path: str | None) -> dict | None:
+    """The built-in config fields for a hub id cputrain plans without the hub, unless a local
+    folder of that name exists (then it is read, as the trainer would)."""
+    if name_or_path is None or name_or_path not in KNOWN_HUB_CONFIGS or Path(name_or_path).expanduser().exists():
+        return None
+    return KNOWN_HUB_CONFIGS[name_or_path]
 
 
 @dataclass(frozen=True)
@@ -19,6 +48,8 @@ class ParamInfo:
     name: str
     shape: tuple[int, ...]
     unit: str  # the FSDP unit it belongs to: "layers.N" for a decoder block, "root" otherwise
+    trainable: bool = True  # False: frozen (LoRA's base), no gradient, no optimizer state
+    stored_bytes: int = 4  # bytes per element as the model stores it (fp32 masters; a frozen base in bf16: 2)
 
     @property
     def numel(self) -> int:
@@ -43,11 +74,35 @@ class ModelShape:
     def total_params(self) -> int:
         return sum(p.numel for p in self.params)
 
-    def unit_params(self) -> dict[str, int]:
+    @property
+    def trainable_params(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+    @property
+    def frozen_params(self) -> int:
+        return self.total_params - self.trainable_params
+
+    @property
+    def lora(self) -> bool:
+        return any(is_adapter_parameter(p.name) for p in self.params)
+
+    def adapter_inputs(self) -> list[ParamInfo]:
+        """Each adapted linear's lora_A (r × in): one per targeted layer, in model order."""
+        return [p for p in self.params if ".lora_A." in p.name]
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the hidden states between blocks: the input embedding's dtype
+        (fp32 masters: fp32 under autocast too; a frozen bf16 embedding makes a bf16 stream)."""
+        embed = [p for p in self.params if p.unit == "root" and "embed" in p.name]
+        return embed[0].stored_bytes if embed else 4
+
+    def unit_params(self, trainable_only: bool = False) -> dict[str, int]:
         """Elements per FSDP unit (each decoder block, and the root with embeddings, norm, head)."""
         units: dict[str, int] = {}
         for p in self.params:
-            units[p.unit] = units.get(p.unit, 0) + p.numel
+            if p.trainable or not trainable_only:
+                units[p.unit] = units.get(p.unit, 0) + p.numel
         return units
 
 
@@ -60,13 +115,15 @@ def _unit_of(name: str) -> str:
 
 
 def shape_of(model) -> ModelShape:
-    """Read the shapes of a built (meta) model and the sizes its config declares."""
+    """Read the shapes of a built (meta) model and the sizes its config declares; which
+    parameters are trained and how each is stored come from the parameters themselves."""
     params, seen = [], set()
     for name, p in model.named_parameters(remove_duplicate=True):
         if id(p) in seen:
             continue
         seen.add(id(p))
-        params.append(ParamInfo(name, tuple(p.shape), _unit_of(name)))
+        params.append(ParamInfo(name, tuple(p.shape), _unit_of(name), trainable=p.requires_grad,
+                                stored_bytes=p.element_size()))
     c = model.config
     heads = getattr(c, "num_attention_heads", 1)
     return ModelShape(
@@ -84,8 +141,9 @@ def shape_of(model) -> ModelShape:
 def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None):
     """The transformers config a plan is made for.
 
-    `config_json` (a config.json file or a folder holding one) wins; then model.name_or_path;
-    then model.arch with `vocab_size` (the tokenizer's size, or model.tokenizer_vocab_size).
+    `config_json` (a config.json file or a folder holding one) wins; then model.name_or_path
+    (a hub id of KNOWN_HUB_CONFIGS from the built-in fields, nothing fetched); then model.arch
+    with `vocab_size` (the tokenizer's size, or model.tokenizer_vocab_size).
     """
     from cputrain import model as models
 
@@ -105,12 +163,27 @@ def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_
             return CONFIG_MAPPING[model_type](**fields)
         except Exception as exc:
             raise ModelError(f"'{path}' does not make a valid {model_type} config: {one_line(exc)}") from None
+    known = known_hub_config(model_cfg.name_or_path)
+    if known is not None:
+        from transformers import CONFIG_MAPPING
+
+        fields = dict(known)
+        return CONFIG_MAPPING[fields.pop("model_type")](**fields)
     return models.resolve_source(model_cfg, vocab_size or model_cfg.tokenizer_vocab_size).hf_config
 
 
-def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None) -> ModelShape:
+def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None,
+                frozen_dtype=None, seed: int = 0) -> ModelShape:
+    """Every parameter of the model the config trains. With model.lora enabled the adapters are
+    added as the trainer adds them, the base frozen in `frozen_dtype` (the compute dtype)."""
+    import torch
+
     from cputrain import model as models
 
     hf_config = hf_config_for(model_cfg, vocab_size, config_json)
     skeleton = models.build_skeleton(models.ModelSource(None, hf_config), model_cfg)  # meta: no memory
+    if model_cfg.lora.enabled:
+        from cputrain.lora.adapters import add_adapters
+
+        add_adapters(skeleton, model_cfg.lora, frozen_dtype=frozen_dtype or torch.float32, seed=seed)
     return shape_of(skeleton)

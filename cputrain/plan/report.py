@@ -39,14 +39,43 @@ def _groups(plan: Plan) -> list[tuple[str, dict]]:
     return out
 
 
+def lora_summary(plan: Plan) -> dict | None:
+    """What LoRA trains and how the frozen base is stored, or None for full fine-tuning."""
+    m = plan.shape
+    if not m.lora:
+        return None
+    adapters = m.adapter_inputs()
+    frozen = [p for p in m.params if not p.trainable]
+    return {"rank": adapters[0].shape[0] if adapters else None,
+            "target_modules": sorted({a.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for a in adapters}),
+            "adapted_layers": len(adapters), "trainable_parameters": m.trainable_params,
+            "frozen_parameters": m.frozen_params,
+            "frozen_bytes_per_parameter": max((p.stored_bytes for p in frozen), default=None)}
+
+
+def _lora_line(plan: Plan) -> str | None:
+    lora = lora_summary(plan)
+    if lora is None:
+        return None
+    m = plan.shape
+    stored = lora["frozen_bytes_per_parameter"]
+    dtype = {2: "bf16", 4: "fp32"}.get(stored, f"{stored} bytes")
+    return (f"LoRA rank {lora['rank']} on {', '.join(lora['target_modules'])} ({lora['adapted_layers']} linears): "
+            f"{m.trainable_params:,} trained parameters ({100 * m.trainable_params / m.total_params:.2f}%) in fp32 "
+            f"with gradients and AdamW state; {m.frozen_params:,} frozen in {dtype}, parameters only")
+
+
 def table_lines(plan: Plan) -> list[str]:
     inp, m = plan.inputs, plan.shape
     lines = [
         f"model: {m.total_params:,} parameters, {m.layers} layers, hidden {m.hidden}, vocab {m.vocab}",
         f"strategy {inp.strategy}, precision {inp.precision}, world size {inp.world_size}, micro-batch "
         f"{inp.micro_batch} × {inp.seq_len} tokens, activation checkpointing {'on' if inp.activation_checkpointing else 'off'}",
-        "",
     ]
+    lora = _lora_line(plan)
+    if lora:
+        lines.append(lora)
+    lines.append("")
     groups = _groups(plan)
     width = max(len(n) for n, _ in ROWS + (("total (peak RSS)", ""),))
     lines.append(f"{'GiB per rank':<{width}}  " + "  ".join(f"{label:>12}" for label, _ in groups))
@@ -60,11 +89,54 @@ def table_lines(plan: Plan) -> list[str]:
         f = plan.fit
         lines += [
             "",
-            f"smallest cluster that fits: {f.nnodes} × {f.instance.name} ({f.instance.vcpus} vCPUs, "
-            f"{f.instance.memory_gib:g} GiB{', AMX' if f.instance.amx else ''}), {f.nproc_per_node} rank(s) per node",
+            f"smallest cluster that fits: {_cluster(f)}",
             f"  each pod requests {f.pod_memory_bytes / GIB:.1f} GiB (plan × {POD_HEADROOM:g}) of "
             f"{f.allocatable_gib:.1f} GiB allocatable (memory × {1 - NODE_RESERVED_FRACTION:g} − {NODE_RESERVED_GIB:g} GiB)",
         ]
+    return lines
+
+
+def _cluster(f) -> str:
+    return (f"{f.nnodes} × {f.instance.name} ({f.instance.vcpus} vCPUs, {f.instance.memory_gib:g} GiB"
+            f"{', AMX' if f.instance.amx else ''}), {f.nproc_per_node} rank(s) per node")
+
+
+COMPARE_ROWS = (
+    ("parameters", "param_bytes"),
+    ("gradients", "grad_bytes"),
+    ("optimizer state", "optimizer_bytes"),
+    ("activations", "activation_bytes"),
+    ("other (buffers, step, process)", None),
+    ("total (peak RSS)", "total_bytes"),
+)
+
+
+def compare_lines(full: Plan, lora: Plan) -> list[str]:
+    """Full fine-tuning and LoRA side by side: the peak rank of each, and where each fits."""
+    columns = [("full fine-tuning", full), ("LoRA", lora)]
+    width = max(len(n) for n, _ in COMPARE_ROWS + (("trained parameters", ""),))
+    a, b = full.inputs, lora.inputs
+    lines = [f"model: {full.shape.total_params:,} parameters; strategy {a.strategy} / {b.strategy}, world size "
+             f"{a.world_size} / {b.world_size}, precision {b.precision}, micro-batch {b.micro_batch} × {b.seq_len} "
+             f"tokens, activation checkpointing {'on' if b.activation_checkpointing else 'off'}"]
+    summary = _lora_line(lora)
+    if summary:
+        lines.append(summary)
+    lines += ["", f"{'GiB per rank (peak rank)':<{width}}  " + "  ".join(f"{name:>16}" for name, _ in columns)]
+    for name, key in COMPARE_ROWS:
+        cells = []
+        for _, plan in columns:
+            row = plan.peak_rank.as_dict()
+            value = row[key] if key else row["total_bytes"] - sum(row[k] for _, k in COMPARE_ROWS[:4])
+            cells.append(f"{value / GIB:16.3f}")
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+    trained = "  ".join(f"{p.shape.trainable_params:>16,}" for _, p in columns)
+    lines.append(f"{'trained parameters':<{width}}  {trained}")
+    if full.fit is not None and lora.fit is not None:
+        lines.append("")
+        for name, plan in columns:
+            lines.append(f"{name}: smallest cluster that fits: {_cluster(plan.fit)}, "
+                         f"{plan.fit.pod_memory_bytes / GIB:.1f} GiB per pod")
     return lines
 
 
@@ -73,7 +145,8 @@ def plan_document(plan: Plan) -> dict:
     doc = {
         "model": {"parameters": m.total_params, "layers": m.layers, "hidden_size": m.hidden,
                   "intermediate_size": m.intermediate, "num_attention_heads": m.heads,
-                  "num_key_value_heads": m.kv_heads, "vocab_size": m.vocab, "tied_embeddings": m.tied_embeddings},
+                  "num_key_value_heads": m.kv_heads, "vocab_size": m.vocab, "tied_embeddings": m.tied_embeddings,
+                  "trainable_parameters": m.trainable_params},
         "strategy": inp.strategy,
         "precision": inp.precision,
         "world_size": inp.world_size,
@@ -83,6 +156,7 @@ def plan_document(plan: Plan) -> dict:
         "offload_optimizer": inp.offload_optimizer,
         "offload_param": inp.offload_param,
         "from_scratch": inp.from_scratch,
+        "lora": lora_summary(plan),
         "ranks": [r.as_dict() for r in plan.ranks],
         "peak_rank_total_gib": plan.peak_rank.total_bytes / GIB,
         "notes": plan.notes,

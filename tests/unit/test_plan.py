@@ -187,3 +187,184 @@ def test_model_config_json_fields_under_a_model_types_own_names(tmp_path):
 
     GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100).save_pretrained(tmp_path)
     assert model_shape(load_config().model, config_json=str(tmp_path)).hidden == 32
+
+
+# --- LoRA: adapters trained in full, the base frozen at its stored bytes -----------------------
+
+TINY_LORA = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+
+
+def _lora_config(folder, *extra):
+    return load_config(None, [f"model.name_or_path={folder}", "model.lora.enabled=true", "model.lora.rank=4",
+                              "hardware.precision=bf16", "data.seq_len=16", "train.micro_batch_size=2",
+                              "train.global_batch_size=2", *extra])
+
+
+def test_lora_shape_counts_adapters_and_frozen_base(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(**TINY_LORA, tie_word_embeddings=False).save_pretrained(tmp_path)
+    cfg = _lora_config(tmp_path)
+    plan = make_plan(cfg, 1)
+    m = plan.shape
+    # Per layer, r·in + out·r for each projection (kv width 16, MLP width 64), rank 4:
+    # q 4·32+32·4, k 4·32+16·4, v the same, o as q, gate 4·32+64·4, up the same, down 4·64+32·4.
+    per_layer = 256 + 192 + 192 + 256 + 384 + 384 + 384
+    assert m.trainable_params == 2 * per_layer == 4096
+    assert len(m.adapter_inputs()) == 14
+    base = 100 * 32 * 2 + 2 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32) + 32  # untied embed + head
+    assert m.frozen_params == base
+    assert all(p.stored_bytes == 2 for p in m.params if not p.trainable)
+    assert all(p.stored_bytes == 4 and ".lora_" in p.name for p in m.params if p.trainable)
+    r = plan.ranks[0]
+    assert r.param_bytes == base * 2 + 4096 * 4  # frozen bf16 + fp32 adapters
+    assert r.grad_bytes == 4096 * 4
+    assert r.optimizer_bytes == 4096 * 8 + 28 * 4  # two moments + one `step` per adapter tensor
+    assert r.load_bytes == 4096 * 4  # the adapters' initial values, held until they are copied in
+    # fp32: the frozen base keeps 4 bytes, still without gradients or optimizer state
+    fp32 = make_plan(_lora_config(tmp_path, "hardware.precision=fp32"), 1).ranks[0]
+    assert fp32.param_bytes == (base + 4096) * 4 and fp32.grad_bytes == r.grad_bytes
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_lora_bytes_match_the_real_models_tensors(tmp_path, tie):
+    """The plan's state bytes against real tensors after an optimizer step, counted by the
+    function memory.json uses (cputrain.metrics.phases.state_bytes)."""
+    import torch
+    from peft import inject_adapter_in_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.lora.adapters import ADAPTER, peft_config
+    from cputrain.metrics.phases import state_bytes as measured_state
+    from cputrain.optim import build_adamw
+
+    config = LlamaConfig(**TINY_LORA, tie_word_embeddings=tie)
+    config.save_pretrained(tmp_path)
+    cfg = _lora_config(tmp_path, "model.lora.target_modules=[q_proj,v_proj,down_proj]")
+    plan = make_plan(cfg, 1).ranks[0]
+
+    torch.manual_seed(0)
+    real = LlamaForCausalLM(config)
+    inject_adapter_in_model(peft_config(real, cfg.model.lora), real, adapter_name=ADAPTER)
+    for p in real.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    torch.nn.init.normal_(real.model.layers[0].self_attn.q_proj.lora_B[ADAPTER].weight)  # B starts at zero
+    optimizer = build_adamw(real, cfg.train)
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = real(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()  # gradients are still there: what the step-time measurement sees
+    measured = measured_state(real, optimizer)
+    assert sum(p.numel() for p in real.parameters() if p.requires_grad) == 2 * (256 + 192 + 384)
+    assert (plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes) == (
+        measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"])
+
+
+def test_lora_plan_builds_the_skeleton_the_trainer_builds(tmp_path):
+    """`cputrain plan` (from the config) and the run's plan.json (from the trainer's skeleton)
+    see the same parameters, trainable flags and dtypes."""
+    import torch
+
+    from cputrain import model as models
+    from cputrain.lora.adapters import add_adapters
+    from cputrain.plan.model_shape import model_shape, shape_of
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(**TINY_LORA, tie_word_embeddings=True).save_pretrained(tmp_path)
+    cfg = _lora_config(tmp_path, "model.activation_checkpointing=true", "model.lora.dropout=0.1")
+    source = models.resolve_source(cfg.model, vocab_size=None)
+    skeleton = models.build_skeleton(source, cfg.model)
+    add_adapters(skeleton, cfg.model.lora, frozen_dtype=torch.bfloat16, seed=cfg.seed)
+    models.enable_activation_checkpointing(skeleton)
+    planned = model_shape(cfg.model, frozen_dtype=torch.bfloat16, seed=cfg.seed)
+    assert shape_of(skeleton) == planned
+    assert make_plan(cfg, 1, shape=shape_of(skeleton)).ranks == make_plan(cfg, 1).ranks
+
+
+def test_lora_under_fsdp_shards_frozen_and_trained_parameters_alike():
+    frozen = ParamInfo("layers.0.q_proj.base_layer.weight", (5, 3), "layers.0", trainable=False, stored_bytes=2)
+    lora_a = ParamInfo("layers.0.q_proj.lora_A.default.weight", (4, 2), "layers.0")
+    m = ModelShape((frozen, lora_a), layers=1, hidden=3, intermediate=6, heads=1, kv_heads=1, vocab=10,
+                   tied_embeddings=False)
+    ranks = [state_bytes(m, "fsdp", "bf16", 3, r) for r in range(3)]
+    # dim 0 padded to 2 rows on every rank: frozen 2·3 bf16, adapter 2·2 fp32 (and its gradient)
+    assert [r.param_bytes for r in ranks] == [2 * 3 * 2 + 2 * 2 * 4] * 3
+    assert [r.grad_bytes for r in ranks] == [2 * 2 * 4] * 3
+    # moments only for the adapter rows a rank owns (4 rows over 3 ranks: 2, 2, 0), one `step` each
+    assert [r.optimizer_bytes for r in ranks] == [2 * 2 * 8 + 4, 2 * 2 * 8 + 4, 4]
+    with pytest.raises(ValueError, match="zero3"):
+        state_bytes(m, "zero3", "bf16", 2)
+
+
+def test_lora_adds_only_small_activations_and_no_autocast_copies_of_the_base(tmp_path):
+    from transformers import LlamaConfig
+
+    from cputrain.plan.activations import activation_bytes
+
+    LlamaConfig(**TINY_LORA, tie_word_embeddings=False).save_pretrained(tmp_path)
+    full_cfg = load_config(None, [f"model.name_or_path={tmp_path}", "hardware.precision=bf16", "data.seq_len=16",
+                                  "train.micro_batch_size=2", "train.global_batch_size=2"])
+    full, lora = make_plan(full_cfg, 1), make_plan(_lora_config(tmp_path), 1)
+    full_act = activation_bytes(full.shape, 2, 16, "bf16", False, 0).saved_bytes
+    lora_act = activation_bytes(lora.shape, 2, 16, "bf16", False, 0).saved_bytes
+    assert lora_act - full_act == 14 * 32 * 4 * 2  # lora_A's output: 32 tokens × r=4 in bf16, per adapted linear
+    # autocast keeps bf16 copies of the fp32 weights: every weight in full fine-tuning, the adapters under LoRA
+    assert full.ranks[0].activation_bytes == full_act + full.shape.total_params * 2
+    assert lora.ranks[0].activation_bytes == lora_act + 4096 * 2
+    # with checkpointing the kept block inputs follow the hidden states' dtype: bf16 behind a frozen bf16 embedding
+    assert activation_bytes(lora.shape, 2, 16, "bf16", True, 0).saved_bytes < \
+        activation_bytes(full.shape, 2, 16, "bf16", True, 0).saved_bytes
+
+
+def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
+    """The shipped 8B config with LoRA on one node (single, bf16, r=16, seq 2048, mb 1,
+    activation checkpointing), planned offline from the built-in Llama-3-8B shape."""
+    from cputrain.errors import UserError
+    from cputrain.k8s.options import ClusterOptions
+    from cputrain.k8s.render import render
+    from cputrain.plan.fit import fits
+
+    instances = builtin_instances()
+    table = {i.name: i for i in instances}
+    single = ["parallel.strategy=single", "hardware.precision=bf16"]
+    lora_cfg = load_config("configs/llama3-8b-fsdp.yaml", [*single, "model.lora.enabled=true"])
+    lora = make_plan(lora_cfg, 1, instances=instances)
+    full = make_plan(load_config("configs/llama3-8b-fsdp.yaml", single), 1, instances=instances)
+    assert lora.shape.trainable_params == 32 * 16 * (4096 * 4 + 4096 * 2 + 1024 * 2 + 4096 * 2 + 14336 * 3 + 4096)
+    assert lora.shape.frozen_params == full.shape.total_params == 8_030_261_248
+    r = lora.peak_rank
+    assert r.param_bytes == 8_030_261_248 * 2 + 41_943_040 * 4
+    assert r.grad_bytes == 41_943_040 * 4 and r.optimizer_bytes == 41_943_040 * 8 + 448 * 4
+    assert r.total_bytes < 25 * GIB and r.total_bytes < full.peak_rank.total_bytes / 5
+    # One node of the smallest m7i and r7i sizes holds the LoRA rank; full fine-tuning's does not fit an m7i.8xlarge.
+    assert lora.fit.nnodes == 1
+    for name in ("m7i.8xlarge", "r7i.8xlarge"):
+        assert fits(table[name], r.total_bytes, 1)
+    assert not fits(table["m7i.8xlarge"], full.peak_rank.total_bytes, 1)
+    # Sharded over the shipped 4 nodes × 2 ranks, full fine-tuning still needs more per rank than LoRA on one.
+    fsdp = make_plan(load_config("configs/llama3-8b-fsdp.yaml", ["hardware.precision=bf16"]), 8, nproc_per_node=2)
+    assert fsdp.peak_rank.total_bytes > r.total_bytes
+    # `cputrain k8s` sizes the pod from the same plan: one m7i.8xlarge holds it, not full fine-tuning.
+    opts = dict(name="llama3-8b-lora", image="registry.example.com/cputrain:0.1.0", nnodes=1, nproc_per_node=1,
+                instance_type="m7i.8xlarge")
+    rendered = render(lora_cfg, ClusterOptions(**opts), instances)
+    assert rendered.plan.peak_rank.total_bytes == r.total_bytes
+    with pytest.raises(UserError, match="m7i.8xlarge allocates"):
+        render(load_config("configs/llama3-8b-fsdp.yaml", single), ClusterOptions(**opts), instances)
+
+
+def test_compare_lora_prints_both_side_by_side(capsys):
+    from cputrain.cli import main
+
+    assert main(["plan", "configs/llama3-8b-fsdp.yaml", "parallel.strategy=single", "--compare-lora"]) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning" in out and "LoRA rank 16 on down_proj, gate_proj, k_proj" in out
+    rows = {line.split("  ")[0]: line.split()[-2:] for line in out.splitlines()
+            if line.startswith(("gradients", "trained"))}
+    assert rows["trained parameters"] == ["8,030,261,248", "41,943,040"]
+    assert main(["plan", "configs/llama3-8b-fsdp.yaml", "parallel.strategy=zero3", "--compare-lora"]) != 0
+    assert "zero3 does not take model.lora" in capsys.readouterr().err
