@@ -19,7 +19,7 @@ from tqdm import tqdm
 from cputrain.checkpoint import base_model
 from cputrain.checkpoint.checkpoints import Checkpoints
 from cputrain.checkpoint.folders import RunFolder
-from cputrain.checkpoint.run_config import check_compatible, write_run_config
+from cputrain.checkpoint.run_config import check_compatible, recorded_value, write_run_config
 from cputrain.checkpoint.run_lock import RunLock, take_run_lock
 from cputrain.config import ResolvedConfig
 from cputrain.data import order
@@ -169,6 +169,14 @@ class Trainer:
     def _choose_attention(self) -> None:
         """model.attn_implementation=auto: rank 0 times both kernels; every rank uses its choice."""
         cfg, ranks = self.cfg, self.ranks
+        # A resumed run keeps the kernel it trained with: timing again could pick the other one,
+        # and the losses after the resume would no longer be those of a run never stopped.
+        resumed_with = recorded_value(self.run, "model.attn_implementation")
+        if resumed_with in ("sdpa", "eager"):
+            cfg.model.attn_implementation = resumed_with
+            if ranks.is_main:
+                log.info("model.attn_implementation = %s: chosen when this run started (config.yaml)", resumed_with)
+            return
         mine = choose_attention(self.hf_config, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.hardware.dtype) if ranks.is_main else None
         choice = pg.broadcast_from_main(mine)
         cfg.model.attn_implementation = choice.implementation

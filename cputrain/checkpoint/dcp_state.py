@@ -32,18 +32,30 @@ def _storage(path: str, write: bool):
 SAVED = StateDictOptions(ignore_frozen_params=True)
 
 
-def save_dcp(model, optimizer, path: str) -> None:
+def _trained_state(model, optimizer) -> tuple[dict, dict]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVED)
+    # ignore_frozen_params knows each parameter by one name; a tied one (Llama's lm_head.weight is
+    # the frozen input embedding when tie_word_embeddings) comes back under its other name.
+    module = getattr(model, "module", model)  # DDP's wrapper; FSDP2 and compile keep the names
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
+def save_dcp(model, optimizer, path: str) -> None:
+    model_sd, optim_sd = _trained_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_storage(path, write=True))
 
 
 def load_dcp(model, optimizer, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVED)
+    model_sd, optim_sd = _trained_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    # dcp.load fails on any key of `state` the checkpoint lacks (its planner allows no partial
+    # load), so every trained parameter is checked there; set_state_dict then must not ask for
+    # the frozen ones, which were never saved.
     dcp.load(state, storage_reader=_storage(path, write=False))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=True, ignore_frozen_params=True),
+        options=StateDictOptions(strict=False, ignore_frozen_params=True),
     )
 
 

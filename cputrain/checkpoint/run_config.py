@@ -71,6 +71,14 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
             )
 
 
+def recorded_value(run: RunFolder, dotted: str):
+    """The value of `dotted` in the config.yaml of a run folder with checkpoints to resume, or None."""
+    if not run.complete_steps():
+        return None
+    text = run.read_text(NAME)
+    return _get(yaml.safe_load(text) or {}, dotted) if text else None
+
+
 def write_run_config(run: RunFolder, cfg: Config, reasons: list) -> None:
     """The resolved config, with the reason for each "auto" choice as a comment above it (rank 0)."""
     header = "".join(f"# {key} = {value}: {why}\n" for key, value, why in reasons)

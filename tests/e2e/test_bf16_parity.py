@@ -48,7 +48,7 @@ def test_fp32_speedups_are_exact(plain_fp32, tmp_path, cache_dir, attn):
 @pytest.mark.parametrize("strategy,ranks", [("single", 1), ("ddp", 2), ("fsdp", 2), ("zero3", 2)])
 def test_bf16_follows_fp32(plain_fp32, tmp_path, cache_dir, strategy, ranks):
     out = tmp_path / strategy
-    settings = {**SHORT, "hardware.precision": "bf16", "parallel.strategy": strategy,
+    settings = {**SHORT, "hardware.precision": "bf16", "parallel.strategy": strategy, "model.attn_implementation": "auto",
                 "model.compile": "true" if strategy in ("single", "fsdp") else "false",
                 "model.compile_cache_dir": cache_dir / "inductor-bf16"}
     launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
