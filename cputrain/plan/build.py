@@ -8,7 +8,7 @@ from cputrain.config import Config
 from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, resolve_inputs
 from cputrain.plan.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
-from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape
+from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape, with_weight_files
 
 
 @dataclass
@@ -52,6 +52,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         frozen_dtype = torch.bfloat16 if planned_precision(cfg) == "bf16" else torch.float32
         shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, frozen_dtype=frozen_dtype,
                             seed=cfg.seed)
+    shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
     inputs = resolve_inputs(
         cfg.parallel.strategy, cfg.hardware.precision, world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,

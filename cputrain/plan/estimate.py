@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from cputrain.errors import ConfigError
 from cputrain.lora.adapters import is_adapter_parameter
-from cputrain.plan.accounting import FP32_BYTES, SHARDED, state_bytes
+from cputrain.plan.accounting import FP32_BYTES, SHARDED, local_numel, state_bytes
 from cputrain.plan.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
 
@@ -22,6 +22,10 @@ PROCESS_OVERHEAD_BYTES = int(0.35 * GIB)
 # process subgroups and buffers (0.04-0.05 GiB, the "optimizer created" phase of a 0.1M-parameter
 # model beyond its state bytes), with torch 2.13 and DeepSpeed 0.19.
 DEEPSPEED_RUNTIME_BYTES = int(0.07 * GIB)
+# What model.lora adds to that: importing peft and injecting its LoRA layers, 12 MiB of RSS
+# measured around add_adapters on a 0.1M-parameter Llama's skeleton after torch and
+# transformers were imported (peft 0.21); the adapters' own bytes are counted apart.
+LORA_RUNTIME_BYTES = 12 * 2**20
 
 # DDP copies gradients into flat buckets for its all-reduce; with gradient_as_bucket_view the
 # .grad tensors are views of those buckets instead, and the copy disappears.
@@ -158,7 +162,7 @@ def _ddp_broadcast_bytes(m: ModelShape) -> int:
     return max((sum(buckets[i:i + n]) for i in range(max(1, len(buckets) - n + 1))), default=0)
 
 
-def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
+def _load_bytes(m: ModelShape, inp: PlanInputs, rank: int = 0) -> int:
     """What building the weights holds beyond this rank's parameters, as each strategy does it.
 
     - fsdp from scratch: the random init is computed for the whole model in fp32 on every rank
@@ -168,20 +172,39 @@ def _load_bytes(m: ModelShape, inp: PlanInputs) -> int:
       so the largest module (the embedding or the head) is whole once, in the compute dtype.
     - ddp's constructor broadcasts rank 0's weights (torch.distributed.utils._sync_module_states)
       in flattened buckets of 250 MiB, two in flight at a time: see _ddp_broadcast_bytes.
-    - single and ddp initialise their own full copy in place; a model folder is read straight
-      into the parameters (fsdp: only the rank's rows), so loading adds no second copy.
+    - single and ddp initialise their own full copy in place.
+    - From a model folder, single and ddp read every tensor through safetensors' memory map
+      (cputrain.model.load_into): each page read stays in the process's RSS until the files are
+      closed (clean file pages, which the kernel could reclaim, but RSS), so the whole weight
+      files are counted, plus one tensor read out of them. fsdp reads its rows with plain file
+      reads into the shard, except where the file's dtype is not the parameter's (a bf16 file
+      into fp32 masters, an fp32 file into a bf16 frozen base): those rows go through the map.
     - LoRA: the adapters' initial values, whole and fp32 on every rank, are computed with the
       skeleton and kept until they are copied into the materialized (sharded) adapters.
     """
     adapter_init = sum(p.numel for p in m.params if is_adapter_parameter(p.name)) * FP32_BYTES
-    return adapter_init + _strategy_load_bytes(m, inp)
+    return adapter_init + _strategy_load_bytes(m, inp, rank)
 
 
-def _strategy_load_bytes(m: ModelShape, inp: PlanInputs) -> int:
-    if inp.strategy == "ddp":
-        return _ddp_broadcast_bytes(m)
-    if not inp.from_scratch:
+def _mapped_file_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
+    """Weight-file pages a rank maps while loading from a model folder, and the largest tensor
+    read out of them (0 without a folder; zero3 loads through DeepSpeed and is not planned here)."""
+    if inp.strategy in ("single", "ddp"):
+        read = [p.numel * p.file_bytes for p in m.params if p.file_bytes]
+    elif inp.strategy == "fsdp":
+        read = [local_numel(p.shape, "fsdp", inp.world_size, rank, padded=False) * p.file_bytes
+                for p in m.params if p.file_bytes and p.file_bytes != p.stored_bytes]
+    else:
         return 0
+    return sum(read) + max(read, default=0)
+
+
+def _strategy_load_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
+    files = 0 if inp.from_scratch else _mapped_file_bytes(m, inp, rank)
+    if inp.strategy == "ddp":
+        return max(_ddp_broadcast_bytes(m), files)  # the broadcast is done (at wrap) before the files are read
+    if not inp.from_scratch:
+        return files
     if inp.strategy == "fsdp":
         return m.total_params * FP32_BYTES
     if inp.strategy == "zero3":
@@ -218,8 +241,9 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         activation_bytes=act.saved_bytes + act.weight_copy_bytes,
         optimizer_step_bytes=step_tmp,
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
-        process_overhead_bytes=PROCESS_OVERHEAD_BYTES + (DEEPSPEED_RUNTIME_BYTES if inp.strategy == "zero3" else 0),
-        load_bytes=_load_bytes(m, inp),
+        process_overhead_bytes=PROCESS_OVERHEAD_BYTES + (DEEPSPEED_RUNTIME_BYTES if inp.strategy == "zero3" else 0)
+        + (LORA_RUNTIME_BYTES if m.lora else 0),
+        load_bytes=_load_bytes(m, inp, rank),
         # With optimizer offload DeepSpeed gives each sub-group's fp32 master a gradient buffer of
         # its own (stage3 _initialize_optimizer_states), beside the gradient partitions the
         # backward reduces into: a second fp32 copy of this rank's gradients, kept all run.

@@ -13,7 +13,8 @@ and shapes are the run's own): each targeted linear keeps its weight frozen as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cputrain.config import ModelConfig
@@ -50,6 +51,7 @@ class ParamInfo:
     unit: str  # the FSDP unit it belongs to: "layers.N" for a decoder block, "root" otherwise
     trainable: bool = True  # False: frozen (LoRA's base), no gradient, no optimizer state
     stored_bytes: int = 4  # bytes per element as the model stores it (fp32 masters; a frozen base in bf16: 2)
+    file_bytes: int = 0  # bytes per element in the model folder's safetensors files (0: not read from a file)
 
     @property
     def numel(self) -> int:
@@ -136,6 +138,77 @@ def shape_of(model) -> ModelShape:
         vocab=c.vocab_size,
         tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
     )
+
+
+# safetensors header dtypes → bytes per element
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class _Keys:
+    """What cputrain.model.checkpoint_name looks keys up in (a SafetensorsReader's `where`)."""
+
+    def __init__(self, keys):
+        self.where = keys
+
+
+def _folder_of(name_or_path: str) -> Path | None:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~")):
+        return None
+    try:  # a hub id already in the Hugging Face cache; nothing is fetched
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except Exception:
+        return None
+
+
+def weight_file_bytes(model_cfg: ModelConfig) -> dict[str, int] | None:
+    """Bytes per element of every tensor in model.name_or_path's safetensors files, by key (from
+    their headers: no weight is read); None when there is no model folder to read. A hub id of
+    KNOWN_HUB_CONFIGS not on this machine is planned as its published files are: bf16."""
+    if model_cfg.name_or_path is None:
+        return None
+    folder = _folder_of(model_cfg.name_or_path)
+    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
+    if not files:
+        return {"*": 2} if known_hub_config(model_cfg.name_or_path) is not None else None
+    out = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except (OSError, ValueError):
+            return None  # the trainer names a broken file; the plan leaves the files out
+        for key, entry in header.items():
+            if key != "__metadata__" and isinstance(entry, dict):
+                out[key] = _SAFETENSORS_BYTES.get(entry.get("dtype"), 4)
+    return out
+
+
+def with_weight_files(shape: ModelShape, model_cfg: ModelConfig) -> ModelShape:
+    """`shape` with each parameter's element size in the weight files it is loaded from (LoRA's
+    adapters and tied copies are in no file)."""
+    files = weight_file_bytes(model_cfg)
+    if files is None:
+        return shape
+    from cputrain.model import checkpoint_name
+
+    keys = _Keys(files)
+    params = []
+    for p in shape.params:
+        if is_adapter_parameter(p.name):
+            size = 0
+        elif "*" in files:
+            size = files["*"]
+        else:
+            key = checkpoint_name(p.name, keys)
+            size = files[key] if key is not None else 0
+        params.append(replace(p, file_bytes=size))
+    return replace(shape, params=tuple(params))
 
 
 def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None):
