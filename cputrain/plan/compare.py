@@ -26,6 +26,8 @@ def compare_run(run_dir: str | Path) -> list[dict]:
         peak = next(p for p in measured_rank["phases"] if p["phase"] == "training step peak")
         loaded = next(p for p in measured_rank["phases"] if p["phase"] == "sharded weights")
         strategy = plan["strategy"] + ("+offload" if plan.get("offload_optimizer") else "")
+        strategy += "+LoRA" if plan.get("lora") else ""
+        strategy += f" {plan['precision']}" if plan.get("precision", "fp32") != "fp32" else ""
         row = {"rank": measured_rank["rank"], "strategy": strategy, "world_size": plan["world_size"],
                "parameters": plan["model"]["parameters"]}
         for key in EXACT:

@@ -3,7 +3,9 @@
 Two model sizes (a tiny Llama and one of about 100M parameters), 1 and 2 ranks, every
 strategy available here; 2 short steps each. plan.json (written by `cputrain train` at start)
 is compared with the "training step peak" phase of memory.json, and also checked against
-what `cputrain plan --json` prints for the same config before any run.
+what `cputrain plan --json` prints for the same config before any run. LoRA runs the same
+way on a pretrained base (a model folder): single, ddp and fsdp, the base frozen in bf16 (and
+in fp32 once); `pytest -s` prints each run's rows.
 """
 
 from __future__ import annotations
@@ -58,6 +60,61 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
     vocab = written["model"]["vocab_size"]
     proc = run_cli("plan", *overrides, f"model.tokenizer_vocab_size={vocab}", "--world-size", ranks, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ranks"] == written["ranks"]
+
+    off = [r for r in rows if abs(r["rss_error"]) > RSS_TOLERANCE]
+    assert not off, f"peak RSS off by {off[0]['rss_error']:+.1%}\n{table}"
+
+
+# --- LoRA: a pretrained base (a Llama saved as a model folder), adapters on every projection --
+
+# make_tiny_model's Llamas: MLP 2 × hidden, 4 heads, 2 key/value heads, its own 512-token BPE.
+LORA_BASES = {"tiny": dict(hidden=64, layers=2), "64m": dict(hidden=768, layers=12)}
+# (strategy, ranks, precision): bf16 is LoRA's case (the base frozen in bf16); fp32 keeps it in fp32.
+LORA_LAYOUTS = [("single", 1, "bf16"), ("single", 1, "fp32"), ("ddp", 2, "bf16"), ("fsdp", 2, "bf16")]
+LORA_CASES = [(s, st, n, prec) for s in LORA_BASES for st, n, prec in LORA_LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def lora_base(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    made = {}
+
+    def folder(size: str):
+        if size not in made:
+            made[size] = make_tiny_model(tmp_path_factory.mktemp(f"base-{size}"), **LORA_BASES[size])
+        return made[size]
+
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, strategy, ranks, precision", LORA_CASES,
+                         ids=[f"lora-{s}-{st}-{n}-{prec}" for s, st, n, prec in LORA_CASES])
+def test_lora_plan_matches_memory_json(size, strategy, ranks, precision, tmp_path, cache_dir, lora_base):
+    overrides = [o for o in COMMON if not o.startswith("hardware.precision=")] + [
+        f"model.name_or_path={lora_base(size)}", "model.lora.enabled=true", f"hardware.precision={precision}",
+        "model.compile=false",  # inductor's compile is not in the plan (and takes minutes here)
+        f"parallel.strategy={strategy}", f"output_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}"]
+    launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
+    proc = run_cli("train", *overrides, *launch, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = compare_run(tmp_path / "run")
+    assert len(rows) == ranks
+    table = markdown_table(rows)
+    print(f"\n{table}")
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    trained = written["lora"]["trainable_parameters"]
+    assert 0 < trained < written["model"]["parameters"] / (2 if size == "tiny" else 20)
+    for row in rows:
+        assert row["measured_grad_bytes"] <= -(-trained // ranks) * 4 * 2  # the adapters' gradients, nothing else
+        for key in EXACT:
+            assert row[f"plan_{key}"] == row[f"measured_{key}"], f"{key} differs\n{table}"
+
+    # `cputrain plan` on the same config, before any run, adds the same adapters and plans the same bytes.
+    proc = run_cli("plan", *overrides, "--world-size", ranks, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ranks"] == written["ranks"]
 
