@@ -106,7 +106,9 @@ COMPARE_ROWS = (
     ("gradients", "grad_bytes"),
     ("optimizer state", "optimizer_bytes"),
     ("activations", "activation_bytes"),
-    ("other (buffers, step, process)", None),
+    ("buffers, step, process", None),  # the rest of the training peak
+    ("training peak", "training_peak_bytes"),
+    ("loading peak", "load_peak_bytes"),
     ("total (peak RSS)", "total_bytes"),
 )
 
@@ -127,7 +129,7 @@ def compare_lines(full: Plan, lora: Plan) -> list[str]:
         cells = []
         for _, plan in columns:
             row = plan.peak_rank.as_dict()
-            value = row[key] if key else row["total_bytes"] - sum(row[k] for _, k in COMPARE_ROWS[:4])
+            value = row[key] if key else row["training_peak_bytes"] - sum(row[k] for _, k in COMPARE_ROWS[:4])
             cells.append(f"{value / GIB:16.3f}")
         lines.append(f"{name:<{width}}  " + "  ".join(cells))
     trained = "  ".join(f"{p.shape.trainable_params:>16,}" for _, p in columns)
