@@ -129,7 +129,8 @@ class ModelConfig(Section):
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
     time is logged); later ones faster. auto: on for bf16 on AMX or AVX512-BF16 hardware, where
-    it was measured to pay, except for models built from scratch narrower than 512."""
+    it was measured to pay, except for models built from scratch narrower than 512 and LoRA runs
+    (compiled blocks with peft's layers measured slower and larger)."""
 
     chunked_loss: bool = True
     """Compute the head and its cross-entropy a block of tokens at a time, so the fp32 logits of
