@@ -180,9 +180,14 @@ def weight_file_bytes(model_cfg: ModelConfig) -> dict[str, int] | None:
     for path in files:
         try:
             with open(path, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+                header_len = int.from_bytes(f.read(8), "little")
+                if header_len > path.stat().st_size - 8:
+                    return None  # not a safetensors header: a corrupt file, which the loader names
+                header = json.loads(f.read(header_len))
         except (OSError, ValueError):
             return None  # the trainer names a broken file; the plan leaves the files out
+        if not isinstance(header, dict):
+            return None
         for key, entry in header.items():
             if key != "__metadata__" and isinstance(entry, dict):
                 out[key] = _SAFETENSORS_BYTES.get(entry.get("dtype"), 4)
