@@ -64,10 +64,20 @@ def layers_child(opts: dict) -> dict:
         holder.model.layers = layers
         compile_blocks(holder, str(REPO / ".cache" / "bench" / "inductor"))
     params = list(layers.parameters())
+    step = layers_step(layers, rotary, params, opts["seq_len"], cfg.hidden_size)
+    per_layer = sum(p.numel() for p in params) // opts["layers"]
+    return {**time_steps(step, opts["steps"]), "params_per_layer": per_layer,
+            "attn": choice.implementation, "attn_why": choice.reason}
+
+
+def layers_step(layers, rotary, params: list, seq_len: int, hidden_size: int):
+    """One training step of a stack of decoder layers on a random input: forward under bf16
+    autocast, backward, clipping and fused AdamW over `params` (the trained ones)."""
+    import torch
+
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-    d = cfg.hidden_size
-    x = torch.randn(1, opts["seq_len"], d) * 0.02
-    positions = torch.arange(opts["seq_len"])[None]
+    x = torch.randn(1, seq_len, hidden_size) * 0.02
+    positions = torch.arange(seq_len)[None]
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -82,9 +92,7 @@ def layers_child(opts: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    per_layer = sum(p.numel() for p in params) // opts["layers"]
-    return {**time_steps(step, opts["steps"]), "params_per_layer": per_layer,
-            "attn": choice.implementation, "attn_why": choice.reason}
+    return step
 
 
 def head_child(opts: dict) -> dict:

@@ -48,8 +48,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.layer_mfu import layers_step  # noqa: E402
 from benchmarks.step_timing import run_child, time_steps  # noqa: E402
-from benchmarks.vs_hf_trainer import corpus_documents, env, physical_cores, shared_tokenizer  # noqa: E402
+from benchmarks.vs_hf_trainer import (RowsDataset, corpus_documents, env, packed_rows, physical_cores,  # noqa: E402
+                                      shared_tokenizer)
 
 ARCH_300M = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24, "num_attention_heads": 16,
              "num_key_value_heads": 8, "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -152,7 +154,6 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
 def peft_child(opts: dict) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from torch.utils.data import Dataset
     from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
                               default_data_collator)
 
@@ -162,18 +163,7 @@ def peft_child(opts: dict) -> dict:
     base, seq_len = opts["base"], opts["seq_len"]
     tok = AutoTokenizer.from_pretrained(base)
     docs = corpus_documents(opts["source"])
-    # run_clm.py's group_texts: concatenate everything (EOS between documents), cut into blocks
-    ids = [t for d in tok(docs, add_special_tokens=False)["input_ids"] for t in d + [tok.eos_token_id]]
-    n = len(ids) // seq_len
-    blocks = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-    rows = [{"input_ids": b, "attention_mask": torch.ones_like(b), "labels": b} for b in blocks]
-
-    class Rows(Dataset):
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            return rows[i]
+    rows = RowsDataset(packed_rows(tok, docs, seq_len))
 
     marks: list[float] = []
     peaks: list[float] = []
@@ -201,7 +191,7 @@ def peft_child(opts: dict) -> dict:
             save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=default_data_collator,
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
                           callbacks=[Clock()])
         t0 = time.perf_counter()
         trainer.train()
@@ -256,22 +246,7 @@ def layers_child(opts: dict) -> dict:
                 m.cast_input_dtype_enabled = False
     rotary = LlamaRotaryEmbedding(cfg)
     params = [p for p in holder.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-    x = torch.randn(1, opts["seq_len"], cfg.hidden_size) * 0.02
-    positions = torch.arange(opts["seq_len"])[None]
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = x
-            cos_sin = rotary(h, positions)
-            for layer in holder.layers:
-                h = layer(h, position_embeddings=cos_sin, position_ids=positions)
-                h = h[0] if isinstance(h, tuple) else h
-            loss = h.float().square().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = layers_step(holder.layers, rotary, params, opts["seq_len"], cfg.hidden_size)
 
     before_steps = memory.rss_gib()
     memory.reset_peak()  # the steps' peak: weights, gradients, optimizer state, activations

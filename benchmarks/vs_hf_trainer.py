@@ -84,10 +84,32 @@ def shared_tokenizer(source: str, cache_dir: str, vocab: int = VOCAB):
 # One Trainer run (runs in its own process; prints one JSON line).
 
 
+def packed_rows(tok, docs: list[str], seq_len: int) -> list[dict]:
+    """run_clm.py's group_texts: every document joined (EOS between), cut into `seq_len` blocks."""
+    import torch
+
+    ids = [t for d in tok(docs, add_special_tokens=False)["input_ids"] for t in d + [tok.eos_token_id]]
+    n = len(ids) // seq_len
+    blocks = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    return [{"input_ids": b, "attention_mask": torch.ones_like(b), "labels": b} for b in blocks]
+
+
+class RowsDataset:
+    """A list of Trainer rows as a map-style dataset (the Trainer needs __len__ and __getitem__)."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
 def run_hf(kind: str, steps: int, micro: int, accum: int, source: str, cache_dir: str, arch: dict,
            bf16: bool = False, vocab: int = VOCAB) -> dict:
     import torch
-    from torch.utils.data import Dataset
     from transformers import (AutoModelForCausalLM, CONFIG_MAPPING, Trainer, TrainerCallback, TrainingArguments,
                               default_data_collator)
 
@@ -102,18 +124,7 @@ def run_hf(kind: str, steps: int, micro: int, accum: int, source: str, cache_dir
         rows = [{"input_ids": i, "attention_mask": m, "labels": l}
                 for i, m, l in zip(enc["input_ids"], enc["attention_mask"], labels)]
     else:
-        # run_clm.py's group_texts: concatenate everything (EOS between documents), cut into blocks.
-        ids = [t for d in tok(docs, add_special_tokens=False)["input_ids"] for t in d + [tok.eos_token_id]]
-        n = len(ids) // SEQ_LEN
-        blocks = torch.tensor(ids[: n * SEQ_LEN]).view(n, SEQ_LEN)
-        rows = [{"input_ids": b, "attention_mask": torch.ones_like(b), "labels": b} for b in blocks]
-
-    class Rows(Dataset):
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            return rows[i]
+        rows = packed_rows(tok, docs, SEQ_LEN)
 
     useful = [0]
 
@@ -140,7 +151,7 @@ def run_hf(kind: str, steps: int, micro: int, accum: int, source: str, cache_dir
             report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
             disable_tqdm=True, dataloader_num_workers=0,
         )
-        trainer = CountingTrainer(model=model, args=args, train_dataset=Rows(), data_collator=default_data_collator,
+        trainer = CountingTrainer(model=model, args=args, train_dataset=RowsDataset(rows), data_collator=default_data_collator,
                                  callbacks=[Clock()])
         t0 = time.perf_counter()
         trainer.train()
