@@ -37,6 +37,20 @@ LAYOUTS = [("single", 1, False), ("ddp", 2, False), ("fsdp", 1, False), ("fsdp",
 CASES = [(s, st, n, off) for s in SIZES for st, n, off in LAYOUTS]
 
 
+def _train_and_compare(overrides: list[str], ranks: int, run_dir, timeout: int) -> tuple[list[dict], str]:
+    """Train on `ranks` ranks, then each rank's plan-vs-measured row (stored bytes must be equal)."""
+    launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
+    proc = run_cli("train", *overrides, *launch, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = compare_run(run_dir)
+    assert len(rows) == ranks
+    table = markdown_table(rows)
+    for row in rows:
+        for key in EXACT:
+            assert row[f"plan_{key}"] == row[f"measured_{key}"], f"{key} differs\n{table}"
+    return rows, table
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("size, strategy, ranks, offload", CASES,
                          ids=[f"{s}-{st}-{n}{'-offload' if off else ''}" for s, st, n, off in CASES])
@@ -45,15 +59,7 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
         pytest.skip("strategy zero3 needs the deepspeed extra (scripts/install.sh dev,deepspeed)")
     overrides = SIZES[size] + COMMON + [f"parallel.strategy={strategy}", f"output_dir={tmp_path / 'run'}",
                                         f"data.cache_dir={cache_dir}", f"parallel.offload_optimizer={offload}"]
-    launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
-    proc = run_cli("train", *overrides, *launch, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = compare_run(tmp_path / "run")
-    assert len(rows) == ranks
-    table = markdown_table(rows)
-    for row in rows:
-        for key in EXACT:
-            assert row[f"plan_{key}"] == row[f"measured_{key}"], f"{key} differs\n{table}"
+    rows, table = _train_and_compare(overrides, ranks, tmp_path / "run", timeout=600)
 
     # `cputrain plan` on the same config, before any run, plans the same bytes (the vocabulary
     # of the tokenizer the run trained is given as the model's config).
@@ -98,20 +104,13 @@ def test_lora_plan_matches_memory_json(size, strategy, ranks, precision, tmp_pat
         f"model.name_or_path={lora_base(size)}", "model.lora.enabled=true", f"hardware.precision={precision}",
         "model.compile=false",  # inductor's compile is not in the plan (and takes minutes here)
         f"parallel.strategy={strategy}", f"output_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}"]
-    launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
-    proc = run_cli("train", *overrides, *launch, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = compare_run(tmp_path / "run")
-    assert len(rows) == ranks
-    table = markdown_table(rows)
+    rows, table = _train_and_compare(overrides, ranks, tmp_path / "run", timeout=900)
     print(f"\n{table}")
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
     trained = written["lora"]["trainable_parameters"]
     assert 0 < trained < written["model"]["parameters"] / (2 if size == "tiny" else 20)
     for row in rows:
         assert row["measured_grad_bytes"] <= -(-trained // ranks) * 4 * 2  # the adapters' gradients, nothing else
-        for key in EXACT:
-            assert row[f"plan_{key}"] == row[f"measured_{key}"], f"{key} differs\n{table}"
 
     # `cputrain plan` on the same config, before any run, adds the same adapters and plans the same bytes.
     proc = run_cli("plan", *overrides, "--world-size", ranks, "--json")
