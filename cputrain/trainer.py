@@ -58,6 +58,8 @@ class Trainer:
     def setup(self) -> None:
         cfg, ranks = self.cfg, self.ranks
         check_compatible(self.run, cfg)  # before anything is written into an existing run folder
+        if cfg.model.lora.enabled:  # the adapters in the folder belong to these base weights
+            base_model.check_same_base(self.run, cfg.model.name_or_path)
 
         # 1. Process group and this rank's cores: everything after runs on the right threads.
         pg.set_threads(cfg.hardware.threads, self.cpus)
@@ -152,17 +154,16 @@ class Trainer:
     def _add_adapters(self, skeleton, source) -> dict:
         """model.lora: peft's adapters into the skeleton, the rest frozen (bf16 where the compute
         is); returns their initial values, copied in once the strategy has materialized the model."""
-        from cputrain.lora.adapters import add_adapters
+        from cputrain.lora.adapters import ADAPTER, add_adapters
 
         cfg = self.cfg
-        base_model.check_same_base(self.run, source.folder)
         initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=cfg.hardware.dtype, seed=cfg.seed,
                                base_path=str(source.folder.resolve()))
         if self.ranks.is_main:
             trained = sum(t.numel() for t in initial.values())
             total = sum(p.numel() for p in skeleton.parameters())
             log.info("model.lora: rank %d on %s: %s trained parameters (%.2f%% of %s); the base is frozen in %s",
-                     cfg.model.lora.rank, ", ".join(sorted(skeleton.peft_config["default"].target_modules)), f"{trained:,}",
+                     cfg.model.lora.rank, ", ".join(sorted(skeleton.peft_config[ADAPTER].target_modules)), f"{trained:,}",
                      100 * trained / total, f"{total:,}", str(cfg.hardware.dtype).removeprefix("torch."))
         return initial
 

@@ -50,11 +50,15 @@ def record(run: RunFolder, folder: Path) -> None:
     run.write_text(json.dumps({"path": os.path.abspath(folder), "fingerprint": fingerprint(folder)}, indent=1) + "\n", NAME)
 
 
-def check_same_base(run: RunFolder, folder: Path) -> None:
-    """Refuse to continue a run folder's adapters on weights other than those they were trained on."""
+def check_same_base(run: RunFolder, name_or_path: str) -> None:
+    """Refuse to continue a run folder's adapters on weights other than those they were trained
+    on. Called before any data is prepared, so a refused resume costs no tokenizing."""
     text = run.read_text(NAME)
     if text is None or not run.complete_steps():
         return
+    from cputrain.model import local_folder
+
+    folder = local_folder(name_or_path)
     there = json.loads(text)
     now = fingerprint(folder)
     if there.get("fingerprint") != now:

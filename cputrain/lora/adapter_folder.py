@@ -38,9 +38,11 @@ def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], model, tok
 
     from cputrain.checkpoint.export import fresh_staging, swap_in
 
-    gathered = {name: tensor.detach().contiguous() for name, tensor in tensors}
     if not is_writer:
+        for _ in tensors:  # take part in each gather; keep nothing
+            pass
         return
+    gathered = {name: tensor.detach().contiguous() for name, tensor in tensors}
     # peft's own conversion: drops the adapter's name from every key, as its save_pretrained does
     adapter_sd = get_peft_model_state_dict(model, state_dict=gathered, adapter_name=ADAPTER)
     out = Path(out_dir)

@@ -116,9 +116,10 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, s
             initial[f"{name}.lora_B.{ADAPTER}.weight"] = b.weight.detach().clone()
             a.to("meta")
             b.to("meta")
-            # peft casts a layer's input to the adapter's dtype (fp32) before A; under bf16
-            # autocast that is a round trip to fp32 and back per layer for nothing.
-            layer.cast_input_dtype_enabled = frozen_dtype == torch.float32
+            if frozen_dtype == torch.bfloat16:
+                # peft casts a layer's input to the adapter's dtype (fp32) before A; under bf16
+                # autocast that is a round trip to fp32 and back per layer for nothing.
+                layer.cast_input_dtype_enabled = False
     return initial
 
 

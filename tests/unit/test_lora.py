@@ -180,10 +180,10 @@ def test_fingerprint_tells_bases_apart(tmp_path, tiny_model_dir):
     base_model.record(run, copy)
     run.fs.makedirs(run.step_path(3), exist_ok=True)
     run.write_text("{}", "checkpoints", "step-000003", "trainer_state.json")
-    base_model.check_same_base(run, copy)
+    base_model.check_same_base(run, str(copy))
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit of one weight
     weights.write_bytes(bytes(data))
     with pytest.raises(RunFolderError, match="trained on other base weights"):
-        base_model.check_same_base(run, copy)
+        base_model.check_same_base(run, str(copy))
