@@ -181,7 +181,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from cputrain.generate import generate_text
+    from cputrain.inference import generate_text
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
@@ -193,7 +193,7 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from cputrain.data.prepare import prepare
-    from cputrain.generate import evaluate_loss, load_for_inference, model_folder
+    from cputrain.inference import evaluate_loss, load_for_inference, model_folder
 
     if args.max_sequences < 1:
         raise UserError("--max-sequences must be at least 1")
@@ -221,7 +221,7 @@ def _resolved_here(config_path, overrides):
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from cputrain.generate import model_folder
+    from cputrain.inference import model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder, merge_into_base
 
     folder = Path(model_folder(args.path))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
 from cputrain.errors import ConfigError, RunFolderError, one_line
 

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cputrain.checkpoint import base_model
-from cputrain.checkpoint.checkpoints import Checkpoints
-from cputrain.checkpoint.folders import RunFolder
-from cputrain.checkpoint.run_config import check_compatible, recorded_value, write_run_config
-from cputrain.checkpoint.run_lock import RunLock, take_run_lock
+from cputrain.lora import base_model
+from cputrain.run_folder.checkpoints import Checkpoints
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import check_compatible, recorded_value, write_run_config
+from cputrain.run_folder.run_lock import RunLock, take_run_lock
 from cputrain.config import ResolvedConfig
 from cputrain.data import order
 from cputrain.distributed import comm, process_group as pg
@@ -29,10 +29,10 @@ from cputrain.hardware import HardwareFacts
 from cputrain.kernels.attention_choice import choose_attention
 from cputrain.kernels.chunked_loss import install_chunked_loss
 from cputrain.metrics import flops, memory
-from cputrain.metrics.jsonl import MetricsFile
+from cputrain.metrics.jsonl import MetricsJsonl
 from cputrain.metrics.measured_peak import measured_peak_flops
 from cputrain.metrics.phases import PhaseRecorder
-from cputrain.metrics.sinks import MetricsLog
+from cputrain.metrics.sinks import ReportSinks
 from cputrain.metrics.summary import read_summary, write_summary
 from cputrain import model as models
 from cputrain.parallel import get_strategy, needs_process_group
@@ -49,7 +49,7 @@ class Trainer:
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
         self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
-        self.metrics_log: MetricsLog | None = None  # rank 0's: metrics.jsonl and the report_to sinks
+        self.metrics_log: ReportSinks | None = None  # rank 0's: metrics.jsonl and the report_to sinks
         self.step = 0  # optimizer steps completed
         self.exported = False  # model/ written by this session (the worker then plots and samples)
         self.phases = PhaseRecorder(ranks.rank)
@@ -124,7 +124,7 @@ class Trainer:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
         if ranks.is_main:  # metrics.jsonl loses the rows of steps trained again; the report_to sinks open
-            self.metrics_log = MetricsLog(self.run, cfg, self.step)
+            self.metrics_log = ReportSinks(self.run, cfg, self.step)
             write_run_config(self.run, cfg, self.reasons)
             if cfg.model.lora.enabled:  # what the adapters were trained on, checked on resume
                 base_model.record(self.run, source.folder)
@@ -352,7 +352,7 @@ class Trainer:
             self.__dict__.pop(name, None)
 
     def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:
-        rows = MetricsFile(self.run).rows()
+        rows = MetricsJsonl(self.run).rows()
         train_rows = [r for r in rows if "tokens_per_s" in r]
         steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
 

@@ -60,18 +60,18 @@ def after_export(cfg: Config) -> None:
     sample.txt (generated from the exported model) in a local run folder."""
     from pathlib import Path
 
-    from cputrain.checkpoint.folders import RunFolder
+    from cputrain.run_folder.layout import RunFolder
 
     run = RunFolder(cfg.output_dir)
     local = run.local_path()
     if local is None:
         return
-    from cputrain.metrics.jsonl import MetricsFile
+    from cputrain.metrics.jsonl import MetricsJsonl
     from cputrain.metrics.plot import plot_losses
 
-    plot_losses(MetricsFile(run).rows(), Path(local) / "loss.png")
+    plot_losses(MetricsJsonl(run).rows(), Path(local) / "loss.png")
     if cfg.train.sample_tokens > 0:
-        from cputrain.generate import generate_text
+        from cputrain.inference import generate_text
 
         text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed)
         (Path(local) / "sample.txt").write_text(text + "\n")

@@ -36,7 +36,7 @@ def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], model, tok
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from cputrain.checkpoint.export import fresh_staging, swap_in
+    from cputrain.run_folder.export import fresh_staging, swap_in
 
     if not is_writer:
         for _ in tensors:  # take part in each gather; keep nothing
@@ -82,7 +82,7 @@ def load_adapted(folder: Path, dtype: torch.dtype | str = torch.float32, trust_r
 def merge_into_base(folder: Path, out: Path) -> Path:
     """Write `out`: the base with the adapters merged into its weights, in the base's own dtype,
     as a plain Hugging Face model folder (with the tokenizer). `out` must not exist yet."""
-    from cputrain.checkpoint.export import fresh_staging, swap_in
+    from cputrain.run_folder.export import fresh_staging, swap_in
     from cputrain.data.tokenizer import load_tokenizer
 
     if out.exists():

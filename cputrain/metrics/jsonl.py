@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.metrics import finite_json
 
 log = logging.getLogger("cputrain")
@@ -17,7 +17,7 @@ log = logging.getLogger("cputrain")
 NAME = "metrics.jsonl"
 
 
-class MetricsFile:
+class MetricsJsonl:
     def __init__(self, run: RunFolder):
         self.run = run
 

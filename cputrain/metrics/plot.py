@@ -1,4 +1,4 @@
-"""loss.png, the loss curve, from the rows of metrics.jsonl (metrics.jsonl.MetricsFile reads them)."""
+"""loss.png, the loss curve, from the rows of metrics.jsonl (metrics.jsonl.MetricsJsonl reads them)."""
 
 from __future__ import annotations
 

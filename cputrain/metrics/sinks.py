@@ -16,10 +16,10 @@ import math
 import os
 from pathlib import Path
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
 from cputrain.errors import ConfigError
-from cputrain.metrics.jsonl import MetricsFile
+from cputrain.metrics.jsonl import MetricsJsonl
 
 # report_to name -> (module that must import, the extra that installs it)
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
@@ -149,11 +149,11 @@ class WandbSink:
 SINKS = {"tensorboard": TensorBoardSink, "mlflow": MLflowSink, "wandb": WandbSink}
 
 
-class MetricsLog:
+class ReportSinks:
     """Rank 0's logged rows: appended to metrics.jsonl, then handed to every other sink."""
 
     def __init__(self, run: RunFolder, cfg: Config, resumed_step: int):
-        self.file = MetricsFile(run)
+        self.file = MetricsJsonl(run)
         self.file.drop_after(resumed_step)
         local = run.local_path()
         self.sinks = [SINKS[name](Path(local), cfg, resumed_step) for name in dict.fromkeys(cfg.train.report_to)

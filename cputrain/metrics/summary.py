@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.metrics import finite_json
 
 NAME = "summary.json"

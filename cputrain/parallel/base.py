@@ -23,7 +23,7 @@ from cputrain.config import Config
 from cputrain.distributed.comm import NO_METER, CommMeter
 
 if TYPE_CHECKING:
-    from cputrain.checkpoint.dcp_state import CheckpointState
+    from cputrain.run_folder.dcp_state import CheckpointState
 
 
 log = logging.getLogger("cputrain")
@@ -55,7 +55,7 @@ class Strategy:
     accumulation, backward, step. State: checkpoint_state (what a checkpoint saves and loads),
     full_state_dict (what the export writes), tensors_held (what the memory report counts).
     `meter` is the communication meter (no-op where nothing is metered). Strategies write no
-    files: the checkpoint object (cputrain.checkpoint.checkpoints) does."""
+    files: the checkpoint object (cputrain.run_folder.checkpoints) does."""
 
     name = "base"
     supports_offload = False  # keeps optimizer state / parameters in host memory on request (zero3)
@@ -108,7 +108,7 @@ class Strategy:
     # --- state ---------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer) -> CheckpointState:
         """Model and optimizer state, which the checkpoint object saves to and loads from a step folder."""
-        from cputrain.checkpoint.dcp_state import DCPState
+        from cputrain.run_folder.dcp_state import DCPState
 
         return DCPState(model, optimizer)
 

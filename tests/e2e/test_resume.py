@@ -57,7 +57,7 @@ def test_stop_and_resume_equals_straight_run(tmp_path, cache_dir):
 
 def test_resume_skips_an_incomplete_step_folder(tmp_path, cache_dir):
     """A step folder without trainer_state.json (written last) does not count as complete."""
-    from cputrain.checkpoint.folders import RunFolder
+    from cputrain.run_folder.layout import RunFolder
 
     run = RunFolder(str(tmp_path))
     for name, complete in (("step-000010", True), ("step-000020", False), ("step-000030.tmp", True)):

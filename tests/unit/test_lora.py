@@ -146,8 +146,8 @@ def test_bad_lora_config_is_one_line(overrides, expected):
 
 
 def test_resuming_across_lora_and_full_is_refused(tmp_path):
-    from cputrain.checkpoint.folders import RunFolder
-    from cputrain.checkpoint.run_config import check_compatible, write_run_config
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import check_compatible, write_run_config
 
     for was_lora, expected in ((True, "holds checkpoints of LoRA adapters"), (False, "holds checkpoints of a full fine-tune")):
         run = RunFolder(str(tmp_path / f"run-{was_lora}"))
@@ -170,8 +170,8 @@ def test_resuming_across_lora_and_full_is_refused(tmp_path):
 def test_fingerprint_tells_bases_apart(tmp_path, tiny_model_dir):
     import shutil
 
-    from cputrain.checkpoint import base_model
-    from cputrain.checkpoint.folders import RunFolder
+    from cputrain.lora import base_model
+    from cputrain.run_folder.layout import RunFolder
 
     copy = tmp_path / "base"
     shutil.copytree(tiny_model_dir, copy)

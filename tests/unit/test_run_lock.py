@@ -11,8 +11,8 @@ import time
 import fsspec
 import pytest
 
-from cputrain.checkpoint.folders import RunFolder
-from cputrain.checkpoint.run_lock import LOCK_NAME, RunLock, _machine, _process_start
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_lock import LOCK_NAME, RunLock, _machine, _process_start
 from cputrain.errors import RunFolderError
 
 

@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.errors import RunFolderError
 
 NAME = "base_model.json"

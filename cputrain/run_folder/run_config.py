@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
 from cputrain.errors import RunFolderError
 

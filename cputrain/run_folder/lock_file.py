@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 
 
 class LocalLockFile:

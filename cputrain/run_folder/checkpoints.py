@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from cputrain.checkpoint.folders import RunFolder
+from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
@@ -87,7 +87,7 @@ class Checkpoints:
         return int(state["step"])
 
     def export(self, strategy, model, hf_config, tokenizer) -> None:
-        from cputrain.checkpoint.export import export_hf
+        from cputrain.run_folder.export import export_hf
 
         local = self.run.local_path()
         target = f"{local}/model" if local else None

@@ -30,8 +30,8 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from cputrain.checkpoint.folders import RunFolder
-from cputrain.checkpoint.lock_file import lock_file
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.lock_file import lock_file
 from cputrain.errors import RunFolderError, one_line
 from cputrain.hardware import read_system_file
 
