@@ -193,7 +193,8 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from cputrain.data.prepare import prepare
-    from cputrain.inference import evaluate_loss, load_for_inference, model_folder
+    from cputrain.evaluation import evaluate_loss
+    from cputrain.inference import load_for_inference, model_folder
 
     if args.max_sequences < 1:
         raise UserError("--max-sequences must be at least 1")

@@ -373,7 +373,13 @@ class Config(Section):
 # thread count as an int and a precision as a torch dtype without casting.
 
 
+# Read-only: after resolution nothing in a run may change the config (a value changed in the middle
+# of setup would be seen by some parts of the run and not by others).
+_READ_ONLY = ConfigDict(frozen=True)
+
+
 class ResolvedHardwareConfig(HardwareConfig):
+    model_config = _READ_ONLY
     precision: Literal["fp32", "bf16"]
     threads: int = Field(gt=0)
 
@@ -385,26 +391,47 @@ class ResolvedHardwareConfig(HardwareConfig):
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
 
+class ResolvedLoraConfig(LoraConfig):
+    model_config = _READ_ONLY
+
+
 class ResolvedModelConfig(ModelConfig):
-    compile: bool  # attn_implementation stays "auto" here: the trainer times it on the model's shape
+    model_config = _READ_ONLY
+    compile: bool
+    lora: ResolvedLoraConfig
+    # attn_implementation may still be "auto" here: it is timed on the model's shape once the
+    # process group exists (resolve.with_attention), and a model is built only after that.
 
 
 class ResolvedDataConfig(DataConfig):
+    model_config = _READ_ONLY
     num_proc: int = Field(gt=0)
 
 
+class ResolvedTrainConfig(TrainConfig):
+    model_config = _READ_ONLY
+
+
 class ResolvedParallelConfig(ParallelConfig):
+    model_config = _READ_ONLY
     strategy: Literal["single", "ddp", "fsdp", "zero3"]
     backend: Literal["gloo", "ccl"]
 
 
-class ResolvedConfig(Config):
-    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value."""
+class ResolvedLaunchConfig(LaunchConfig):
+    model_config = _READ_ONLY
 
+
+class ResolvedConfig(Config):
+    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value, read-only."""
+
+    model_config = _READ_ONLY
     model: ResolvedModelConfig
     data: ResolvedDataConfig
+    train: ResolvedTrainConfig
     hardware: ResolvedHardwareConfig
     parallel: ResolvedParallelConfig
+    launch: ResolvedLaunchConfig
 
 
 # --------------------------------------------------------------------------------------------

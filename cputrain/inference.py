@@ -1,8 +1,8 @@
-"""Sampling text and measuring validation loss with a finished model folder (or a run folder)."""
+"""A finished model for inference: finding it in a run folder or model folder, loading it (a LoRA
+adapter folder on its base), and sampling text from it."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -61,19 +61,3 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature:
         top_k=top_k, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
     )
     return tokenizer.decode(out[0], skip_special_tokens=True)
-
-
-@torch.no_grad()
-def evaluate_loss(model, sequences, micro_batch: int) -> dict:
-    """Mean next-token loss and perplexity over packed `sequences` [n, seq_len]."""
-    if len(sequences) == 0:
-        from cputrain.errors import DataError
-
-        raise DataError("the dataset has no sequence to evaluate; use more text, a shorter data.seq_len or --split train")
-    total, count = 0.0, 0
-    for start in range(0, len(sequences), micro_batch):
-        tokens = torch.as_tensor(sequences[start : start + micro_batch], dtype=torch.long)
-        total += float(model(input_ids=tokens, labels=tokens).loss) * len(tokens)
-        count += len(tokens)
-    loss = total / max(count, 1)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "sequences": count}

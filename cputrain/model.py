@@ -17,7 +17,6 @@ from torch import nn
 
 from cputrain.config import ModelConfig
 from cputrain.errors import ModelError, one_line
-from cputrain.lora.adapters import is_adapter_parameter
 
 log = logging.getLogger("cputrain")
 
@@ -168,9 +167,7 @@ class SafetensorsReader:
 
 
 def checkpoint_name(param_name: str, reader: SafetensorsReader) -> str | None:
-    """The key under which `param_name` is stored (wrappers add prefixes; some files drop `model.`;
-    a layer with LoRA adapters keeps its own weight as `<layer>.base_layer.weight`)."""
-    param_name = param_name.replace(".base_layer.", ".")
+    """The key under which `param_name` is stored (wrappers add prefixes; some files drop `model.`)."""
     for candidate in (param_name, param_name.removeprefix("model."), f"model.{param_name}"):
         if candidate in reader.where:
             return candidate
@@ -182,12 +179,15 @@ def load_into(
     folder: Path,
     copy_fn: Callable[[str, torch.Tensor, SafetensorsReader, str], None] | None = None,
     shape_of: Callable[[torch.Tensor], list[int]] = lambda param: list(param.shape),
+    file_name_of: Callable[[str], str | None] = lambda name: name,
 ) -> None:
     """Copy every parameter from the safetensors files into the materialized `model`.
 
     `copy_fn(param_name, param, reader, key)` lets a strategy copy only what its rank owns; the
     default copies the whole tensor. `shape_of` is a parameter's full shape (a DTensor's
-    `shape` is already the global one; a ZeRO-3 partition keeps it in ds_shape).
+    `shape` is already the global one; a ZeRO-3 partition keeps it in ds_shape). `file_name_of`
+    is the model converter's: the name a parameter has in the files, or None for one the files
+    do not hold (LoRA's adapters, which the converter fills).
     """
     reader = SafetensorsReader(folder)
     tied = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")} if getattr(
@@ -196,9 +196,10 @@ def load_into(
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=True):
-            if is_adapter_parameter(name):
-                continue  # LoRA adapters are not in the base model's files (cputrain.lora.adapters fills them)
-            key = checkpoint_name(name, reader)
+            in_files = file_name_of(name)
+            if in_files is None:
+                continue
+            key = checkpoint_name(in_files, reader)
             if key is None:
                 if id(param) in tied:
                     continue

@@ -34,21 +34,18 @@ class Resolution:
 
 
 def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: int) -> Resolution:
-    """A copy of `cfg` with no "auto" left, and the reason for each choice."""
+    """A read-only copy of `cfg` with every "auto" decided, and the reason for each choice. One key
+    needs more than the hardware: model.attn_implementation=auto is timed on the model's shape on
+    this rank's threads, once the process group exists (with_attention completes it)."""
     cfg = cfg.model_copy(deep=True)
     res = Resolution(cfg)
 
-    if cfg.hardware.precision == "auto":
-        if hw.has_fast_bf16:
-            unit = "AMX" if hw.flags.get("amx_bf16") else "AVX512-BF16"
-            cfg.hardware.precision = "bf16"
-            res.note("hardware.precision", "bf16", f"the CPU has {unit}: bf16 matmuls run in hardware")
-        else:
-            cfg.hardware.precision = "fp32"
-            res.note("hardware.precision", "fp32", "no AMX or AVX512-BF16: bf16 would be emulated, 100–300× slower")
-    elif cfg.hardware.precision == "bf16" and not hw.has_fast_bf16:
+    precision, why = precision_choice(cfg.hardware.precision, hw)
+    if cfg.hardware.precision == "bf16" and not hw.has_fast_bf16:
         warnings.warn(EMULATED_BF16_WARNING, stacklevel=2)
-        res.note("hardware.precision", "bf16", "forced by the config (emulated on this CPU)")
+    if why:
+        cfg.hardware.precision = precision
+        res.note("hardware.precision", precision, why)
 
     if cfg.hardware.threads == "auto":
         threads = max(1, hw.physical_cores // max(1, local_world_size))
@@ -86,10 +83,8 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
                  "one tokenizing process per physical core: the other ranks only wait for the token cache")
 
     if cfg.parallel.strategy == "auto":
-        strategy = "single" if world_size == 1 else "ddp"
-        cfg.parallel.strategy = strategy
-        why = "one rank" if world_size == 1 else f"{world_size} ranks; the model is replicated (use fsdp to shard it)"
-        res.note("parallel.strategy", strategy, why)
+        cfg.parallel.strategy, why = strategy_choice(cfg.parallel.strategy, world_size)
+        res.note("parallel.strategy", cfg.parallel.strategy, why)
 
     if cfg.parallel.backend == "auto":
         backend = "ccl" if hw.backends.get("ccl") else "gloo"
@@ -102,6 +97,46 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         raise ConfigError(error)
     res.config = ResolvedConfig.model_validate(cfg.model_dump())
     return res
+
+
+def precision_choice(setting: str, hw: HardwareFacts | None) -> tuple[str, str]:
+    """hardware.precision as it resolves on `hw`, and why ("" when the config fixed it). The plan
+    passes hw=None: it sizes the built-in instance families, which all have AMX."""
+    if setting == "bf16" and hw is not None and not hw.has_fast_bf16:
+        return "bf16", "forced by the config (emulated on this CPU)"
+    if setting != "auto":
+        return setting, ""
+    if hw is None:
+        return "bf16", "planned as bf16: what auto resolves to on the AMX instances the plan sizes"
+    if hw.has_fast_bf16:
+        unit = "AMX" if hw.flags.get("amx_bf16") else "AVX512-BF16"
+        return "bf16", f"the CPU has {unit}: bf16 matmuls run in hardware"
+    return "fp32", "no AMX or AVX512-BF16: bf16 would be emulated, 100–300× slower"
+
+
+def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
+    """parallel.strategy for `world_size` ranks, and why ("" when the config fixed it)."""
+    if setting != "auto":
+        return setting, ""
+    if world_size == 1:
+        return "single", "one rank"
+    return "ddp", f"{world_size} ranks; the model is replicated (use fsdp to shard it)"
+
+
+def with_attention(res: Resolution, implementation: str, why: str) -> Resolution:
+    """The model-aware step of resolving: model.attn_implementation=auto becomes the kernel that was
+    chosen for this run's shape (cputrain.attention_for_run), and the config is final."""
+    data = res.config.model_dump()
+    data["model"]["attn_implementation"] = implementation
+    final = Resolution(ResolvedConfig.model_validate(data), list(res.reasons))
+    final.note("model.attn_implementation", implementation, why)
+    return final
+
+
+def unresolved_keys(cfg: Config) -> list[str]:
+    """Keys still "auto": none may be left when a model is built."""
+    keys = [*AUTO_KEYS, "model.attn_implementation"]
+    return [key for key in keys if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == "auto"]
 
 
 # The keys "auto" may stand for, and the environment variable in which the torchrun agent hands

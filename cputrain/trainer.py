@@ -1,73 +1,83 @@
 """The training run: setup() in build order, train_step(), evaluate(), fit().
 
-One Trainer runs in every rank. It never branches on the strategy's name: single, ddp, fsdp
-and zero3 all come through the small protocol in cputrain.parallel.base.
+One Trainer runs in every rank, on a config that is already resolved and read-only. It never
+branches on the strategy's name (single, ddp, fsdp and zero3 come through the protocol in
+cputrain.parallel.base) nor on the kind of fine-tuning (full or LoRA come through the model
+converter, cputrain.model_converter). The run's figures are RunMetrics'; when to save is the
+checkpoint object's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from cputrain.lora import base_model
-from cputrain.run_folder.checkpoints import Checkpoints
-from cputrain.run_folder.layout import RunFolder
-from cputrain.run_folder.run_config import check_compatible, recorded_value, write_run_config
-from cputrain.run_folder.run_lock import RunLock, take_run_lock
+from cputrain import model as models
 from cputrain.config import ResolvedConfig
 from cputrain.data import order
-from cputrain.distributed import comm, process_group as pg
+from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
+from cputrain.errors import ConfigError
+from cputrain.evaluation import summed_loss
 from cputrain.hardware import HardwareFacts
-from cputrain.kernels.attention_choice import choose_attention
 from cputrain.kernels.chunked_loss import install_chunked_loss
-from cputrain.metrics import flops, memory
-from cputrain.metrics.jsonl import MetricsJsonl
-from cputrain.metrics.measured_peak import measured_peak_flops
+from cputrain.lora.converter import converter_for
 from cputrain.metrics.phases import PhaseRecorder
-from cputrain.metrics.sinks import ReportSinks
+from cputrain.metrics.run_metrics import RunMetrics
 from cputrain.metrics.summary import read_summary, write_summary
-from cputrain import model as models
-from cputrain.parallel import get_strategy, needs_process_group
-from cputrain.parallel.base import StrategyContext
+from cputrain.parallel import get_strategy
+from cputrain.parallel.base import Strategy, StrategyContext
+from cputrain.resolve import unresolved_keys
+from cputrain.run_folder.checkpoints import Checkpoints
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import check_compatible, write_run_config
+from cputrain.run_folder.run_lock import RunLock, take_run_lock
 
 log = logging.getLogger("cputrain")
 
 
 class Trainer:
-    def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, cpus: list[int] | None = None,
-                 reasons: list | None = None, take_over_lock: bool = False):
-        self.cfg, self.hw, self.ranks, self.cpus = cfg, hw, ranks, cpus
+    def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
+                 take_over_lock: bool = False):
+        unresolved = unresolved_keys(cfg)
+        if unresolved:  # a model is built from this config: every part of the run must see one value
+            raise ConfigError(f"{', '.join(unresolved)} not resolved before training; resolve them first")
+        self.cfg, self.hw, self.ranks = cfg, hw, ranks
         self.reasons = reasons or []
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
-        self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
-        self.metrics_log: ReportSinks | None = None  # rank 0's: metrics.jsonl and the report_to sinks
+        self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
+        self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed
         self.exported = False  # model/ written by this session (the worker then plots and samples)
-        self.phases = PhaseRecorder(ranks.rank)
+        # Built by setup(), in this order:
+        self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
+        self.tokenizer = None
+        self.data = None  # the packed train and validation sequences (data.prepare.PreparedData)
+        self.order: order.BatchOrder | None = None
+        self.hf_config = None  # transformers PretrainedConfig
+        self.counts: dict[str, int] = {}  # parameter counts (models.parameter_counts)
+        self.strategy: Strategy | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.total_steps = 0
+        self.schedule = None  # torch.optim.lr_scheduler.LambdaLR
+        self.checkpoints: Checkpoints | None = None
+        self.metrics: RunMetrics | None = None
 
     # ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, ranks = self.cfg, self.ranks
         check_compatible(self.run, cfg)  # before anything is written into an existing run folder
-        if cfg.model.lora.enabled:  # the adapters in the folder belong to these base weights
-            base_model.check_same_base(self.run, cfg.model.name_or_path)
+        self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
 
-        # 1. Process group and this rank's cores: everything after runs on the right threads.
-        pg.set_threads(cfg.hardware.threads, self.cpus)
-        if ranks.distributed or needs_process_group(cfg.parallel.strategy):
-            pg.init_process_group(cfg.parallel.backend, ranks.world_size, cfg.parallel.timeout_s)
+        # 1. The process group and this rank's threads are the worker's (the attention kernel was
+        #    timed on them). One writer per run folder: rank 0 locks it before anything is
+        #    written there (and before any tokenizing), and every rank stops if another run holds it.
         self.phases.mark("process group")
-        # One writer per run folder: rank 0 locks it before anything is written there (and
-        # before any tokenizing), and every rank stops if another run holds it.
         self.lock = take_run_lock(self.run, ranks.is_main, self.take_over_lock)
 
         # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
@@ -79,10 +89,8 @@ class Trainer:
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
         models.check_vocab(source.hf_config, self.tokenizer)
         self.hf_config = source.hf_config
-        if cfg.model.attn_implementation == "auto":
-            self._choose_attention()
         skeleton = models.build_skeleton(source, cfg.model)
-        adapter_init = self._add_adapters(skeleton, source) if cfg.model.lora.enabled else {}
+        self.converter.convert(skeleton, source)  # LoRA: adapters in, the base frozen
         if cfg.model.activation_checkpointing:
             models.enable_activation_checkpointing(skeleton)
         self.counts = models.parameter_counts(skeleton)
@@ -94,17 +102,12 @@ class Trainer:
 
         # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
         #    materializes only this rank's shard: an 8B model never exists whole in any rank.
-        dtype = cfg.hardware.dtype
-        self.strategy = get_strategy(
-            cfg.parallel.strategy, ctx=StrategyContext(cfg, ranks.rank, ranks.world_size, dtype)
-        )
+        ctx = StrategyContext(cfg, ranks.rank, ranks.world_size, cfg.hardware.dtype, self.converter.file_name_of)
+        self.strategy = get_strategy(cfg.parallel.strategy, ctx=ctx)
         self.phases.tensors_held = self.strategy.tensors_held
         self.model = self.strategy.wrap(skeleton)
         self.strategy.load_weights(self.model, source.folder)
-        if adapter_init:
-            from cputrain.lora.adapters import fill_adapters
-
-            fill_adapters(self.strategy.unwrap(self.model), adapter_init)
+        self.converter.fill(self.strategy.unwrap(self.model))
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)
@@ -123,66 +126,20 @@ class Trainer:
         if resumed is not None:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
-        if ranks.is_main:  # metrics.jsonl loses the rows of steps trained again; the report_to sinks open
-            self.metrics_log = ReportSinks(self.run, cfg, self.step)
+        self.metrics = RunMetrics(cfg, self.hw, ranks, self.run, self.counts, self.hf_config, self.strategy.meter,
+                                  self.total_steps)
+        self.metrics.open_sinks(self.step, guard=self.lock.assert_held if self.lock else lambda: None)
+        if ranks.is_main:
             write_run_config(self.run, cfg, self.reasons)
-            if cfg.model.lora.enabled:  # what the adapters were trained on, checked on resume
-                base_model.record(self.run, source.folder)
+            self.converter.record(self.run, source)  # LoRA: what the adapters are trained on, checked on resume
 
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
+            from pathlib import Path
+
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
             if ranks.is_main:
                 log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
-
-        self.flops_per_token = flops.flops_per_token(
-            self.counts["non_embedding"],
-            self.hf_config.num_hidden_layers,
-            self.hf_config.hidden_size,
-            cfg.data.seq_len,
-            trained_params=self.counts["trained_non_embedding"],  # LoRA: weight gradients of the adapters only
-        )
-        # MFU is against the cores this rank was given, so it reads the same at any rank count:
-        # against the theoretical peak (cores × clock × FLOP/cycle) and against the measured one
-        # (a large matmul of this dtype on this rank's threads, timed once per machine).
-        share = cfg.hardware.threads / max(1, self.hw.physical_cores)
-        self.peak_flops = self.hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
-        measured, self.measured_peak_how = measured_peak_flops(self.hw.cpu_model, self.hw.flags,
-                                                               cfg.hardware.threads, dtype)
-        self.measured_peak_flops = measured * ranks.world_size
-
-    def _add_adapters(self, skeleton, source) -> dict:
-        """model.lora: peft's adapters into the skeleton, the rest frozen (bf16 where the compute
-        is); returns their initial values, copied in once the strategy has materialized the model."""
-        from cputrain.lora.adapters import ADAPTER, add_adapters
-
-        cfg = self.cfg
-        initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=cfg.hardware.dtype, seed=cfg.seed,
-                               base_path=str(source.folder.resolve()))
-        if self.ranks.is_main:
-            trained = sum(t.numel() for t in initial.values())
-            total = sum(p.numel() for p in skeleton.parameters())
-            log.info("model.lora: rank %d on %s: %s trained parameters (%.2f%% of %s); the base is frozen in %s",
-                     cfg.model.lora.rank, ", ".join(sorted(skeleton.peft_config[ADAPTER].target_modules)), f"{trained:,}",
-                     100 * trained / total, f"{total:,}", str(cfg.hardware.dtype).removeprefix("torch."))
-        return initial
-
-    def _choose_attention(self) -> None:
-        """model.attn_implementation=auto: rank 0 times both kernels; every rank uses its choice."""
-        cfg, ranks = self.cfg, self.ranks
-        # A resumed run keeps the kernel it trained with: timing again could pick the other one,
-        # and the losses after the resume would no longer be those of a run never stopped.
-        resumed_with = recorded_value(self.run, "model.attn_implementation")
-        if resumed_with in ("sdpa", "eager"):
-            cfg.model.attn_implementation = resumed_with
-            if ranks.is_main:
-                log.info("model.attn_implementation = %s: chosen when this run started (config.yaml)", resumed_with)
-            return
-        mine = choose_attention(self.hf_config, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.hardware.dtype) if ranks.is_main else None
-        choice = pg.broadcast_from_main(mine)
-        cfg.model.attn_implementation = choice.implementation
-        if ranks.is_main:
-            log.info("model.attn_implementation = %s: %s", choice.implementation, choice.reason)
 
     def _prepare_data(self) -> None:
         from cputrain.data.prepare import prepare
@@ -232,7 +189,6 @@ class Trainer:
         self.step += 1
         return float(loss_sum), grad_norm
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over the first eval_batches × micro-batch sequences, split across ranks."""
         val = self.data.val
@@ -245,153 +201,68 @@ class Trainer:
         if n == 0:
             n = len(val)
         per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
-        total, count = 0.0, 0
-        for start in range(0, len(per_rank), mbs):
-            idx = per_rank[start : start + mbs]
-            tokens = self._batch(idx, val)
-            with self.strategy.autocast():
-                total += float(self.model(input_ids=tokens, labels=tokens).loss) * len(idx)
-            count += len(idx)
+        total, count = summed_loss(self.model, val[per_rank], mbs, self.strategy.autocast)
         return pg.all_reduce_mean(total / max(count, 1))
 
     # ------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        main = self.ranks.is_main
+        """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary."""
         if self.step >= self.total_steps:
             log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
             return read_summary(self.run) or {}
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
-        # A live bar where a person watches a terminal; plain log lines in CI logs and pod logs.
-        live = main and sys.stderr.isatty()
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not live, desc="train", unit="step",
-                   dynamic_ncols=True, mininterval=1.0)
-        start_step, wall0 = self.step, time.perf_counter()
-        window_t0, window_steps = time.perf_counter(), 0
-        first_step_done = False
-        last_val = None
-        has_val = len(self.data.val) > 0
-        if not has_val and main:  # said once; val_loss stays null in metrics.jsonl and summary.json
+        self._warn_if_no_validation()
+        # stop_at_step ends this session early; the schedule still runs to total_steps.
+        stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
+        metrics = self.metrics
+        metrics.start(self.step)
+        while self.step < stop_at:
+            with metrics.step():
+                loss, grad_norm = self.train_step()
+            if metrics.steps_this_session == 1:
+                self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
+            row = metrics.record(self.step, loss, grad_norm, self.schedule.get_last_lr()[0], self.order.epoch_of(self.step))
+            if self._validation_due():
+                row = metrics.with_validation(row, self.step, self.evaluate())
+            metrics.publish(row)
+            if self.checkpoints.should_save(self.step, self.total_steps, stop_at):
+                self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+                metrics.exclude_pause()
+        metrics.stop()
+        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
+                         rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
+        return self._finish()
+
+    def _validation_due(self) -> bool:
+        every = self.cfg.train.eval_every
+        return len(self.data.val) > 0 and (self.step % every == 0 or self.step == self.total_steps)
+
+    def _warn_if_no_validation(self) -> None:
+        if len(self.data.val) == 0 and self.ranks.is_main:  # val_loss stays null in metrics.jsonl and summary.json
             log.warning("the validation split has 0 sequences (%d training sequences; data.val_fraction=%s): "
                         "validation is skipped and val_loss is null; raise data.val_fraction or "
-                        "data.max_documents to validate", len(self.data.train), cfg.data.val_fraction)
-        memory.reset_peak()
-        # The high-water mark is reset around every step, so "training step peak" is the peak of
-        # a step alone; what evaluation and checkpoint saves add between steps is folded into
-        # run_peak_gib (metrics and summary), so the run's own peak is never understated.
-        step_peak_gib = run_peak_gib = 0.0
-        # stop_at_step ends this session early; the schedule still runs to total_steps.
-        stop_at = min(self.total_steps, t.stop_at_step or self.total_steps)
-        while self.step < stop_at:
-            run_peak_gib = max(run_peak_gib, memory.peak_rss_gib())
-            memory.reset_peak()
-            loss, grad_norm = self.train_step()
-            step_peak_gib = max(step_peak_gib, memory.peak_rss_gib())
-            window_steps += 1
-            if not first_step_done:
-                self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
-                first_step_done = True
-            record = None
-            if self.step % t.log_every == 0 or self.step == self.total_steps:
-                elapsed = time.perf_counter() - window_t0
-                tps = window_steps * tokens_per_step / elapsed
-                mfu = flops.mfu(tps, self.flops_per_token, self.peak_flops)
-                mfu_measured = flops.mfu(tps, self.flops_per_token, self.measured_peak_flops)
-                record = {
-                    "step": self.step,
-                    "loss": pg.all_reduce_mean(loss),
-                    "lr": self.schedule.get_last_lr()[0],
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tps,
-                    "mfu": mfu,
-                    "mfu_of_measured_peak": mfu_measured,
-                    "step_time_s": elapsed / window_steps,
-                    "rss_gib": memory.rss_gib(),
-                    "peak_rss_gib": max(run_peak_gib, memory.peak_rss_gib()),
-                    "epoch": self.order.epoch_of(self.step),
-                }
-                record.update(self.strategy.meter.window())
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
-                if main and not live:
-                    log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", self.step, self.total_steps,
-                             record["loss"], record["lr"], f"{tps:,.0f}", 100 * mfu)
-                window_t0, window_steps = time.perf_counter(), 0
-            if has_val and (self.step % t.eval_every == 0 or self.step == self.total_steps):
-                last_val = self.evaluate()
-                record = record or {"step": self.step}
-                record["val_loss"] = last_val
-                record["val_ppl"] = math.exp(min(last_val, 50))
-                window_t0 = time.perf_counter()  # evaluation time is not training throughput
-            if record and main:
-                self.lock.assert_held()  # another run took the folder over: stop before writing beside it
-                self.metrics_log.log(record)
-            if self.step % t.checkpoint_every == 0 or self.step in (self.total_steps, stop_at):
-                self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
-                window_t0 = time.perf_counter()
-            bar.update(1)
-        bar.close()
-        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
-                         rss_gib=step_peak_gib, peak_rss_gib=step_peak_gib)
-        run_peak_gib = max(run_peak_gib, memory.peak_rss_gib())
-        wall_s = time.perf_counter() - wall0
-        return self._finish(wall_s, start_step, last_val, run_peak_gib)
+                        "data.max_documents to validate", len(self.data.train), self.cfg.data.val_fraction)
+
+    def _finish(self) -> dict:
+        summary = self.metrics.summary(self.step)
+        self.phases.write(self.run, self.ranks)
+        self.checkpoints.export(self.strategy, self._write_model)
+        self.exported = True
+        if self.ranks.is_main:
+            write_summary(self.run, summary)
+        return summary
+
+    def _write_model(self, folder: str, is_writer: bool) -> None:
+        self.converter.export(self.strategy, self.model, self.hf_config, self.tokenizer, folder, is_writer)
 
     def release_lock(self) -> None:
-        if self.metrics_log is not None:  # flushes the sinks' files, also on an error exit
-            self.metrics_log.close()
+        if self.metrics is not None:  # flushes the sinks' files, also on an error exit
+            self.metrics.close_sinks()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
 
     def close(self) -> None:
         """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""
-        strategy = getattr(self, "strategy", None)
-        if strategy is not None:
-            strategy.close()
-        for name in ("model", "optimizer", "schedule", "checkpoints", "strategy"):
-            self.__dict__.pop(name, None)
-
-    def _finish(self, wall_s: float, start_step: int, val_loss, run_peak_gib: float) -> dict:
-        rows = MetricsJsonl(self.run).rows()
-        train_rows = [r for r in rows if "tokens_per_s" in r]
-        steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
-
-        def steady_median(key: str) -> float:
-            return float(np.median([r.get(key, 0.0) for r in steady])) if steady else 0.0
-
-        summary = {
-            "final_step": self.step,
-            "final_loss": train_rows[-1]["loss"] if train_rows else None,
-            "val_loss": val_loss,
-            "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
-            "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
-            "tokens_per_s": steady_median("tokens_per_s"),
-            # MFU against the theoretical peak, and against the measured matmul peak of this machine
-            "mfu": steady_median("mfu"),
-            "mfu_of_measured_peak": steady_median("mfu_of_measured_peak"),
-            "peak_rss_gib": max([run_peak_gib] + [r.get("peak_rss_gib", 0) for r in rows]),
-            "wall_time_s": wall_s,
-            "steps_this_session": self.step - start_step,
-            "world_size": self.ranks.world_size,
-            "strategy": self.cfg.parallel.strategy,
-            "precision": self.cfg.hardware.precision,
-            "threads_per_rank": self.cfg.hardware.threads,
-            "parameters": self.counts["total"],
-            "flops_per_token": self.flops_per_token,
-            "peak_flops": self.peak_flops,
-            "peak_flops_how": self.hw.peak_formula[self.cfg.hardware.precision],
-            "measured_peak_flops": self.measured_peak_flops,
-            "measured_peak_flops_how": self.measured_peak_how,
-            "attn_implementation": self.cfg.model.attn_implementation,
-            "compile": self.cfg.model.compile,
-            "chunked_loss": self.cfg.model.chunked_loss,
-            "trained_parameters": self.counts["trained"],
-            "lora": self.cfg.model.lora.enabled,
-        }
-        summary.update(comm.summarize(steady))
-        self.phases.write(self.run, self.ranks)
-        self.checkpoints.export(self.strategy, self.model, self.hf_config, self.tokenizer)
-        self.exported = True
-        if self.ranks.is_main:
-            write_summary(self.run, summary)
-        return summary
+        if self.strategy is not None:
+            self.strategy.close()
+        self.model = self.optimizer = self.schedule = self.checkpoints = self.strategy = None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from cputrain.config import Config
-from cputrain.distributed.env import normalize
+from cputrain.config import Config, ResolvedConfig
+from cputrain.distributed.env import RankEnv, normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
-from cputrain.resolve import check_agent_agrees, resolve
+from cputrain.parallel import needs_process_group
+from cputrain.resolve import check_agent_agrees, resolve, with_attention
 
 log = logging.getLogger("cputrain")
 
@@ -20,17 +21,25 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     hw = detect()
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size)
     check_agent_agrees(res.config)
+    from cputrain.distributed import process_group as pg
+    from cputrain.distributed.placement import cpus_for_rank
+    from cputrain.trainer import Trainer
+
+    # This rank's cores and threads, then the process group: everything after runs on the
+    # right threads, and the attention kernel is timed (by rank 0) on them.
+    cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
+    pg.set_threads(res.config.hardware.threads, cpus)
+    if ranks.distributed or needs_process_group(res.config.parallel.strategy):
+        pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
+    if res.config.model.attn_implementation == "auto":
+        res = with_attention(res, *attention_for_run(res.config, ranks))
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
-    from cputrain.distributed.placement import cpus_for_rank
-    from cputrain.distributed.process_group import collective_threads, destroy, exit_without_teardown
-    from cputrain.trainer import Trainer
-
-    cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
-    trainer = Trainer(res.config, hw, ranks, cpus=cpus, reasons=res.reasons, take_over_lock=take_over_lock)
+    # From here on the config is read-only: every part of the run sees the same values.
+    trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock)
     try:
         trainer.setup()
         summary = trainer.fit()
@@ -46,13 +55,35 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     # thread is left for interpreter teardown (see distributed.process_group.destroy).
     trainer.close()
     del trainer
-    destroy()
-    held = collective_threads()
+    pg.destroy()
+    held = pg.collective_threads()
     if held:
         log.debug("rank %d: %d collective thread(s) still held after the group was destroyed (%s); "
                   "ending without interpreter teardown", ranks.rank, len(held), ", ".join(held))
-        exit_without_teardown(0)
+        pg.exit_without_teardown(0)
     return summary
+
+
+def attention_for_run(cfg: ResolvedConfig, ranks: RankEnv) -> tuple[str, str]:
+    """model.attn_implementation=auto: (kernel, why). Rank 0 times both kernels on the model's
+    attention shape and every rank takes its choice; a resumed run keeps the kernel it started with."""
+    from cputrain import model as models
+    from cputrain.distributed import process_group as pg
+    from cputrain.kernels.attention_choice import choose_attention
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import recorded_value
+
+    # Timing again could pick the other kernel, and the losses after the resume would no longer
+    # be those of a run never stopped.
+    resumed_with = recorded_value(RunFolder(cfg.output_dir), "model.attn_implementation")
+    if resumed_with in ("sdpa", "eager"):
+        return resumed_with, "chosen when this run started (config.yaml)"
+    # Every rank reads the model config, so a bad one stops all ranks alike. The vocabulary does
+    # not change the attention shape: a model built from scratch is sized before its tokenizer exists.
+    hf_config = models.resolve_source(cfg.model, vocab_size=cfg.model.tokenizer_vocab_size).hf_config
+    mine = choose_attention(hf_config, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.hardware.dtype) if ranks.is_main else None
+    choice = pg.broadcast_from_main(mine)
+    return choice.implementation, choice.reason
 
 
 def after_export(cfg: Config) -> None:

@@ -76,6 +76,14 @@ def is_adapter_parameter(name: str) -> bool:
     return ".lora_" in name
 
 
+def base_file_name(param_name: str) -> str | None:
+    """The name of `param_name` in the base model's files: None for an adapter (in no file), and a
+    layer with adapters keeps its own weight as `<layer>.base_layer.weight`, stored as `<layer>.weight`."""
+    if is_adapter_parameter(param_name):
+        return None
+    return param_name.replace(".base_layer.", ".")
+
+
 def lora_layers(model: nn.Module):
     from peft.tuners.lora import LoraLayer
 

@@ -44,10 +44,15 @@ def ignored_settings(strategy: "Strategy", cfg: Config) -> list[str]:
 
 @dataclass
 class StrategyContext:
+    """What a strategy is built from. The compute dtype is read from here, never from the
+    config's precision string: one value, decided once (cputrain.resolve)."""
+
     cfg: Config
     rank: int
     world_size: int
     compute_dtype: torch.dtype
+    # The model converter's map from a parameter to its name in the base's files (None: not there).
+    file_name_of: Callable[[str], str | None] = lambda name: name
 
 
 class Strategy:

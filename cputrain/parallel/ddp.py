@@ -50,7 +50,7 @@ class DDPStrategy(Strategy):
         # Every rank fills the same values (the same file; or the seed, drawn at wrap time), so
         # replicas agree without a second broadcast.
         if folder is not None:
-            load_into(model.module, folder)
+            load_into(model.module, folder, file_name_of=self.ctx.file_name_of)
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()

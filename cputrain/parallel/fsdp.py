@@ -108,7 +108,7 @@ class FSDPStrategy(Strategy):
         if folder is not None:
             files = RowFiles(safetensors_files(folder))
             try:
-                load_into(model, folder, copy_fn=files.copy_owned_rows)
+                load_into(model, folder, copy_fn=files.copy_owned_rows, file_name_of=self.ctx.file_name_of)
             finally:
                 files.close()
             return

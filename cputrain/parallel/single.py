@@ -18,7 +18,7 @@ class SingleStrategy(Strategy):
         if folder is None:
             random_init(model, self.ctx.cfg.seed)
         else:
-            load_into(model, folder)
+            load_into(model, folder, file_name_of=self.ctx.file_name_of)
 
 
 def build(ctx: StrategyContext) -> Strategy:

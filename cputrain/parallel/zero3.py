@@ -137,7 +137,8 @@ class Zero3Strategy(Strategy):
             module.tie_weights()
             return
         # Each rank reads from the safetensors files only the rows that cover its partition.
-        load_into(module, folder, copy_fn=self._copy_partition, shape_of=lambda param: list(param.ds_shape))
+        load_into(module, folder, copy_fn=self._copy_partition, shape_of=lambda param: list(param.ds_shape),
+                  file_name_of=self.ctx.file_name_of)
 
     def _copy_partition(self, name: str, param: nn.Parameter, reader: SafetensorsReader, key: str) -> None:
         shape = list(param.ds_shape)

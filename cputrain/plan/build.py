@@ -37,8 +37,10 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
 
 
 def planned_precision(cfg: Config) -> str:
-    """hardware.precision as the plan takes it ("auto" is bf16: every built-in instance has AMX)."""
-    return "bf16" if cfg.hardware.precision == "auto" else cfg.hardware.precision
+    """hardware.precision as the plan takes it: resolved as on the built-in instances, which all have AMX."""
+    from cputrain.resolve import precision_choice
+
+    return precision_choice(cfg.hardware.precision, hw=None)[0]
 
 
 def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
@@ -46,6 +48,8 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
               vocab_size: int | None = None, shape: ModelShape | None = None) -> Plan:
     """`shape`: the model as built (the trainer's skeleton, adapters and dtypes included);
     without it the model is built from the config, with model.lora's adapters added the same way."""
+    from cputrain.resolve import precision_choice
+
     if shape is None:
         import torch
 
@@ -54,7 +58,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
                             seed=cfg.seed)
     shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
     inputs = resolve_inputs(
-        cfg.parallel.strategy, cfg.hardware.precision, world_size,
+        cfg.parallel.strategy, planned_precision(cfg), world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
         activation_checkpointing=cfg.model.activation_checkpointing,
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
@@ -67,7 +71,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         notes.append(f"{cfg.model.name_or_path}: its shape is built in (nothing fetched); --model-config "
                      "plans another config.json")
     if cfg.hardware.precision == "auto":
-        notes.append("hardware.precision=auto planned as bf16 (what it resolves to on AMX instances)")
+        notes.append(f"hardware.precision=auto {precision_choice('auto', hw=None)[1]}")
     if inputs.offload_optimizer or inputs.offload_param:
         notes.append("offload moves state to host memory, which on a CPU node is the same RAM: "
                      "it does not lower the per-rank total")

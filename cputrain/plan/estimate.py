@@ -87,15 +87,15 @@ class RankPlan:
 
 
 def resolve_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
+    from cputrain.resolve import precision_choice, strategy_choice
+
     if world_size < 1:
         raise ConfigError(f"world size must be at least 1 (got {world_size}); set --world-size or --nnodes × --nproc-per-node")
-    if strategy == "auto":
-        strategy = "single" if world_size == 1 else "ddp"  # as cputrain.resolve decides
+    strategy = strategy_choice(strategy, world_size)[0]  # as a run resolves it
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"parallel.strategy=single runs one rank, but the world size is {world_size}; "
                           "choose ddp, fsdp or zero3")
-    if precision == "auto":
-        precision = "bf16"  # the built-in instance families all have AMX, where auto picks bf16
+    precision = precision_choice(precision, hw=None)[0]  # the built-in instance families all have AMX
     return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
 
 

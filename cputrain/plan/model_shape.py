@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cputrain.config import ModelConfig
 from cputrain.errors import ModelError, one_line
-from cputrain.lora.adapters import is_adapter_parameter
+from cputrain.lora.adapters import base_file_name, is_adapter_parameter
 
 # Shapes of models on the Hugging Face hub that `cputrain plan` knows without fetching anything
 # (model.name_or_path as a hub id, no local folder): the fields of their config.json that decide
@@ -205,12 +205,13 @@ def with_weight_files(shape: ModelShape, model_cfg: ModelConfig) -> ModelShape:
     keys = _Keys(files)
     params = []
     for p in shape.params:
-        if is_adapter_parameter(p.name):
+        in_files = base_file_name(p.name)
+        if in_files is None:
             size = 0
         elif "*" in files:
             size = files["*"]
         else:
-            key = checkpoint_name(p.name, keys)
+            key = checkpoint_name(in_files, keys)
             size = files[key] if key is not None else 0
         params.append(replace(p, file_bytes=size))
     return replace(shape, params=tuple(params))

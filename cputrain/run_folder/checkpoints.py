@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +31,11 @@ log = logging.getLogger("cputrain")
 class Checkpoints:
     def __init__(self, run: RunFolder, cfg: Config, ranks: RankEnv):
         self.run, self.cfg, self.ranks = run, cfg, ranks
+
+    def should_save(self, step: int, total_steps: int, stop_at: int) -> bool:
+        """Every train.checkpoint_every steps, at the end of the schedule, and where this session
+        stops early (train.stop_at_step), so the next one resumes there."""
+        return step % self.cfg.train.checkpoint_every == 0 or step in (total_steps, stop_at)
 
     def save(self, step: int, strategy, model, optimizer, schedule) -> None:
         tmp = self.run.step_path(step, tmp=True)
@@ -86,9 +92,9 @@ class Checkpoints:
             random.setstate(_unflatten(rng["python"]))
         return int(state["step"])
 
-    def export(self, strategy, model, hf_config, tokenizer) -> None:
-        from cputrain.run_folder.export import export_hf
-
+    def export(self, strategy, write_model: Callable[[str, bool], None]) -> None:
+        """model/: `write_model(folder, is_writer)` writes it (the model converter's export: a
+        plain Hugging Face model, or LoRA's adapter folder), here or staged and uploaded."""
         local = self.run.local_path()
         target = f"{local}/model" if local else None
         if target is None:  # remote run folder: export locally, then upload
@@ -97,14 +103,7 @@ class Checkpoints:
             staging = tempfile.mkdtemp(prefix="cputrain-export-")
             target = f"{staging}/model"
         with strategy.meter.suspended():  # the gathers of the export are not training-step traffic
-            if self.cfg.model.lora.enabled:  # the adapters alone, as a peft adapter folder
-                from cputrain.lora.adapter_folder import write_adapter_folder
-                from cputrain.lora.adapters import is_adapter_parameter
-
-                write_adapter_folder(strategy.full_state_dict(model, keep=is_adapter_parameter),
-                                     strategy.unwrap(model), tokenizer, target, is_writer=self.ranks.is_main)
-            else:
-                export_hf(strategy.full_state_dict(model), hf_config, tokenizer, target, is_writer=self.ranks.is_main)
+            write_model(target, self.ranks.is_main)
         if self.ranks.is_main and local is None:
             self.run.fs.put(target, self.run.path("model"), recursive=True)
         pg.barrier()

@@ -12,7 +12,7 @@ from torch import nn
 from cputrain import model as models
 from cputrain.config import LLAMA_PROJECTIONS, Config, LoraConfig, ModelConfig, load_config
 from cputrain.errors import ConfigError, ModelError, RunFolderError
-from cputrain.lora.adapters import add_adapters, fill_adapters, is_adapter_parameter, target_modules
+from cputrain.lora.adapters import add_adapters, base_file_name, fill_adapters, is_adapter_parameter, target_modules
 
 
 def _skeleton(folder):
@@ -25,7 +25,7 @@ def _lora_model(folder, dtype=torch.float32, seed=0, **lora):
     source, skeleton = _skeleton(folder)
     initial = add_adapters(skeleton, LoraConfig(enabled=True, **lora), frozen_dtype=dtype, seed=seed)
     models.materialize(skeleton)
-    models.load_into(skeleton, source.folder)
+    models.load_into(skeleton, source.folder, file_name_of=base_file_name)
     fill_adapters(skeleton, initial)
     return skeleton, initial
 

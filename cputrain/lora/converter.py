@@ -1,0 +1,62 @@
+"""LoRA as a model converter: peft's adapters into the skeleton, filled after the strategy has
+materialized it, a checkpoint of the adapters alone, a peft adapter folder as the export, and
+the base weights' fingerprint recorded and checked (cputrain.lora.base_model)."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from cputrain.config import ResolvedConfig
+from cputrain.lora import base_model
+from cputrain.lora.adapters import ADAPTER, add_adapters, base_file_name, fill_adapters, is_adapter_parameter
+from cputrain.model_converter import ModelConverter
+
+log = logging.getLogger("cputrain")
+
+
+def converter_for(cfg: ResolvedConfig, is_main: bool) -> ModelConverter:
+    """The run's converter: LoRA's where model.lora is enabled, else the identity (full fine-tuning)."""
+    return LoraConverter(cfg, is_main) if cfg.model.lora.enabled else ModelConverter()
+
+
+class LoraConverter(ModelConverter):
+    name = "lora"
+
+    def __init__(self, cfg: ResolvedConfig, is_main: bool):
+        self.cfg, self.is_main = cfg, is_main
+        self.initial: dict = {}  # adapter name -> initial full tensor, from convert() until fill()
+
+    def check_run_folder(self, run) -> None:
+        base_model.check_same_base(run, self.cfg.model.name_or_path)
+
+    def convert(self, skeleton: nn.Module, source) -> None:
+        """Adapters into the skeleton, the rest frozen (bf16 where the compute is); their initial
+        values are kept until the strategy has materialized the model."""
+        cfg = self.cfg
+        self.initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=cfg.hardware.dtype, seed=cfg.seed,
+                                    base_path=str(source.folder.resolve()))
+        if self.is_main:
+            trained = sum(t.numel() for t in self.initial.values())
+            total = sum(p.numel() for p in skeleton.parameters())
+            log.info("model.lora: rank %d on %s: %s trained parameters (%.2f%% of %s); the base is frozen in %s",
+                     cfg.model.lora.rank, ", ".join(sorted(skeleton.peft_config[ADAPTER].target_modules)),
+                     f"{trained:,}", 100 * trained / total, f"{total:,}", str(cfg.hardware.dtype).removeprefix("torch."))
+
+    def file_name_of(self, param_name: str) -> str | None:
+        return base_file_name(param_name)  # adapters are in no file: fill() gives them their values
+
+    def fill(self, model: nn.Module) -> None:
+        fill_adapters(model, self.initial)
+        self.initial = {}
+
+    def record(self, run, source) -> None:
+        base_model.record(run, source.folder)
+
+    def export(self, strategy, model: nn.Module, hf_config, tokenizer, target: str, is_writer: bool) -> None:
+        """model/ is a peft adapter folder: the adapters alone, gathered from every rank."""
+        from cputrain.lora.adapter_folder import write_adapter_folder
+
+        write_adapter_folder(strategy.full_state_dict(model, keep=is_adapter_parameter), strategy.unwrap(model),
+                             tokenizer, target, is_writer=is_writer)

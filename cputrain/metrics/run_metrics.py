@@ -1,0 +1,187 @@
+"""The figures of one training session, owned in one place so the loop only loops.
+
+Per step: the step's memory peak (the high-water mark is reset around every step, so "training
+step peak" is a step alone; what evaluation and checkpoint saves add between steps is folded into
+the run's peak, which is never understated). Per logged step: the throughput window (steps and
+seconds since the last record, evaluation and saves left out), MFU against the theoretical peak
+of the cores this rank was given and against the measured matmul peak of this machine, the
+communication meter's window, and the record sent to metrics.jsonl and the report_to sinks.
+At the end: summary.json's figures, from the steady records (the first window holds warm-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from cputrain.config import ResolvedConfig
+from cputrain.distributed import comm, process_group as pg
+from cputrain.distributed.env import RankEnv
+from cputrain.hardware import HardwareFacts
+from cputrain.metrics import flops, memory
+from cputrain.metrics.jsonl import MetricsJsonl
+from cputrain.metrics.measured_peak import measured_peak_flops
+from cputrain.metrics.sinks import ReportSinks
+from cputrain.run_folder.layout import RunFolder
+
+log = logging.getLogger("cputrain")
+
+
+class RunMetrics:
+    def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, run: RunFolder, counts: dict,
+                 hf_config, meter: comm.CommMeter, total_steps: int):
+        self.cfg, self.hw, self.ranks, self.run, self.counts = cfg, hw, ranks, run, counts
+        self.meter, self.total_steps = meter, total_steps
+        self.sinks: ReportSinks | None = None  # rank 0's, opened by open_sinks() once the resume step is known
+        self.guard: Callable[[], None] = lambda: None  # raises if this run no longer owns its folder
+        self.flops_per_token = flops.flops_per_token(
+            counts["non_embedding"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len,
+            trained_params=counts["trained_non_embedding"],  # LoRA: weight gradients of the adapters only
+        )
+        # MFU is against the cores this rank was given, so it reads the same at any rank count.
+        share = cfg.hardware.threads / max(1, hw.physical_cores)
+        self.peak_flops = hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
+        measured, self.measured_peak_how = measured_peak_flops(hw.cpu_model, hw.flags, cfg.hardware.threads,
+                                                               cfg.hardware.dtype)
+        self.measured_peak_flops = measured * ranks.world_size
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.start_step = 0
+        self.steps_this_session = 0
+        self.step_peak_gib = self.run_peak_gib = 0.0
+        self.last_val_loss: float | None = None
+        self.wall_s = 0.0
+        self._wall0 = self._window_t0 = 0.0
+        self._window_steps = 0
+        self._bar: tqdm | None = None
+        # A live bar where a person watches a terminal; plain log lines in CI logs and pod logs.
+        self._live = ranks.is_main and sys.stderr.isatty()
+
+    def open_sinks(self, resumed_step: int, guard: Callable[[], None]) -> None:
+        """Rank 0: metrics.jsonl loses the rows of steps trained again; the report_to sinks open."""
+        if self.ranks.is_main:
+            self.sinks, self.guard = ReportSinks(self.run, self.cfg, resumed_step), guard
+
+    def close_sinks(self) -> None:
+        if self.sinks is not None:  # flushes the sinks' files, also on an error exit
+            self.sinks.close()
+            self.sinks = None
+
+    # --------------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        self.start_step = step
+        self._bar = tqdm(total=self.total_steps, initial=step, disable=not self._live, desc="train", unit="step",
+                         dynamic_ncols=True, mininterval=1.0)
+        self._wall0 = self._window_t0 = time.perf_counter()
+        memory.reset_peak()
+
+    @contextlib.contextmanager
+    def step(self):
+        """Around one optimizer step: its own memory peak, counted into the window."""
+        self.run_peak_gib = max(self.run_peak_gib, memory.peak_rss_gib())
+        memory.reset_peak()
+        yield
+        self.step_peak_gib = max(self.step_peak_gib, memory.peak_rss_gib())
+        self._window_steps += 1
+        self.steps_this_session += 1
+
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, epoch: int) -> dict | None:
+        """The row of a logged step (every train.log_every and the last), None between them. Every
+        rank calls it: the loss is averaged over the ranks."""
+        if step % self.cfg.train.log_every != 0 and step != self.total_steps:
+            return None
+        elapsed_s = time.perf_counter() - self._window_t0
+        tps = self._window_steps * self.tokens_per_step / elapsed_s
+        mfu = flops.mfu(tps, self.flops_per_token, self.peak_flops)
+        row = {
+            "step": step,
+            "loss": pg.all_reduce_mean(loss),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "mfu_of_measured_peak": flops.mfu(tps, self.flops_per_token, self.measured_peak_flops),
+            "step_time_s": elapsed_s / self._window_steps,
+            "rss_gib": memory.rss_gib(),
+            "peak_rss_gib": max(self.run_peak_gib, memory.peak_rss_gib()),
+            "epoch": epoch,
+        }
+        row.update(self.meter.window())
+        self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
+        if self.ranks.is_main and not self._live:
+            log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", step, self.total_steps,
+                     row["loss"], row["lr"], f"{tps:,.0f}", 100 * mfu)
+        self._window_t0, self._window_steps = time.perf_counter(), 0
+        return row
+
+    def with_validation(self, row: dict | None, step: int, val_loss: float) -> dict:
+        self.last_val_loss = val_loss
+        row = row or {"step": step}
+        row["val_loss"] = val_loss
+        row["val_ppl"] = math.exp(min(val_loss, 50))
+        self.exclude_pause()  # evaluation time is not training throughput
+        return row
+
+    def exclude_pause(self) -> None:
+        """Time since the last step (an evaluation, a checkpoint save) is left out of the window."""
+        self._window_t0 = time.perf_counter()
+
+    def publish(self, row: dict | None) -> None:
+        """Rank 0 writes the row (metrics.jsonl and the sinks); the bar moves one step."""
+        if row and self.sinks is not None:
+            self.guard()  # another run took the folder over: stop before writing beside it
+            self.sinks.log(row)
+        self._bar.update(1)
+
+    def stop(self) -> None:
+        self._bar.close()
+        self.run_peak_gib = max(self.run_peak_gib, memory.peak_rss_gib())
+        self.wall_s = time.perf_counter() - self._wall0
+
+    # --------------------------------------------------------------------------------------
+    def summary(self, final_step: int) -> dict:
+        """summary.json's figures: medians of the steady windows, peaks, and what the run was."""
+        rows = MetricsJsonl(self.run).rows()
+        train_rows = [r for r in rows if "tokens_per_s" in r]
+        steady = train_rows[1:] or train_rows  # the first window holds warm-up (allocation, compile)
+
+        def steady_median(key: str) -> float:
+            return float(np.median([r.get(key, 0.0) for r in steady])) if steady else 0.0
+
+        cfg, val_loss = self.cfg, self.last_val_loss
+        summary = {
+            "final_step": final_step,
+            "final_loss": train_rows[-1]["loss"] if train_rows else None,
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
+            "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
+            "tokens_per_s": steady_median("tokens_per_s"),
+            "mfu": steady_median("mfu"),
+            "mfu_of_measured_peak": steady_median("mfu_of_measured_peak"),
+            "peak_rss_gib": max([self.run_peak_gib] + [r.get("peak_rss_gib", 0) for r in rows]),
+            "wall_time_s": self.wall_s,
+            "steps_this_session": final_step - self.start_step,
+            "world_size": self.ranks.world_size,
+            "strategy": cfg.parallel.strategy,
+            "precision": cfg.hardware.precision,
+            "threads_per_rank": cfg.hardware.threads,
+            "parameters": self.counts["total"],
+            "flops_per_token": self.flops_per_token,
+            "peak_flops": self.peak_flops,
+            "peak_flops_how": self.hw.peak_formula[cfg.hardware.precision],
+            "measured_peak_flops": self.measured_peak_flops,
+            "measured_peak_flops_how": self.measured_peak_how,
+            "attn_implementation": cfg.model.attn_implementation,
+            "compile": cfg.model.compile,
+            "chunked_loss": cfg.model.chunked_loss,
+            "trained_parameters": self.counts["trained"],
+            "lora": cfg.model.lora.enabled,
+        }
+        summary.update(comm.summarize(steady))
+        return summary
