@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   cputrain prepare configs/llama3-8b-fsdp.yaml          # tokenize into data.cache_dir ahead of a job
   cputrain doctor
   cputrain generate runs/default --prompt "The list"
+  cputrain generate runs/demo-sft --chat "What is the assert statement in Python?"
   cputrain eval runs/default
   cputrain export runs/lora --merge                # a LoRA run's adapters folded into a plain model
 """
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    gen.add_argument("--chat", metavar="MESSAGE", help="a user's message, answered in the model's chat template "
+                     "(the reply stops at the end of its turn); replaces --prompt")
     _add_common(gen)
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a run or model on a dataset")
@@ -185,14 +188,16 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
-    print(generate_text(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    chat = args.chat is not None
+    print(generate_text(args.path, args.chat if chat else args.prompt, args.max_new_tokens, args.temperature,
+                        args.top_k, args.seed, chat=chat))
     return 0
 
 
 def cmd_eval(args) -> int:
     from pathlib import Path
 
-    from cputrain.data.prepare import prepare
+    from cputrain.data.prepare import prepare, rows_of
     from cputrain.evaluation import evaluate_loss
     from cputrain.inference import load_for_inference, model_folder
 
@@ -203,8 +208,10 @@ def cmd_eval(args) -> int:
     cfg = _resolved_here(config_path, args.overrides)
     model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)
     _, data = prepare(cfg, tokenizer)
-    split = data.val if args.split == "val" and len(data.val) else data.train
-    result = evaluate_loss(model, split[: args.max_sequences], cfg.train.micro_batch_size)
+    rows = rows_of(data, "val")
+    if args.split != "val" or len(rows) == 0:
+        rows = rows_of(data, "train")
+    result = evaluate_loss(model, rows, args.max_sequences, cfg.train.micro_batch_size)
     result.update({"model": model_folder(args.path), "data": cfg.data.source, "split": args.split})
     print(json.dumps(result, indent=2))
     return 0

@@ -163,7 +163,41 @@ class DataConfig(Section):
     """Split of a Hugging Face dataset to read (`hf:` sources only)."""
 
     text_field: str = "text"
-    """Field holding the text in .jsonl/.parquet/Hugging Face records."""
+    """Field holding the text in .jsonl/.parquet/Hugging Face records (data.format=text)."""
+
+    format: Literal["text", "chat", "prompt_completion", "auto"] = "text"
+    """What a record is. text: raw text, every token trained (pretraining). chat: a list of
+    {role, content} messages (roles system, user, assistant) in data.messages_field, rendered with
+    the chat template. prompt_completion: a prompt and its answer (data.prompt_field,
+    data.completion_field). auto: chat if the first record has data.messages_field, else
+    prompt_completion if it has both of those fields, else text; the choice is logged."""
+
+    messages_field: str = "messages"
+    """Field holding a conversation's messages (data.format=chat)."""
+
+    prompt_field: str = "prompt"
+    """Field holding the prompt (data.format=prompt_completion); `instruction` reads Alpaca files."""
+
+    completion_field: str = "completion"
+    """Field holding the answer (data.format=prompt_completion); `output` reads Alpaca files."""
+
+    train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
+    """Which tokens carry loss: assistant (the assistant turns of a chat, each with the token that
+    ends it), completion (the answer of a prompt/completion record, with EOS), or all. auto:
+    assistant for chat, completion for prompt_completion; text trains on all tokens."""
+
+    chat_template: str | None = None
+    """A Jinja file that replaces the tokenizer's chat template. Empty: the tokenizer's own, or
+    for a tokenizer without one the built-in ChatML template (cputrain.data.chat_template)."""
+
+    packing: bool = True
+    """chat and prompt_completion: pack whole examples into sequences of data.seq_len, positions
+    restarting at each example and no token attending to another example. false: one example per
+    row, each micro-batch padded to its longest example. (Text is always packed.)"""
+
+    truncation: Literal["drop", "truncate"] = "drop"
+    """An example longer than data.seq_len: drop it, or keep its first data.seq_len tokens. Counted
+    in the cache's stats.json and logged."""
 
     seq_len: int = Field(256, gt=1)
     """Tokens per packed training sequence. Documents are joined with EOS and cut to this length: no padding."""
@@ -196,6 +230,18 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _positive_num_proc(self):
         return _positive_or_auto(self, "data.num_proc")
+
+    @model_validator(mode="after")
+    def _format_fits(self):
+        fits = {"chat": ("auto", "assistant", "all"), "prompt_completion": ("auto", "completion", "all"),
+                "text": ("auto", "all")}
+        if self.format in fits and self.train_on not in fits[self.format]:
+            raise ValueError(f"data.train_on={self.train_on} does not apply to data.format={self.format}; "
+                             f"choose one of {', '.join(fits[self.format])}")
+        if self.format in ("chat", "prompt_completion") and self.source.lower().endswith(".txt"):
+            raise ValueError(f"data.format={self.format} needs records with fields (.jsonl, .parquet or hf:), "
+                             f"but '{self.source}' is plain text; use data.format=text or convert it to .jsonl")
+        return self
 
 
 class TrainConfig(Section):

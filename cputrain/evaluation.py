@@ -1,5 +1,10 @@
-"""Validation loss: one loop over packed sequences, for the trainer's evaluation (each rank its
-share, then averaged over ranks) and for `cputrain eval` on a finished model."""
+"""Validation loss: one loop over rows of packed text or examples, for the trainer's evaluation
+(each rank its share, then summed over ranks) and for `cputrain eval` on a finished model.
+
+The loss is per trained target: the sum of the losses of every target that carries a label ÷
+their number. Packed text has seq_len - 1 targets in every row, so this is also the mean of the
+rows' means; examples have as many as their answers, packed or padded alike.
+"""
 
 from __future__ import annotations
 
@@ -13,23 +18,25 @@ from cputrain.errors import DataError
 
 
 @torch.no_grad()
-def summed_loss(model, sequences, micro_batch: int, autocast=contextlib.nullcontext) -> tuple[float, int]:
-    """(sum over sequences of each one's mean next-token loss, number of sequences) for packed
-    `sequences` [n, seq_len], `micro_batch` at a time; `autocast()` is entered around each forward."""
-    total, count = 0.0, 0
-    for start in range(0, len(sequences), micro_batch):
-        tokens = torch.from_numpy(np.ascontiguousarray(sequences[start : start + micro_batch], dtype=np.int64))
+def summed_loss(model, rows, indices, micro_batch: int, autocast=contextlib.nullcontext) -> tuple[float, int]:
+    """(sum of the losses of the trained targets, their number) over `rows[indices]`, `micro_batch`
+    rows at a time; `autocast()` is entered around each forward."""
+    total, targets = 0.0, 0
+    indices = np.asarray(indices)
+    for start in range(0, len(indices), micro_batch):
+        batch = rows.batch(indices[start : start + micro_batch])
         with autocast():
-            # labels=input ids: the model shifts them to predict each next token.
-            total += float(model(input_ids=tokens, labels=tokens).loss) * len(tokens)
-        count += len(tokens)
-    return total, count
+            # num_items_in_batch=1: the loss comes back as a sum over the targets, not a mean
+            total += float(model(**batch.model_inputs(), num_items_in_batch=1).loss)
+        targets += batch.trained_targets
+    return total, targets
 
 
-def evaluate_loss(model, sequences, micro_batch: int) -> dict:
-    """Mean next-token loss and perplexity over packed `sequences` [n, seq_len]."""
-    if len(sequences) == 0:
+def evaluate_loss(model, rows, max_rows: int, micro_batch: int) -> dict:
+    """Loss per trained target and perplexity over the first `max_rows` rows."""
+    n = min(len(rows), max_rows)
+    if n == 0:
         raise DataError("the dataset has no sequence to evaluate; use more text, a shorter data.seq_len or --split train")
-    total, count = summed_loss(model, sequences, micro_batch)
-    loss = total / max(count, 1)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "sequences": count}
+    total, targets = summed_loss(model, rows, np.arange(n), micro_batch)
+    loss = total / max(targets, 1)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "sequences": n, "trained_targets": targets}

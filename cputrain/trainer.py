@@ -56,7 +56,8 @@ class Trainer:
         # Built by setup(), in this order:
         self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
         self.tokenizer = None
-        self.data = None  # the packed train and validation sequences (data.prepare.PreparedData)
+        self.data = None  # packed text (data.packing.PackedData) or examples (data.examples.ExampleData)
+        self.train_rows = self.val_rows = None  # what batches are cut from (data.batch)
         self.order: order.BatchOrder | None = None
         self.hf_config = None  # transformers PretrainedConfig
         self.counts: dict[str, int] = {}  # parameter counts (models.parameter_counts)
@@ -142,34 +143,34 @@ class Trainer:
                 log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
 
     def _prepare_data(self) -> None:
-        from cputrain.data.prepare import prepare
+        from cputrain.data.prepare import prepare, rows_of
 
         cfg = self.cfg
         self.tokenizer, self.data = prepare(cfg)
-        self.order = order.BatchOrder(len(self.data.train), cfg.train.global_batch_size, cfg.seed)
+        self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
+        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
         if self.ranks.is_main:
-            s = self.data.stats
-            log.info(
-                "data: %d documents, %d tokens → %d train + %d validation sequences of %d tokens "
-                "(useful tokens 100%%: 0 padding, %d tail tokens dropped)",
-                s["documents"], s["tokens"], s["train_sequences"], s["val_sequences"], s["seq_len"], s["dropped_tail_tokens"],
-            )
+            log.info("data: %s", self.data.describe())
 
     def _total_steps(self) -> int:
         t = self.cfg.train
         if t.max_steps is not None:
             return t.max_steps
-        return max(1, math.ceil(t.epochs * len(self.data.train) / t.global_batch_size))
+        return max(1, math.ceil(t.epochs * len(self.train_rows) / t.global_batch_size))
 
     # ------------------------------------------------------------------------------------
-    def _batch(self, indices: np.ndarray, split: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(split[indices], dtype=np.int64))
-
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over this rank's share of the global batch. Returns (loss, grad norm)."""
-        micro_batches = self.order.rank_micro_batches(
-            self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size
-        )
+    def train_step(self) -> tuple[float, float, int, int]:
+        """One optimizer step over this rank's share of the global batch. Returns (loss, grad norm,
+        trained targets and tokens processed in the global batch)."""
+        micro_batches = [self.train_rows.batch(indices) for indices in self.order.rank_micro_batches(
+            self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size)]
+        # The step's loss is the sum of the losses of every trained target of the global batch ÷
+        # their number, over all micro-batches and ranks: a mean of per-micro-batch means is wrong
+        # when micro-batches hold different numbers of trained targets (chat data). Strategies
+        # average gradients over ranks, so each rank divides by the global count ÷ world size.
+        trained, tokens = (int(n) for n in pg.all_reduce_sum([sum(b.trained_targets for b in micro_batches),
+                                                              sum(b.tokens for b in micro_batches)]))
+        divisor = max(trained, 1) / self.ranks.world_size
         self.model.train()
         loss_sum = torch.zeros(())
         # One autocast region around all micro-batches: autocast caches the bf16 copy of each fp32
@@ -177,32 +178,31 @@ class Trainer:
         # only at the step), not once per micro-batch. Measured +3% tokens/s on a 97M Llama with
         # 2 micro-batches on AMX (benchmarks/bf16_step.py); more with more accumulation.
         with self.strategy.autocast():
-            for i, indices in enumerate(micro_batches):
-                tokens = self._batch(indices, self.data.train)
+            for i, batch in enumerate(micro_batches):
                 with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
-                    # labels=input ids: the model shifts them to predict each next token.
-                    loss = self.model(input_ids=tokens, labels=tokens).loss / len(micro_batches)
+                    loss = self.model(**batch.model_inputs(), num_items_in_batch=divisor).loss
                     self.strategy.backward(loss)
                 loss_sum += loss.detach().float()
         grad_norm = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip)
         self.schedule.step()
         self.step += 1
-        return float(loss_sum), grad_norm
+        return float(loss_sum), grad_norm, trained, tokens
 
     def evaluate(self) -> float:
-        """Mean validation loss over the first eval_batches × micro-batch sequences, split across ranks."""
-        val = self.data.val
-        if len(val) == 0:
+        """Mean validation loss per trained target over the first eval_batches × micro-batch rows,
+        split across ranks."""
+        if len(self.val_rows) == 0:
             return float("nan")
         self.model.eval()
         mbs, world, rank = self.cfg.train.micro_batch_size, self.ranks.world_size, self.ranks.rank
-        n = min(len(val), self.cfg.train.eval_batches * mbs * world)
+        n = min(len(self.val_rows), self.cfg.train.eval_batches * mbs * world)
         n -= n % world  # every rank runs the same number of forwards (collectives must match)
         if n == 0:
-            n = len(val)
+            n = len(self.val_rows)
         per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
-        total, count = summed_loss(self.model, val[per_rank], mbs, self.strategy.autocast)
-        return pg.all_reduce_mean(total / max(count, 1))
+        loss_sum, targets = summed_loss(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
+        loss_sum, targets = pg.all_reduce_sum([loss_sum, targets])
+        return loss_sum / max(targets, 1)
 
     # ------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -217,10 +217,11 @@ class Trainer:
         metrics.start(self.step)
         while self.step < stop_at:
             with metrics.step():
-                loss, grad_norm = self.train_step()
+                loss, grad_norm, trained, tokens = self.train_step()
             if metrics.steps_this_session == 1:
                 self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
-            row = metrics.record(self.step, loss, grad_norm, self.schedule.get_last_lr()[0], self.order.epoch_of(self.step))
+            row = metrics.record(self.step, loss, grad_norm, self.schedule.get_last_lr()[0],
+                                 self.order.epoch_of(self.step), trained, tokens)
             if self._validation_due():
                 row = metrics.with_validation(row, self.step, self.evaluate())
             metrics.publish(row)
@@ -234,13 +235,13 @@ class Trainer:
 
     def _validation_due(self) -> bool:
         every = self.cfg.train.eval_every
-        return len(self.data.val) > 0 and (self.step % every == 0 or self.step == self.total_steps)
+        return len(self.val_rows) > 0 and (self.step % every == 0 or self.step == self.total_steps)
 
     def _warn_if_no_validation(self) -> None:
-        if len(self.data.val) == 0 and self.ranks.is_main:  # val_loss stays null in metrics.jsonl and summary.json
+        if len(self.val_rows) == 0 and self.ranks.is_main:  # val_loss stays null in metrics.jsonl and summary.json
             log.warning("the validation split has 0 sequences (%d training sequences; data.val_fraction=%s): "
                         "validation is skipped and val_loss is null; raise data.val_fraction or "
-                        "data.max_documents to validate", len(self.data.train), self.cfg.data.val_fraction)
+                        "data.max_documents to validate", len(self.train_rows), self.cfg.data.val_fraction)
 
     def _finish(self) -> dict:
         summary = self.metrics.summary(self.step)
@@ -253,6 +254,12 @@ class Trainer:
 
     def _write_model(self, folder: str, is_writer: bool) -> None:
         self.converter.export(self.strategy, self.model, self.hf_config, self.tokenizer, folder, is_writer)
+
+    def held_out_prompt(self) -> list[int] | None:
+        """The prompt of the first validation example (of the first training one without a
+        validation split), for sample.txt; None for text, which is sampled from "The"."""
+        rows = self.val_rows if self.val_rows is not None and len(self.val_rows) else self.train_rows
+        return rows.prompt_ids(0)
 
     def release_lock(self) -> None:
         if self.metrics is not None:  # flushes the sinks' files, also on an error exit

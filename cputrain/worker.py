@@ -44,7 +44,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         trainer.setup()
         summary = trainer.fit()
         if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
-            after_export(res.config)
+            after_export(res.config, trainer.held_out_prompt())
     finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
         trainer.release_lock()
     if ranks.is_main and summary:
@@ -86,9 +86,10 @@ def attention_for_run(cfg: ResolvedConfig, ranks: RankEnv) -> tuple[str, str]:
     return choice.implementation, choice.reason
 
 
-def after_export(cfg: Config) -> None:
+def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:
     """Rank 0, once model/ and metrics.jsonl are written: loss.png (metrics.plot owns it) and
-    sample.txt (generated from the exported model) in a local run folder."""
+    sample.txt (generated from the exported model: from "The" after pretraining, the answer to a
+    held-out prompt after fine-tuning on examples) in a local run folder."""
     from pathlib import Path
 
     from cputrain.run_folder.layout import RunFolder
@@ -104,5 +105,6 @@ def after_export(cfg: Config) -> None:
     if cfg.train.sample_tokens > 0:
         from cputrain.inference import generate_text
 
-        text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed)
+        text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed,
+                             prompt_ids=prompt_ids)
         (Path(local) / "sample.txt").write_text(text + "\n")

@@ -37,6 +37,12 @@ class PackedData:
     def seq_len(self) -> int:
         return self.train.shape[1]
 
+    def describe(self) -> str:
+        s = self.stats
+        return (f"{s['documents']} documents, {s['tokens']} tokens → {s['train_sequences']} train + "
+                f"{s['val_sequences']} validation sequences of {s['seq_len']} tokens (useful tokens 100%: 0 padding, "
+                f"{s['dropped_tail_tokens']} tail tokens dropped)")
+
 
 def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16] if hasattr(
@@ -44,8 +50,10 @@ def tokenizer_hash(tokenizer) -> str:
     ) else hashlib.sha256(repr(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
 
 
-def cache_key(data_fingerprint: str, data_cfg: DataConfig, seed: int, tokenizer) -> str:
-    """The one key of a packed entry: what the data is, how it is tokenized, cut and split."""
+def cache_key(data_fingerprint: str, data_cfg: DataConfig, seed: int, tokenizer, examples: dict | None = None) -> str:
+    """The one key of a cache entry: what the data is, how it is tokenized, cut and split; for
+    chat and prompt/completion data also how records become examples (format, fields, template,
+    what is trained, truncation). Text keys are unchanged by the examples' part."""
     parts = {
         "format": CACHE_FORMAT,
         "data": data_fingerprint,
@@ -54,6 +62,8 @@ def cache_key(data_fingerprint: str, data_cfg: DataConfig, seed: int, tokenizer)
         "val_fraction": data_cfg.val_fraction,
         "seed": seed,
     }
+    if examples is not None:
+        parts["examples"] = examples
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -21,14 +21,18 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from cputrain.config import DataConfig
-from cputrain.data import cache_lock, packing, sources
-from cputrain.data.tokenize_chunk import ChunkTokens, init_worker, portable_tokenizer, tokenize_rows
+from cputrain.data import cache_lock, packing, sources, tokenize_chunk, tokenize_examples
+from cputrain.data.tokenize_chunk import portable_tokenizer, tokenize_rows
+from cputrain.data.examples import ExampleData, open_examples
+from cputrain.data.tokenize_examples import ExampleSpec
 from cputrain.errors import DataError
 from cputrain.metrics.tree_memory import TreeMemory
 
@@ -59,35 +63,32 @@ def _rows_per_chunk(corpus: sources.Corpus) -> int:
 
 
 class _Progress:
-    """progress.json of a partial entry: what is safely on disk."""
+    """progress.json of a partial entry: what is safely on disk (items per stream file, counters)."""
 
-    FIELDS = ("rows_done", "train_tokens", "val_tokens", "documents", "val_documents", "text_chars")
-
-    def __init__(self, folder: Path, records: int):
+    def __init__(self, folder: Path, records: int, streams: list[str], counters: tuple[str, ...]):
         self.path = folder / "progress.json"
         saved = json.loads(self.path.read_text()) if self.path.exists() else {}
-        fresh = saved.get("records") != records
-        self.values = {k: 0 if fresh else saved.get(k, 0) for k in self.FIELDS}
+        fresh = saved.get("records") != records or set(saved.get("items", {})) != set(streams)
+        self.values = {k: 0 if fresh else saved.get(k, 0) for k in ("rows_done", *counters)}
+        self.items = {name: 0 if fresh else saved["items"][name] for name in streams}
         self.records = records
 
     def __getitem__(self, key):
         return self.values[key]
 
-    def add(self, chunk: ChunkTokens) -> None:
-        v = self.values
-        v["rows_done"] = chunk.stop
-        v["train_tokens"] += len(chunk.train)
-        v["val_tokens"] += len(chunk.val)
-        v["documents"] += chunk.documents
-        v["val_documents"] += chunk.val_documents
-        v["text_chars"] += chunk.text_chars
+    def add(self, chunk) -> None:
+        self.values["rows_done"] = chunk.stop
+        for name, array in chunk.parts.items():
+            self.items[name] += len(array)
+        for key, n in chunk.counts.items():
+            self.values[key] += n
 
     def commit(self, files) -> None:
         for f in files:  # the tokens first, durably; only then the record that they are there
             f.flush()
             os.fsync(f.fileno())
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self.values, "records": self.records}))
+        tmp.write_text(json.dumps({**self.values, "items": self.items, "records": self.records}))
         os.replace(tmp, self.path)
 
 
@@ -98,35 +99,47 @@ def _open_stream(path: Path, tokens: int, itemsize: int):
     return f
 
 
-def _chunks(corpus, tokenizer, rows_done: int, held_out: np.ndarray, num_proc: int, dtype: str):
+@dataclass
+class _Worker:
+    """What a tokenizing process runs: init(arrow_files, dataset, *init_args), then tokenize(start, stop, held_out)."""
+
+    init: Callable
+    init_args: tuple
+    tokenize: Callable
+
+
+def _chunks(corpus, worker: _Worker, rows_done: int, held_out: np.ndarray, num_proc: int):
     """Tokenized chunks from row `rows_done` on, in row order."""
     step = _rows_per_chunk(corpus)
     bounds = [(s, min(s + step, corpus.rows)) for s in range(rows_done, corpus.rows, step)]
     files = [f["filename"] for f in corpus.dataset.cache_files]
     if num_proc == 1 or len(bounds) <= 2 or not files:
-        init_worker(None, corpus.dataset, corpus.field, portable_tokenizer(tokenizer), dtype)
+        worker.init(None, corpus.dataset, *worker.init_args)
         for a, b in bounds:
-            yield tokenize_rows(a, b, held_out[a:b])
+            yield worker.tokenize(a, b, held_out[a:b])
         return
     # spawn, not fork: the parent may already hold gloo and OpenMP threads, which a fork copies
     # half-alive. Workers open the Arrow files themselves; only row numbers travel.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(num_proc, initializer=init_worker,
-                  initargs=(files, None, corpus.field, portable_tokenizer(tokenizer), dtype)) as pool:
+    with ctx.Pool(num_proc, initializer=worker.init, initargs=(files, None, *worker.init_args)) as pool:
         pending: deque = deque()
         todo = iter(bounds)
         while True:
             while len(pending) < 2 * num_proc and (nxt := next(todo, None)) is not None:
                 a, b = nxt
-                pending.append(pool.apply_async(tokenize_rows, (a, b, held_out[a:b])))
+                pending.append(pool.apply_async(worker.tokenize, (a, b, held_out[a:b])))
             if not pending:
                 return
             yield pending.popleft().get()
 
 
+def _tokens(progress: _Progress) -> int:
+    return progress.items["train.bin"] + progress.items["val.bin"]
+
+
 def _report(bar, progress: _Progress, records: int, t0: float, rows0: int, tokens0: int, last: list) -> None:
     now = time.perf_counter()
-    rows, tokens = progress["rows_done"], progress["train_tokens"] + progress["val_tokens"]
+    rows, tokens = progress["rows_done"], _tokens(progress)
     rate_tokens = (tokens - tokens0) / max(now - t0, 1e-9)
     bar.set_postfix_str(f"{rate_tokens:,.0f} tokens/s", refresh=False)
     bar.update(rows - bar.n)
@@ -138,40 +151,57 @@ def _report(bar, progress: _Progress, records: int, t0: float, rows0: int, token
         last[0] = now
 
 
-def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Path, final: Path) -> None:
-    """Tokenize and pack the corpus into `partial`, then rename it to `final` (complete)."""
+def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Path, final: Path,
+          spec: ExampleSpec | None = None) -> None:
+    """Tokenize the corpus into `partial`, then rename it to `final` (complete). Text is one stream
+    per split; examples (`spec`) add the trained-token mask and the example lengths."""
     t0 = time.perf_counter()
     memory = TreeMemory()  # this process and its tokenizing workers, reported in stats.json
-    corpus = sources.open_corpus(data_cfg)
+    corpus = sources.open_corpus(data_cfg, fields=None if spec is None else spec_fields(spec))
     held_out, n_val_records = validation_mask(corpus.rows, data_cfg.val_fraction, seed)
     dtype = packing.token_dtype(len(tokenizer))
-    itemsize = np.dtype(dtype).itemsize
+    if spec is None:
+        streams = {"train.bin": dtype, "val.bin": dtype}
+        counters = ("documents", "val_documents", "text_chars")
+        worker = _Worker(tokenize_chunk.init_worker, (corpus.field, portable_tokenizer(tokenizer), dtype), tokenize_rows)
+    else:
+        streams = {f"{split}{suffix}": kind for split in ("train", "val")
+                   for suffix, kind in ((".bin", dtype), (".mask.bin", "uint8"), (".lengths.bin", "uint32"))}
+        counters = tokenize_examples.COUNTERS
+        worker = _Worker(tokenize_examples.init_worker,
+                         (spec, tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype),
+                         tokenize_examples.tokenize_rows)
     where = f"data.cache_dir '{data_cfg.cache_dir}'"
     try:
         with contextlib.ExitStack() as files:
             partial.mkdir(parents=True, exist_ok=True)
-            progress = _Progress(partial, corpus.rows)
-            rows0, tokens0 = progress["rows_done"], progress["train_tokens"] + progress["val_tokens"]
+            progress = _Progress(partial, corpus.rows, list(streams), counters)
+            rows0, tokens0 = progress["rows_done"], _tokens(progress)
             if rows0:
                 log.info("data: resuming an interrupted preparation at record %d of %d", rows0, corpus.rows)
-            streams = [files.enter_context(_open_stream(partial / "train.bin", progress["train_tokens"], itemsize)),
-                       files.enter_context(_open_stream(partial / "val.bin", progress["val_tokens"], itemsize))]
+            outs = {name: files.enter_context(_open_stream(partial / name, progress.items[name],
+                                                           np.dtype(kind).itemsize))
+                    for name, kind in streams.items()}
             bar = files.enter_context(tqdm(total=corpus.rows, initial=rows0, unit="doc", desc="tokenize",
                                            disable=not sys.stderr.isatty(), dynamic_ncols=True, mininterval=1.0))
             log.info("data: tokenizing %d records of %s with %d process(es) into %s", corpus.rows, data_cfg.source,
                      num_proc, partial)
             last_commit, last_log = time.perf_counter(), [time.perf_counter()]
-            for chunk in _chunks(corpus, tokenizer, rows0, held_out, num_proc, dtype):
-                streams[0].write(chunk.train.tobytes())
-                streams[1].write(chunk.val.tobytes())
+            for chunk in _chunks(corpus, worker, rows0, held_out, num_proc):
+                for name, array in chunk.parts.items():
+                    outs[name].write(array.tobytes())
                 progress.add(chunk)
                 _report(bar, progress, corpus.rows, t0, rows0, tokens0, last_log)
                 if time.perf_counter() - last_commit >= COMMIT_EVERY_S:
-                    progress.commit(streams)
+                    progress.commit(outs.values())
                     last_commit = time.perf_counter()
-            progress.commit(streams)
-        stats = _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, time.perf_counter() - t0,
-                       rows0, tokens0)
+            progress.commit(outs.values())
+        make_stats = _stats if spec is None else _example_stats
+        stats = make_stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, time.perf_counter() - t0,
+                           rows0, tokens0)
+        if spec is not None:
+            stats["format"], stats["train_on"] = spec.format, spec.train_on  # as resolved from auto
+            stats["pad_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         stats["peak_memory_gib"] = round(memory.stop(), 3)
         (partial / "stats.json").write_text(json.dumps(stats, indent=1))  # written last: marks it complete
         os.rename(partial, final)
@@ -186,7 +216,7 @@ def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Pa
 
 def _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wall_s, rows0, tokens0) -> dict:
     seq_len = data_cfg.seq_len
-    train_tokens, val_tokens = progress["train_tokens"], progress["val_tokens"]
+    train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
     if progress["documents"] == 0:
         raise sources.no_text_error(data_cfg.source)
     if train_tokens < seq_len:
@@ -220,6 +250,44 @@ def _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wal
     }
 
 
+def _example_stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wall_s, rows0, tokens0) -> dict:
+    train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
+    if progress["train_examples"] == 0:
+        raise DataError(
+            f"no training example in '{data_cfg.source}': {progress['no_answer']} record(s) had no assistant turn and "
+            f"{progress['dropped_long']} were longer than data.seq_len={data_cfg.seq_len} (data.truncation=drop); "
+            "check data.format and its fields, or raise data.seq_len"
+        )
+    return {
+        "source": data_cfg.source,
+        "format": data_cfg.format,
+        "records": corpus.rows,
+        "skipped_records": corpus.skipped_records,
+        "train_examples": progress["train_examples"],
+        "val_examples": progress["val_examples"],
+        "skipped_no_answer": progress["no_answer"],  # conversations with no assistant turn: nothing to learn
+        "dropped_long": progress["dropped_long"],
+        "truncated": progress["truncated"],
+        "validation_rule": VALIDATION_RULE,
+        "val_records": n_val_records,
+        "val_fraction": data_cfg.val_fraction,
+        "seed": seed,
+        "train_tokens": train_tokens,
+        "val_tokens": val_tokens,
+        "tokens": train_tokens + val_tokens,
+        "trained_tokens": progress["trained_tokens"],
+        "val_trained_tokens": progress["val_trained_tokens"],
+        "trained_token_share": round(progress["trained_tokens"] / max(1, train_tokens), 4),
+        "text_chars": progress["text_chars"],
+        "seq_len": data_cfg.seq_len,
+        "token_dtype": dtype,
+        "num_proc": num_proc,
+        "resumed_at_record": rows0,
+        "prepare_time_s": round(wall_s, 3),
+        "tokens_per_s": round((train_tokens + val_tokens - tokens0) / max(wall_s, 1e-9), 1),
+    }
+
+
 def _partial_progress(partial: Path) -> str:
     try:
         p = json.loads((partial / "progress.json").read_text())
@@ -228,18 +296,42 @@ def _partial_progress(partial: Path) -> str:
         return ""
 
 
-def packed_data(data_cfg: DataConfig, data_fingerprint: str, seed: int, tokenizer, num_proc: int) -> packing.PackedData:
-    """The packed cache entry for this data, tokenizer and cut: built once by one writer, then opened."""
-    key = packing.cache_key(data_fingerprint, data_cfg, seed, tokenizer)
+def spec_fields(spec: ExampleSpec) -> tuple[str, ...]:
+    return (spec.messages_field,) if spec.format == "chat" else (spec.prompt_field, spec.completion_field)
+
+
+def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSpec:
+    """How chat or prompt/completion records become examples for this tokenizer. A chat run's
+    tokenizer takes the template it renders with, so the exported model/ carries it."""
+    from cputrain.data import chat_template
+
+    template = None
+    if data_format == "chat":
+        template = chat_template.template_of(tokenizer, data_cfg.chat_template)
+        tokenizer.chat_template = template
+    train_on = data_cfg.train_on if data_cfg.train_on != "auto" else (
+        "assistant" if data_format == "chat" else "completion")
+    return ExampleSpec(data_format, data_cfg.messages_field, data_cfg.prompt_field, data_cfg.completion_field,
+                       train_on, template, chat_template.template_variables(tokenizer) if template else {},
+                       data_cfg.seq_len, data_cfg.truncation)
+
+
+def packed_data(data_cfg: DataConfig, data_fingerprint: str, seed: int, tokenizer, num_proc: int,
+                spec: ExampleSpec | None = None):
+    """The cache entry for this data, tokenizer and cut: built once by one writer, then opened
+    (packed text, or examples with their masks)."""
+    key = packing.cache_key(data_fingerprint, data_cfg, seed, tokenizer, spec.key() if spec else None)
     final = Path(data_cfg.cache_dir) / "packed" / key
     partial = final.with_name(f"{key}.partial")
     built = cache_lock.build_once(
         final.with_name(f"{key}.lock"), lambda: (final / "stats.json").exists(),
-        lambda: build(data_cfg, seed, tokenizer, num_proc, partial, final),
+        lambda: build(data_cfg, seed, tokenizer, num_proc, partial, final, spec),
         f"tokenizing {data_cfg.source}", data_cfg.lock_stale_s, lambda: _partial_progress(partial))
     if not built:
-        log.info("data: cached packed tokens %s", final)
-    return packing.open_packed(final)
+        log.info("data: cached %s %s", "packed tokens" if spec is None else "examples", final)
+    if spec is None:
+        return packing.open_packed(final)
+    return open_examples(final, data_cfg.packing)
 
 
 def _build_caches(cfg, tokenizer) -> None:
@@ -250,7 +342,8 @@ def _build_caches(cfg, tokenizer) -> None:
 
 
 def prepare(cfg, tokenizer=None, isolate: bool = True):
-    """(tokenizer, packed data) for a config: what `train`, `eval` and `prepare` all use.
+    """(tokenizer, data) for a config: what `train`, `eval` and `prepare` all use. The data is
+    packed text (PackedData) or examples (ExampleData); both give rows through rows_of().
 
     `cfg` is resolved (data.num_proc is a number). A tokenizer is trained, once, only for a model
     built from scratch; the corpus is opened only by the process that builds something. With
@@ -266,7 +359,17 @@ def prepare(cfg, tokenizer=None, isolate: bool = True):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as builder:
             builder.submit(_build_caches, cfg, tokenizer).result()
     fp = sources.fingerprint(cfg.data)
+    data_format = sources.record_format(cfg.data)
     if tokenizer is None:
         tokenizer = tokenizers.get_tokenizer(cfg.model, cfg.data, fp, lambda: sources.open_corpus(cfg.data))
     num_proc = cfg.data.num_proc if isinstance(cfg.data.num_proc, int) else 1
-    return tokenizer, packed_data(cfg.data, fp, cfg.seed, tokenizer, num_proc)
+    spec = None if data_format == "text" else example_spec(cfg.data, data_format, tokenizer)
+    return tokenizer, packed_data(cfg.data, fp, cfg.seed, tokenizer, num_proc, spec)
+
+
+def rows_of(data, split: str):
+    """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
+    from cputrain.data.batch import TokenRows
+
+    rows = getattr(data, split)
+    return rows if isinstance(data, ExampleData) else TokenRows(rows)

@@ -50,6 +50,28 @@ def _pydoc_paragraphs():
                 yield {"text": p.strip()}
 
 
+def _pydoc_instructions():
+    # Instruction pairs from the same text, for the offline SFT demo (configs/demo-sft.yaml): each
+    # help topic's title asked about, answered by its opening paragraph, then by its first two.
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        title, _, body = topics[name].strip().partition("\n")
+        paragraphs = [" ".join(p.split()) for p in body.split("\n\n") if len(p.strip()) > 40 and "*" * 5 not in p]
+        if not paragraphs:
+            continue
+        yield _chat(f"What is {title.strip()} in Python?", paragraphs[0])
+        if len(paragraphs) > 1:
+            yield _chat(f"Explain {title.strip()} in more detail.", " ".join(paragraphs[:2]))
+
+
+def _chat(question: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+BUILTINS = {"builtin:pydoc": _pydoc_paragraphs, "builtin:pydoc-sft": _pydoc_instructions}
+
+
 def _pydoc_documents() -> list[str]:
     return [row["text"] for row in _pydoc_paragraphs()]
 
@@ -82,7 +104,7 @@ def fingerprint(cfg: DataConfig) -> str:
         for p in local_files(cfg.source):
             st = p.stat()
             h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    elif cfg.source == "builtin:pydoc":
+    elif cfg.source in BUILTINS:
         import sys
 
         h.update(sys.version.encode())
@@ -182,17 +204,18 @@ def _load(cfg: DataConfig, cache: str):
                                                cache_dir=cache), bad
 
 
-def open_corpus(cfg: DataConfig) -> Corpus:
-    """The source as a memory-mapped Arrow dataset (converted once, cached under data.cache_dir)."""
+def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpus:
+    """The source as a memory-mapped Arrow dataset (converted once, cached under data.cache_dir).
+    `fields`: the fields examples are read from (chat, prompt/completion); text reads one field."""
     import datasets
 
     datasets.disable_progress_bars()
     cache = os.path.join(cfg.cache_dir, "datasets")
-    if cfg.source.startswith(BUILTIN_PREFIX) and cfg.source != "builtin:pydoc":
-        raise DataError(f"unknown built-in dataset '{cfg.source}'; the built-in one is builtin:pydoc")
+    if cfg.source.startswith(BUILTIN_PREFIX) and cfg.source not in BUILTINS:
+        raise DataError(f"unknown built-in dataset '{cfg.source}'; the built-in ones are {', '.join(BUILTINS)}")
     try:
-        if cfg.source == "builtin:pydoc":
-            ds, skipped = datasets.Dataset.from_generator(_pydoc_paragraphs, cache_dir=cache), 0
+        if cfg.source in BUILTINS:
+            ds, skipped = datasets.Dataset.from_generator(BUILTINS[cfg.source], cache_dir=cache), 0
         else:
             ds, skipped = _load(cfg, cache)
     except DataError:
@@ -206,19 +229,85 @@ def open_corpus(cfg: DataConfig) -> Corpus:
         if isinstance(cause, OSError) and cause.errno in DISK_FULL:
             raise disk_full_error(cause, f"data.cache_dir '{cfg.cache_dir}'") from None
         raise DataError(f"could not read dataset '{cfg.source}': {_first_line(exc)}") from None
-    text_files = not cfg.source.startswith((BUILTIN_PREFIX, HF_PREFIX)) and \
-        LOCAL_SUFFIXES[local_files(cfg.source)[0].suffix] == "text"
-    field = "text" if cfg.source == "builtin:pydoc" or text_files else cfg.text_field
-    if field not in ds.column_names:
-        raise DataError(f"dataset '{cfg.source}' has no field '{field}' (fields: {ds.column_names}); set data.text_field")
+    field = _text_field(cfg)
+    for name in fields or (field,):
+        if name not in ds.column_names:
+            key = "data.text_field" if fields is None else "data.format and its field names (data.messages_field, " \
+                "data.prompt_field, data.completion_field)"
+            raise DataError(f"dataset '{cfg.source}' has no field '{name}' (fields: {ds.column_names}); set {key}")
     rows = min(len(ds), cfg.max_documents or len(ds))
     if rows == 0:
         raise DataError(f"dataset '{cfg.source}' has no records")
-    return Corpus(ds, field, rows, skipped)
+    return Corpus(ds, field if fields is None else fields[0], rows, skipped)
+
+
+def _text_field(cfg: DataConfig) -> str:
+    """The field a text corpus is read from; for chat and prompt/completion records the field whose
+    text trains a tokenizer for a model built from scratch."""
+    if cfg.source == "builtin:pydoc" or _plain_text_files(cfg):
+        return "text"
+    fmt = record_format(cfg)
+    return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field}.get(fmt, cfg.text_field)
+
+
+def _plain_text_files(cfg: DataConfig) -> bool:
+    return not cfg.source.startswith((BUILTIN_PREFIX, HF_PREFIX)) and \
+        LOCAL_SUFFIXES[local_files(cfg.source)[0].suffix] == "text"
+
+
+def _first_record_fields(cfg: DataConfig) -> list[str]:
+    """The field names of the first record, read without converting the corpus."""
+    if cfg.source == "builtin:pydoc-sft":
+        return ["messages"]
+    if cfg.source.startswith(BUILTIN_PREFIX) or _plain_text_files(cfg):
+        return ["text"]
+    if cfg.source.startswith(HF_PREFIX):
+        import datasets
+
+        datasets.disable_progress_bars()
+        return list(_load(cfg, os.path.join(cfg.cache_dir, "datasets"))[0].column_names)
+    first = local_files(cfg.source)[0]
+    if first.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(first).names)
+    with open(first, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return []
+                return list(record) if isinstance(record, dict) else []
+    return []
+
+
+def record_format(cfg: DataConfig) -> str:
+    """data.format, with auto decided from the first record's fields (logged once per process)."""
+    if cfg.format != "auto":
+        return cfg.format
+    fields = _first_record_fields(cfg)
+    if cfg.messages_field in fields:
+        fmt, why = "chat", f"the first record has '{cfg.messages_field}'"
+    elif cfg.prompt_field in fields and cfg.completion_field in fields:
+        fmt, why = "prompt_completion", f"the first record has '{cfg.prompt_field}' and '{cfg.completion_field}'"
+    else:
+        fmt, why = "text", f"the first record has neither '{cfg.messages_field}' nor '{cfg.prompt_field}' + " \
+                           f"'{cfg.completion_field}'"
+    if (cfg.source, fmt) not in _said:  # every rank and every call of a process decides: said once
+        _said.add((cfg.source, fmt))
+        log.info("auto: data.format = %s (%s)", fmt, why)
+    return fmt
+
+
+_said: set[tuple[str, str]] = set()
 
 
 def clean(text) -> str | None:
-    """A record's text as trained on: stripped; None for blanks and non-strings (they are left out)."""
+    """A record's text as trained on: stripped; None for blanks and non-strings (they are left out).
+    A conversation (a list of messages) reads as its messages' contents, for training a tokenizer."""
+    if isinstance(text, list):
+        text = "\n".join(m["content"] for m in text if isinstance(m, dict) and isinstance(m.get("content"), str))
     if not isinstance(text, str):
         return None
     return text.strip() or None

@@ -28,6 +28,15 @@ class ChunkTokens:
     val_documents: int
     text_chars: int
 
+    @property
+    def parts(self) -> dict:
+        """Stream file name → the tokens this chunk appends to it."""
+        return {"train.bin": self.train, "val.bin": self.val}
+
+    @property
+    def counts(self) -> dict:
+        return {"documents": self.documents, "val_documents": self.val_documents, "text_chars": self.text_chars}
+
 
 # A worker re-opens its memory map after reading this much text: pages of a mapped file that
 # were read stay in the process's RSS until unmapped, and would grow with the corpus.
@@ -43,7 +52,7 @@ def portable_tokenizer(tokenizer):
     return ("object", tokenizer, tokenizer.eos_token_id)
 
 
-def _open(arrow_files: list[str]):
+def open_arrow(arrow_files: list[str]):
     import datasets
 
     datasets.disable_progress_bars()
@@ -70,7 +79,7 @@ def init_worker(arrow_files: list[str] | None, dataset, field: str, tokenizer, d
         def ids_of(texts):
             return tok(texts, add_special_tokens=False)["input_ids"]
 
-    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else _open(arrow_files), field=field,
+    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), field=field,
                   ids_of=ids_of, eos=eos, dtype=np.dtype(dtype), chars_since_open=0)
 
 
@@ -101,6 +110,6 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
     s["chars_since_open"] += text_chars
     if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
         s["dataset"] = None  # drop the old mapping before the new one exists
-        s["dataset"], s["chars_since_open"] = _open(s["files"]), 0
+        s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
     return ChunkTokens(start, stop, _stream(train_docs), _stream(val_docs), len(train_docs) + len(val_docs),
                        len(val_docs), text_chars)

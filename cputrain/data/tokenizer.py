@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cputrain.data.chat_template import BUILTIN_TEMPLATE, IM_END, IM_START
 from cputrain.errors import ModelError
 
 log = logging.getLogger("cputrain")
@@ -34,12 +35,16 @@ def train_bpe(documents: Iterable[str], vocab_size: int, folder: Path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS, PAD],
+        # ChatML's turn markers too, so a model built from scratch can be fine-tuned on chat data
+        # with the built-in template (cputrain.data.chat_template) without growing its vocabulary.
+        special_tokens=[EOS, PAD, IM_START, IM_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(documents, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=[IM_START, IM_END])
+    fast.chat_template = BUILTIN_TEMPLATE  # saved with it: transformers pipelines format chats the same way
     # Written under a temporary name and renamed, so a killed run never leaves half a tokenizer.
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     fast.save_pretrained(tmp)
@@ -114,7 +119,8 @@ def get_tokenizer(model_cfg, data_cfg, fingerprint: str, corpus_fn):
     from cputrain.data.cache_lock import build_once
 
     sample_mb = data_cfg.tokenizer_sample_mb
-    folder = Path(data_cfg.cache_dir) / "tokenizers" / f"bpe-{model_cfg.tokenizer_vocab_size}-{fingerprint}-{sample_mb:g}mb"
+    # v2: with ChatML's special tokens and template (a v1 tokenizer in the cache is not reused)
+    folder = Path(data_cfg.cache_dir) / "tokenizers" / f"bpe-v2-{model_cfg.tokenizer_vocab_size}-{fingerprint}-{sample_mb:g}mb"
 
     def train() -> None:
         corpus = corpus_fn()

@@ -87,6 +87,15 @@ def all_reduce_mean(value: float) -> float:
     return float(t.item() / dist.get_world_size())
 
 
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """The sums over ranks of a few numbers, in one collective."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def destroy() -> None:
     """Destroy the process group while the interpreter is whole. The caller drops what holds the
     group first (the wrapped model, the optimizer); gc.collect() frees any reference cycles among

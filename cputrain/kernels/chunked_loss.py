@@ -32,9 +32,11 @@ def block_rows(vocab_size: int) -> int:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int):
-        n_valid = int((labels != IGNORE_INDEX).sum())
-        scale = 1.0 / max(n_valid, 1)
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int,
+                divisor: float | None):
+        # the mean over this batch's targets, or the sum over them ÷ `divisor` (a count of targets
+        # across more than this batch: a step's micro-batches and ranks)
+        scale = 1.0 / (divisor if divisor is not None else max(int((labels != IGNORE_INDEX).sum()), 1))
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         # d(loss)/d(logits) of every token, in the compute dtype (bf16: half of one fp32 logits
@@ -73,17 +75,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.to(grad_hidden.dtype)
         return (grad_hidden * scale if ctx.needs_input_grad[0] else None,
-                grad_weight * scale.to(grad_weight.dtype) if grad_weight is not None else None, None, None)
+                grad_weight * scale.to(grad_weight.dtype) if grad_weight is not None else None, None, None, None)
 
 
-def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of `hidden` (batch, seq, d) through the head `weight` (vocab, d)."""
+def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           num_items_in_batch: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of `hidden` (batch, seq, d) through the head `weight` (vocab, d):
+    the mean over the targets, or with `num_items_in_batch` their sum ÷ it (transformers' rule)."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts t+1
     with torch.autocast("cpu", enabled=False):
         return _ChunkedLinearCrossEntropy.apply(
             hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), shifted.reshape(-1),
-            block_rows(weight.shape[0]),
+            block_rows(weight.shape[0]), None if num_items_in_batch is None else float(num_items_in_batch),
         )
 
 
@@ -107,10 +111,12 @@ def install_chunked_loss(model: nn.Module) -> None:
 
         deepspeed.zero.register_external_parameter(model, head.weight)
 
-    def forward(input_ids=None, labels=None, **kwargs):
+    def forward(input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
         if labels is None or kwargs.get("return_dict") is False:
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
             return original(input_ids=input_ids, labels=labels, **kwargs)
         hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
-        return CausalLMOutputWithPast(loss=chunked_causal_lm_loss(hidden, head.weight, labels))
+        return CausalLMOutputWithPast(loss=chunked_causal_lm_loss(hidden, head.weight, labels, num_items_in_batch))
 
     model.forward = forward

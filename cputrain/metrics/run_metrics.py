@@ -51,7 +51,6 @@ class RunMetrics:
         measured, self.measured_peak_how = measured_peak_flops(hw.cpu_model, hw.flags, cfg.hardware.threads,
                                                                cfg.hardware.dtype)
         self.measured_peak_flops = measured * ranks.world_size
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.start_step = 0
         self.steps_this_session = 0
         self.step_peak_gib = self.run_peak_gib = 0.0
@@ -59,6 +58,7 @@ class RunMetrics:
         self.wall_s = 0.0
         self._wall0 = self._window_t0 = 0.0
         self._window_steps = 0
+        self._window_trained = self._window_tokens = 0  # of the global batches in the window
         self._bar: tqdm | None = None
         # A live bar where a person watches a terminal; plain log lines in CI logs and pod logs.
         self._live = ranks.is_main and sys.stderr.isatty()
@@ -91,13 +91,18 @@ class RunMetrics:
         self._window_steps += 1
         self.steps_this_session += 1
 
-    def record(self, step: int, loss: float, grad_norm: float, lr: float, epoch: int) -> dict | None:
-        """The row of a logged step (every train.log_every and the last), None between them. Every
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, epoch: float, trained: int,
+               tokens: int) -> dict | None:
+        """Counts a step's trained targets and processed tokens (of the global batch), and returns
+        the row of a logged step (every train.log_every and the last), None between them. Every
         rank calls it: the loss is averaged over the ranks."""
+        self._window_trained += trained
+        self._window_tokens += tokens
         if step % self.cfg.train.log_every != 0 and step != self.total_steps:
             return None
         elapsed_s = time.perf_counter() - self._window_t0
-        tps = self._window_steps * self.tokens_per_step / elapsed_s
+        # every token the model ran on (padding included), which MFU counts; and those that carried loss
+        tps = self._window_tokens / elapsed_s
         mfu = flops.mfu(tps, self.flops_per_token, self.peak_flops)
         row = {
             "step": step,
@@ -105,6 +110,7 @@ class RunMetrics:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tps,
+            "trained_tokens_per_s": self._window_trained / elapsed_s,
             "mfu": mfu,
             "mfu_of_measured_peak": flops.mfu(tps, self.flops_per_token, self.measured_peak_flops),
             "step_time_s": elapsed_s / self._window_steps,
@@ -118,6 +124,7 @@ class RunMetrics:
             log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", step, self.total_steps,
                      row["loss"], row["lr"], f"{tps:,.0f}", 100 * mfu)
         self._window_t0, self._window_steps = time.perf_counter(), 0
+        self._window_trained = self._window_tokens = 0
         return row
 
     def with_validation(self, row: dict | None, step: int, val_loss: float) -> dict:
@@ -162,6 +169,7 @@ class RunMetrics:
             "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
             "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
             "tokens_per_s": steady_median("tokens_per_s"),
+            "trained_tokens_per_s": steady_median("trained_tokens_per_s"),
             "mfu": steady_median("mfu"),
             "mfu_of_measured_peak": steady_median("mfu_of_measured_peak"),
             "peak_rss_gib": max([self.run_peak_gib] + [r.get("peak_rss_gib", 0) for r in rows]),

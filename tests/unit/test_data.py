@@ -260,7 +260,7 @@ def test_trained_tokenizer_is_cached(tmp_path):
     assert packing.tokenizer_hash(first) == packing.tokenizer_hash(second)
     text = "def f(x):\n    return x ** 2  # ünïcödé"
     assert second.decode(second(text)["input_ids"]) == text  # byte-level: any text round-trips
-    assert sorted(p.name for p in (tmp_path / "tokenizers").iterdir()) == ["bpe-300-fp1-256mb"]  # no lock left
+    assert sorted(p.name for p in (tmp_path / "tokenizers").iterdir()) == ["bpe-v2-300-fp1-256mb"]  # no lock left
 
 
 def test_tokenizer_sample_is_bounded_and_spread_over_the_corpus(tmp_path):

@@ -1,0 +1,99 @@
+"""The chat template: which one a run uses, and rendering a conversation with it.
+
+Rendering is transformers' own (`render_jinja_template`, what `apply_chat_template` calls), with
+the tokenizer's special tokens as template variables, so a conversation is the text the model
+will see from transformers pipelines and inference servers. The template is the tokenizer's
+`chat_template`, or the file named by data.chat_template, or for a tokenizer without one (a
+model built from scratch, whose tokenizer cputrain trains) the built-in ChatML template below.
+Its two special tokens are in every tokenizer cputrain trains.
+
+    <|im_start|>system
+    You are terse.<|im_end|>
+    <|im_start|>user
+    What is a list?<|im_end|>
+    <|im_start|>assistant
+    A mutable sequence.<|im_end|>
+
+An assistant turn is trained from after `<|im_start|>assistant\\n` through its `<|im_end|>` and
+the newline after it: the model learns to end its turn, and generation stops at `<|im_end|>`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cputrain.errors import DataError, one_line
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+BUILTIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ROLES = ("system", "user", "assistant")
+
+
+def template_of(tokenizer, template_file: str | None) -> str:
+    """The template a run renders with: data.chat_template's file, the tokenizer's, or the built-in one."""
+    if template_file:
+        path = Path(template_file).expanduser()
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise DataError(f"data.chat_template '{template_file}' cannot be read ({exc.strerror}); "
+                            "name a Jinja file") from None
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, str) and own:
+        return own
+    if IM_START not in tokenizer.get_vocab() or IM_END not in tokenizer.get_vocab():
+        raise DataError("the tokenizer has no chat template and lacks the built-in template's tokens "
+                        f"{IM_START} and {IM_END}; set data.chat_template to a Jinja file for this tokenizer")
+    return BUILTIN_TEMPLATE
+
+
+def template_variables(tokenizer) -> dict[str, str]:
+    """What apply_chat_template passes a template besides the messages: the special tokens' text."""
+    names = ("bos_token", "eos_token", "pad_token", "unk_token")
+    return {name: str(getattr(tokenizer, name)) for name in names if getattr(tokenizer, name, None) is not None}
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Token ids at which a chat answer ends: EOS, and the template's end-of-turn tokens the
+    tokenizer knows (ChatML's, Llama-3's)."""
+    vocab = tokenizer.get_vocab()
+    ids = [tokenizer.eos_token_id] + [vocab[t] for t in (IM_END, "<|eot_id|>", "<|end|>") if t in vocab]
+    return sorted({i for i in ids if i is not None})
+
+
+def render(template: str, messages: list[dict], variables: dict, add_generation_prompt: bool = False) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                            add_generation_prompt=add_generation_prompt, **variables)
+    except Exception as exc:  # jinja's own message names the problem
+        raise DataError(f"the chat template failed to render a conversation: {one_line(exc)}") from None
+    return rendered[0]
+
+
+def assistant_spans(template: str, messages: list[dict], variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns.
+
+    Turn i spans from the end of the conversation before it rendered with the generation prompt
+    to the end of the conversation through it. A template that renders an earlier part of the
+    conversation differently once more turns follow cannot be split so, and is refused.
+    """
+    text = render(template, messages, variables)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(template, messages[:i], variables, add_generation_prompt=True)
+        through = render(template, messages[: i + 1], variables)
+        if not (text.startswith(before) and text.startswith(through) and through.startswith(before)):
+            raise DataError("the chat template renders the start of a conversation differently once more turns "
+                            f"follow (turn {i + 1}), so the answers cannot be found in it; set data.chat_template "
+                            "to a template whose rendering of a conversation starts with that of each prefix")
+        spans.append((len(before), len(through)))
+    return text, spans
