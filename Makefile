@@ -1,12 +1,13 @@
 # Two commands set up a fresh machine that has python3 and pip:
 #   make demo   install, then train the built-in demo (about 3 minutes on 2 cores)
 #   make test   install with the test tools, then run the test suite
+#   make demo-sft  the demo, then supervised fine-tuning of its model on chat data (configs/demo-sft.yaml)
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
 EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb
 
-.PHONY: demo test install install-test
+.PHONY: demo demo-sft test install install-test
 
 install:
 	bash scripts/install.sh
@@ -16,6 +17,11 @@ install-test:
 
 demo: install
 	$(VENV)/bin/cputrain train
+
+demo-sft: install
+	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
+	$(VENV)/bin/cputrain train configs/demo-sft.yaml
+	$(VENV)/bin/cputrain generate runs/demo-sft --chat 'What is The "assert" statement in Python?' --temperature 0
 
 test: install-test
 	$(VENV)/bin/python -m pytest -q

@@ -203,6 +203,8 @@ def cmd_eval(args) -> int:
 
     if args.max_sequences < 1:
         raise UserError("--max-sequences must be at least 1")
+    if args.config and "=" in args.config and not Path(args.config).exists():
+        args.overrides, args.config = [args.config, *args.overrides], None  # `eval RUN key=value …`: no config named
     run_config = Path(args.path) / "config.yaml"
     config_path = args.config or (str(run_config) if run_config.is_file() else None)
     cfg = _resolved_here(config_path, args.overrides)
