@@ -133,7 +133,8 @@ def cmd_train(args) -> int:
             print(f"{key:<34} {default:<22} {doc}")
         return 0
     config_path, overrides = _config_and_overrides(args)
-    from cputrain.distributed.launcher import launch, pet_overrides
+    from cputrain.distributed.agent import pet_overrides
+    from cputrain.launch import launch
 
     flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
              "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}

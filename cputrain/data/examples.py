@@ -105,7 +105,7 @@ class ExampleData:
         s = self.stats
         how = (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "
                f"({s['packing_efficiency']:.1%} filled)" if s["packing"] else
-               f"one per row, each micro-batch padded to its longest (data.packing=false)")
+               "one per row, each micro-batch padded to its longest (data.packing=false)")
         return (f"{s['format']}: {s['train_examples']} train + {s['val_examples']} validation examples, "
                 f"{s['train_tokens']} train tokens of which {s['trained_token_share']:.1%} trained; {how}; "
                 f"skipped {s['skipped_no_answer']} without an answer, dropped {s['dropped_long']} longer than "

@@ -34,7 +34,7 @@ from cputrain.data.tokenize_chunk import portable_tokenizer, tokenize_rows
 from cputrain.data.examples import ExampleData, open_examples
 from cputrain.data.tokenize_examples import ExampleSpec
 from cputrain.errors import DataError
-from cputrain.metrics.tree_memory import TreeMemory
+from cputrain.data.tree_memory import TreeMemory
 
 log = logging.getLogger("cputrain")
 

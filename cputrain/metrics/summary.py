@@ -30,7 +30,7 @@ def summary_table(s: dict) -> list[str]:
         ("validation loss", f"{fmt(s.get('first_val_loss'), '.4f')} → {fmt(s.get('val_loss'), '.4f')}"),
         ("validation perplexity", fmt(s.get("val_ppl"), ".2f")),
         ("tokens/s (all processed)", fmt(s.get("tokens_per_s"), ",.0f")),
-        ("trained tokens/s (with loss)", fmt(s.get("trained_tokens_per_s"), ",.0f")),
+        ("useful tokens/s (with loss)", fmt(s.get("trained_tokens_per_s"), ",.0f")),
         ("MFU (theoretical peak)", fmt(s.get("mfu"), ".1%")),
         ("MFU (measured matmul peak)", fmt(s.get("mfu_of_measured_peak"), ".1%")),
         ("peak RSS (GiB)", fmt(s.get("peak_rss_gib"), ".2f")),

@@ -101,7 +101,8 @@ def test_killed_preparation_resumes_where_it_stopped(tmp_path, tokenizer_dir):
 
 
 def test_two_ranks_wait_for_a_preparation_longer_than_the_collective_timeout(tmp_path, tokenizer_dir):
-    corpus = write_jsonl(tmp_path / "c.jsonl", 24 * 10**6)
+    # large enough that preparing it outlasts twice the timeout on a fast core (24 MB took 5.3 s on a Zen 4 EPYC)
+    corpus = write_jsonl(tmp_path / "c.jsonl", 48 * 10**6)
     cache = tmp_path / "cache"
     timeout_s = 3
     proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache, **{

@@ -10,6 +10,7 @@ import sys
 import time
 
 from cputrain.data.cache_lock import WriterLock, build_once
+from cputrain.locks.heartbeat_lock import machine
 
 
 def test_one_holder_at_a_time_and_release(tmp_path):
@@ -38,13 +39,34 @@ def test_silent_holder_is_taken_over_after_the_stale_time(tmp_path):
     taker.release()
 
 
-def test_dead_holder_on_this_host_is_taken_over_at_once(tmp_path):
+def test_dead_holder_on_this_machine_is_taken_over_at_once(tmp_path):
     path = tmp_path / "x.lock"
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(child.stdout), "pid_started": 0.0}))
+    path.write_text(json.dumps({**machine(), "pid": int(child.stdout), "pid_start": "1", "heartbeat_s": time.time()}))
     lock = WriterLock(path, stale_after_s=3600)  # its heartbeat is fresh, but its process is gone
     assert lock.try_acquire()
     lock.release()
+
+
+def test_two_holders_with_one_host_name_are_two_machines(tmp_path):
+    """A pod rescheduled under its name, or Indexed Job pods on several nodes, share a host name and
+    a cache on a shared volume. The other pod's pid cannot be looked up here: its live lock holds
+    for as long as it beats, and is taken over only once its heartbeat is older than the limit."""
+    path = tmp_path / "x.lock"
+    gone_here = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other_pod = {"host": socket.gethostname(), "boot_id": "another-boot", "pid_namespace": "pid:[1]",
+                 "pid": int(gone_here.stdout), "pid_start": "1", "token": "other"}
+    path.write_text(json.dumps({**other_pod, "heartbeat_s": time.time() - 5}))
+    assert not WriterLock(path, stale_after_s=60).try_acquire()  # alive elsewhere: not ours to take
+    assert json.loads(path.read_text())["token"] == "other"
+    for same_boot_other_namespace in ({"boot_id": machine()["boot_id"]},):  # a container on this node
+        path.write_text(json.dumps({**other_pod, **same_boot_other_namespace, "heartbeat_s": time.time()}))
+        assert not WriterLock(path, stale_after_s=60).try_acquire()
+    path.write_text(json.dumps({**other_pod, "heartbeat_s": time.time() - 61}))  # it stopped beating
+    taker = WriterLock(path, stale_after_s=60)
+    assert taker.try_acquire()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    taker.release()
 
 
 def test_heartbeat_keeps_a_live_holder(tmp_path):

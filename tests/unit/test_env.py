@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cputrain.distributed.env import normalize, started_by_launcher
-from cputrain.distributed.launcher import pet_overrides
+from cputrain.distributed.agent import pet_overrides
 from cputrain.errors import ConfigError
 
 

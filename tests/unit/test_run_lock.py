@@ -12,7 +12,8 @@ import fsspec
 import pytest
 
 from cputrain.run_folder.layout import RunFolder
-from cputrain.run_folder.run_lock import LOCK_NAME, RunLock, _machine, _process_start
+from cputrain.locks.heartbeat_lock import machine as _machine, process_start as _process_start
+from cputrain.run_folder.run_lock import LOCK_NAME, RunLock
 from cputrain.errors import RunFolderError
 
 

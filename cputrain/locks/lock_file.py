@@ -1,4 +1,4 @@
-"""The few atomic file operations a run folder's lock needs, on a local path and on an fsspec URL.
+"""The few atomic file operations a lock needs, on a local path and on an fsspec URL.
 
     create   make the file only if it does not exist     local: O_CREAT|O_EXCL   fsspec: mode "xb"
     replace  swap in new content whole                    local: temp + rename    fsspec: one put
@@ -16,8 +16,7 @@ a race stops at its next heartbeat instead of writing beside the other.
 from __future__ import annotations
 
 import os
-
-from cputrain.run_folder.layout import RunFolder
+import uuid
 
 
 class LocalLockFile:
@@ -65,6 +64,27 @@ class LocalLockFile:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)  # a reader sees the old content or the new, never a part
 
+    def remove_if(self, data: bytes) -> bool:
+        """Remove the file only if it still holds `data` (a holder judged stale). The file is moved
+        aside atomically first, so of several processes that judged it stale only one removes it;
+        a fresh lock moved aside by a late one is put back."""
+        aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        with open(aside, "rb") as f:
+            moved = f.read()
+        if moved != data:
+            try:
+                os.link(aside, self.path)  # back where it was, unless a newer lock is there already
+            except FileExistsError:
+                pass
+            os.unlink(aside)
+            return False
+        os.unlink(aside)
+        return True
+
     def remove(self) -> None:
         try:
             os.unlink(self.path)
@@ -80,8 +100,8 @@ class LocalLockFile:
 
 
 class FsspecLockFile:
-    def __init__(self, run: RunFolder, path: str):
-        self.fs, self.path = run.fs, path
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
 
     def create(self, data: bytes) -> bool:
         try:
@@ -110,13 +130,16 @@ class FsspecLockFile:
     def replace(self, data: bytes, tag: str) -> None:
         self.fs.pipe_file(self.path, data)  # one object put: whole or not at all
 
+    def remove_if(self, data: bytes) -> bool:
+        """Remove the file only if it still holds `data`. An object store has no rename: this looks,
+        then deletes, leaving a window of one round trip (the heartbeat catches what slips through)."""
+        if self.read() != data:
+            return False
+        self.remove()
+        return True
+
     def remove(self) -> None:
         try:
             self.fs.rm(self.path)
         except FileNotFoundError:
             pass
-
-
-def lock_file(run: RunFolder, name: str) -> LocalLockFile | FsspecLockFile:
-    local = run.local_path()
-    return LocalLockFile(os.path.join(local, name)) if local is not None else FsspecLockFile(run, run.path(name))

@@ -1,16 +1,11 @@
-"""Starting the ranks: in this process, or N per node through torchrun's elastic agent.
-
-    started by torchrun / mpirun (RANK or OMPI_COMM_WORLD_RANK … set)  → run the worker here
-    launch.nproc_per_node × launch.nnodes > 1                          → torchrun's agent starts
-                                                                         `python -m cputrain train …`
-    otherwise                                                          → one rank, here
+"""torchrun's elastic agent, started by cputrain: what it starts on this node (NodeLaunch), its
+command line, and its failures as one line.
 
 The agent is torch.distributed.run's own (its argument parser, LaunchConfig and
 elastic_launch), with a c10d rendezvous: the node with node_rank 0 hosts the store at
 rdzv_endpoint, the others connect to it. Restarts after a lost rank (launch.max_restarts)
-are the agent's; each restarted rank resumes from the newest complete checkpoint. Before
-anything starts, the plan is checked (node rank in range, batch divisible, port free) so a
-bad flag fails at once on every node instead of as a hang.
+are the agent's; each restarted rank resumes from the newest complete checkpoint. Deciding
+what to start, and whether to start the agent at all, is cputrain.launch's.
 """
 
 from __future__ import annotations
@@ -21,16 +16,12 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cputrain.config import Config
-from cputrain.distributed.allocator import AllocatorChoice, choose_allocator, preload_env
-from cputrain.distributed.env import started_by_launcher
-from cputrain.distributed.placement import core_sets
+from cputrain.distributed.allocator import AllocatorChoice, preload_env
 from cputrain.errors import ConfigError, UserError
-from cputrain.hardware import HardwareFacts
-from cputrain.resolve import AGENT_SETTINGS_VAR, resolve, settings_of
+from cputrain.resolve import AGENT_SETTINGS_VAR
 
 log = logging.getLogger("cputrain")
 
@@ -112,53 +103,22 @@ class NodeLaunch:
         return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
+def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"launch.rdzv_endpoint '{endpoint}' must be host:port, e.g. 10.0.0.1:29400")
     return host, int(port)
 
 
-def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> NodeLaunch:
-    """Everything decided before a rank starts, with reasons; raises on bad input."""
-    from cputrain.distributed.placement import cpus_for_rank
-    env = os.environ if environ is None else environ
-    launch = cfg.launch
-    if launch.node_rank >= launch.nnodes:
-        raise LaunchError(f"--node-rank {launch.node_rank} is out of range for --nnodes {launch.nnodes}; "
-                          f"use 0 … {launch.nnodes - 1}")
-    if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address), "
-                          "or PET_MASTER_ADDR and PET_MASTER_PORT")
-    endpoint = launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
-    _split_endpoint(endpoint)
-    world = launch.nnodes * launch.nproc_per_node
-    res = resolve(cfg, hw, world, launch.nproc_per_node)  # raises if the world size does not divide the batch
-    res.note("launch.nproc_per_node", launch.nproc_per_node,
-             "ranks on this node, each with threads = cores ÷ ranks (not torchrun's OMP_NUM_THREADS=1)")
-    threads = res.config.hardware.threads
-    sets = core_sets(hw, launch.nproc_per_node)
-    plan = NodeLaunch(
-        nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, node_rank=launch.node_rank,
-        endpoint=endpoint, is_host=launch.node_rank == 0,
-        allocator=choose_allocator(res.config.hardware.allocator, env),
-        reasons=res.reasons, settings=settings_of(res.config), placement_reason=sets.reason if res.config.hardware.pin_cores else "pinning off (hardware.pin_cores=false)",
-    )
-    for local in range(launch.nproc_per_node):
-        cpus = cpus_for_rank(hw, local, launch.nproc_per_node, res.config) if res.config.hardware.pin_cores else None
-        plan.ranks.append(RankPlacement(launch.node_rank * launch.nproc_per_node + local, local, threads, cpus))
-    return plan
-
-
 def check_port_free(endpoint: str) -> None:
     """The hosting node binds the rendezvous port; fail now, naming it, if something holds it."""
-    host, port = _split_endpoint(endpoint)
+    host, port = split_endpoint(endpoint)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("" if host not in ("127.0.0.1", "localhost") else host, port))
@@ -194,7 +154,7 @@ def _route_address(endpoint: str) -> str:
     """This node's address on the route to the rendezvous host (a UDP connect sends nothing).
     The agent advertises it to the other nodes; the host name may resolve to an address they
     cannot reach (containers, several interfaces)."""
-    host, port = _split_endpoint(endpoint)
+    host, port = split_endpoint(endpoint)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, port))
@@ -260,44 +220,3 @@ def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
         raise LaunchError(f"could not reach the rendezvous endpoint {plan.endpoint} within "
                           f"{cfg.launch.rdzv_timeout_s}s ({cause[:160]}); check that node 0 runs "
                           "`cputrain train --node-rank 0` there and that the port is open") from None
-
-
-def launch(cfg: Config, worker_args: list[str], run_here: Callable[[], dict], dry_run: bool = False) -> dict | None:
-    """Run `cputrain train` here (`run_here`, the worker) or through the agent; returns rank 0's
-    summary when it ran here. The worker is passed in, so this package never imports upward."""
-    from cputrain.distributed.env import normalize
-    from cputrain.distributed.env_check import check_rank_variables, wait_for_master
-    from cputrain.hardware import detect
-    from cputrain.preflight import check_before_work
-
-    # Everything that can be refused without data or weights is refused now, before any rank
-    # starts or waits: leftover rank variables, the run folder, the model config.
-    check_rank_variables()
-    outside = started_by_launcher()
-    writer = not outside or normalize(dict(os.environ)).rank == 0  # ranks do not probe the folder at once
-    check_before_work(cfg, probe_output_dir=writer)
-    if outside and not dry_run:
-        wait_for_master(cfg.launch.rdzv_timeout_s)
-    if outside or cfg.launch.nproc_per_node * cfg.launch.nnodes == 1:
-        if dry_run:
-            ranks = normalize(dict(os.environ))
-            single = cfg.model_copy(deep=True)
-            single.launch.nnodes, single.launch.nproc_per_node = 1, ranks.local_world_size
-            single.launch.node_rank = 0
-            plan = node_launch(single, detect())
-            plan.ranks = [r for r in plan.ranks if r.local_rank == ranks.local_rank]
-            for r in plan.ranks:
-                r.rank = ranks.rank
-            print(f"started by {ranks.launcher}: rank {ranks.rank} of {ranks.world_size}")
-            print("\n".join(plan.lines()))
-            return {}
-        return run_here()
-    plan = node_launch(cfg, detect())
-    if dry_run:
-        print("\n".join(plan.lines()))
-        print("  agent: torchrun " + " ".join(torchrun_args(plan, cfg, worker_args)))
-        return {}
-    for line in plan.lines():
-        log.info(line)
-    run_agent(plan, cfg, worker_args)
-    return {}
