@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.report import machine_line, median, write_block  # noqa: E402
-from cputrain.metrics.tree_memory import TreeMemory  # noqa: E402
+from cputrain.data.tree_memory import TreeMemory  # noqa: E402
 
 GIB = 2**30
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
