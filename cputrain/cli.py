@@ -127,7 +127,7 @@ def _config_and_overrides(args) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args) -> int:
-    from cputrain.config import describe_fields, load_config
+    from cputrain.config_file import describe_fields, load_config
     if args.help_config:
         for key, default, doc in describe_fields():
             print(f"{key:<34} {default:<22} {doc}")
@@ -222,7 +222,7 @@ def cmd_eval(args) -> int:
 
 def _resolved_here(config_path, overrides):
     """A config with its "auto" values resolved for one process on this machine."""
-    from cputrain.config import load_config
+    from cputrain.config_file import load_config
     from cputrain.hardware import detect
     from cputrain.resolve import resolve
 

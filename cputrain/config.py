@@ -3,19 +3,17 @@
 Every section is a pydantic model with `extra="forbid"`, so an unknown key is refused; the
 docstring under each field is its documentation (pydantic keeps it as the field description,
 which `cputrain train --help-config` prints). Values left at "auto" are resolved later, with
-a reason, by `cputrain.resolve` once the hardware is known.
+a reason, by `cputrain.resolve` once the hardware is known, into a read-only
+`cputrain.resolved_config.ResolvedConfig`. Reading YAML and overrides is `cputrain.config_file`'s.
 """
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cputrain.errors import ConfigError
 
 
 # The demo's model: a small Llama (~5M parameters with a 4096-token vocabulary).
@@ -412,182 +410,3 @@ class Config(Section):
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-# --------------------------------------------------------------------------------------------
-# Resolved: what cputrain.resolve returns, with no "auto" left, so code downstream takes a
-# thread count as an int and a precision as a torch dtype without casting.
-
-
-# Read-only: after resolution nothing in a run may change the config (a value changed in the middle
-# of setup would be seen by some parts of the run and not by others).
-_READ_ONLY = ConfigDict(frozen=True)
-
-
-class ResolvedHardwareConfig(HardwareConfig):
-    model_config = _READ_ONLY
-    precision: Literal["fp32", "bf16"]
-    threads: int = Field(gt=0)
-
-    @property
-    def dtype(self):
-        """The compute dtype: torch.bfloat16 or torch.float32."""
-        import torch
-
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
-
-
-class ResolvedLoraConfig(LoraConfig):
-    model_config = _READ_ONLY
-
-
-class ResolvedModelConfig(ModelConfig):
-    model_config = _READ_ONLY
-    compile: bool
-    lora: ResolvedLoraConfig
-    # attn_implementation may still be "auto" here: it is timed on the model's shape once the
-    # process group exists (resolve.with_attention), and a model is built only after that.
-
-
-class ResolvedDataConfig(DataConfig):
-    model_config = _READ_ONLY
-    num_proc: int = Field(gt=0)
-
-
-class ResolvedTrainConfig(TrainConfig):
-    model_config = _READ_ONLY
-
-
-class ResolvedParallelConfig(ParallelConfig):
-    model_config = _READ_ONLY
-    strategy: Literal["single", "ddp", "fsdp", "zero3"]
-    backend: Literal["gloo", "ccl"]
-
-
-class ResolvedLaunchConfig(LaunchConfig):
-    model_config = _READ_ONLY
-
-
-class ResolvedConfig(Config):
-    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value, read-only."""
-
-    model_config = _READ_ONLY
-    model: ResolvedModelConfig
-    data: ResolvedDataConfig
-    train: ResolvedTrainConfig
-    hardware: ResolvedHardwareConfig
-    parallel: ResolvedParallelConfig
-    launch: ResolvedLaunchConfig
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-
-
-def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model_cls.model_fields.items():
-        dotted = f"{prefix}{name}"
-        keys.append(dotted)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(_all_keys(ann, dotted + "."))
-    return keys
-
-
-def _nearest_key(key: str) -> str | None:
-    keys = _all_keys(Config)
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    if not match:  # a right name under the wrong section: "train.seq_len" -> "data.seq_len"
-        leaf = key.rsplit(".", 1)[-1]
-        match = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(
-            leaf, keys, n=1, cutoff=0.75
-        )
-    return match[0] if match else None
-
-
-def _first_error(err: ValidationError) -> str:
-    e = err.errors()[0]
-    key = ".".join(str(p) for p in e["loc"])
-    if e["type"] == "extra_forbidden":
-        hint = _nearest_key(key)
-        return f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
-    if not key:
-        return e["msg"].removeprefix("Value error, ")
-    return f"bad value for '{key}' ({e.get('input')!r}): {e['msg'].removeprefix('Value error, ')}"
-
-
-def _parse_value(text: str) -> Any:
-    # YAML scalars: "20" -> 20, "3e-4" -> 0.0003, "true" -> True, "null" -> None, "[1,2]" -> list
-    value = yaml.safe_load(text) if text != "" else ""
-    if isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" as a string; people mean a number
-            return float(value) if any(c in value for c in "eE") and value[0] in "0123456789.-" else value
-        except ValueError:
-            return value
-    return value
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not key=value; write it like train.max_steps=20")
-        key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = raw
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = _parse_value(text)
-    return raw
-
-
-def named_file_text(path: str | Path, missing: str) -> str:
-    """The text of a file the user named; `missing` is the one-line error when it is no file."""
-    if not Path(path).is_file():
-        raise ConfigError(missing)
-    return Path(path).read_text()
-
-
-def read_yaml(path: str | Path) -> dict:
-    text = named_file_text(path, f"config file '{path}' not found; pass an existing YAML file or none for the default run")
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"malformed YAML in '{path}'{where}: {problem}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"'{path}' must hold a mapping of sections (model:, data:, train: …), not {type(raw).__name__}")
-    return raw
-
-
-def validate(raw: dict) -> Config:
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_first_error(err)) from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    raw = read_yaml(path) if path else {}
-    return validate(apply_overrides(raw, list(overrides or [])))
-
-
-def describe_fields(model_cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field: the reference printed by --help-config."""
-    rows = []
-    for name, field in model_cls.model_fields.items():
-        ann = field.annotation
-        dotted = f"{prefix}{name}"
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe_fields(ann, dotted + "."))
-        else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((dotted, repr(default), " ".join((field.description or "").split())))
-    return rows

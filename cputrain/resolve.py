@@ -11,7 +11,9 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from cputrain.config import Config, ResolvedConfig, batch_error
+from cputrain.config import Config, batch_error
+
+from cputrain.resolved_config import ResolvedConfig
 from cputrain.errors import ConfigError
 from cputrain.hardware import HardwareFacts
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cputrain import model as models
-from cputrain.config import ResolvedConfig
+from cputrain.resolved_config import ResolvedConfig
 from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from cputrain.config import Config, ResolvedConfig
+from cputrain.config import Config
+
+from cputrain.resolved_config import ResolvedConfig
 from cputrain.distributed.env import RankEnv, normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging

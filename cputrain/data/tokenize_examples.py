@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cputrain.data.chat_template import ROLES, assistant_spans
+from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow
 from cputrain.errors import DataError
 
 _state: dict = {}  # set once per process by init_worker
@@ -59,10 +60,8 @@ def init_worker(arrow_files: list[str] | None, dataset, spec: ExampleSpec, token
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     from tokenizers import Tokenizer
 
-    from cputrain.data.tokenize_chunk import open_arrow
-
-    _state.update(dataset=dataset if arrow_files is None else open_arrow(arrow_files), spec=spec,
-                  tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype))
+    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), spec=spec,
+                  tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype), chars_since_open=0)
 
 
 def _record_error(row: int, what: str) -> DataError:
@@ -154,6 +153,12 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
         lengths_out.append(len(ids))
         counts["val_examples" if is_val else "train_examples"] += 1
         counts["val_trained_tokens" if is_val else "trained_tokens"] += int(sum(mask))
+    # Pages of a mapped file that were read stay in the RSS until unmapped: remap now and then, so a
+    # worker's memory does not grow with the corpus (as tokenize_chunk does for text).
+    s["chars_since_open"] += counts["text_chars"]
+    if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
+        s["dataset"] = None
+        s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
     parts = {}
     for name, (ids_out, masks_out, lengths_out) in split.items():
         parts[f"{name}.bin"] = np.asarray(ids_out, dtype=dtype)

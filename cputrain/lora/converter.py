@@ -8,7 +8,7 @@ import logging
 
 from torch import nn
 
-from cputrain.config import ResolvedConfig
+from cputrain.resolved_config import ResolvedConfig
 from cputrain.lora import base_model
 from cputrain.lora.adapters import ADAPTER, add_adapters, base_file_name, fill_adapters, is_adapter_parameter
 from cputrain.model_converter import ModelConverter

@@ -7,7 +7,7 @@ import os
 
 def load_run_config(config_path: str | None, overrides: list[str]):
     """The same config `cputrain train` would read: a YAML file and dotted key=value overrides."""
-    from cputrain.config import load_config
+    from cputrain.config_file import load_config
 
     overrides = list(overrides)
     if config_path and "=" in config_path and not os.path.exists(config_path):

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cputrain.config import Config, load_config, read_yaml
+from cputrain.config import Config
+
+from cputrain.config_file import load_config, read_yaml
 from cputrain.hardware import detect
 from cputrain.resolve import resolve
 

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cputrain"
 # modules of its own unit; nothing in its own layer or above.
 LAYERS = [
     ["errors", "log", "hardware", "kernels"],  # facts and kernels: no project imports
-    ["config", "model_config_file", "locks"],  # the typed config; lock files
+    ["config", "model_config_file", "locks"],  # the typed config sections; lock files
+    ["config_file", "resolved_config"],  # YAML and overrides; the read-only resolved config
     ["resolve"],  # every "auto" → a value, from the hardware
     ["distributed"],  # rank variables, placement, the agent, the process group, communication
     ["native_libs", "model", "optim"],  # the Hugging Face model skeleton and its loading; AdamW

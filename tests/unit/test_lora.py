@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from cputrain import model as models
-from cputrain.config import LLAMA_PROJECTIONS, Config, LoraConfig, ModelConfig, load_config
+from cputrain.config import LLAMA_PROJECTIONS, Config, LoraConfig, ModelConfig
+from cputrain.config_file import load_config
 from cputrain.errors import ConfigError, ModelError, RunFolderError
 from cputrain.lora.adapters import add_adapters, base_file_name, fill_adapters, is_adapter_parameter, target_modules
 

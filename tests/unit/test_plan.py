@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cputrain.config import load_config
+from cputrain.config_file import load_config
 from cputrain.errors import ConfigError, ModelError
 from cputrain.plan.accounting import fsdp_rows, state_bytes
 from cputrain.plan.build import make_plan

@@ -1,0 +1,124 @@
+"""A config from a YAML file and dotted `key=value` overrides, validated before any work: an
+unknown key names the nearest valid one, a bad value names its key, and `--help-config` lists
+every key with its default and documentation."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from cputrain.config import Config
+from cputrain.errors import ConfigError
+
+
+def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, dotted + "."))
+    return keys
+
+
+def _nearest_key(key: str) -> str | None:
+    keys = _all_keys(Config)
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not match:  # a right name under the wrong section: "train.seq_len" -> "data.seq_len"
+        leaf = key.rsplit(".", 1)[-1]
+        match = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(
+            leaf, keys, n=1, cutoff=0.75
+        )
+    return match[0] if match else None
+
+
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        hint = _nearest_key(key)
+        return f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
+    if not key:
+        return e["msg"].removeprefix("Value error, ")
+    return f"bad value for '{key}' ({e.get('input')!r}): {e['msg'].removeprefix('Value error, ')}"
+
+
+def _parse_value(text: str) -> Any:
+    # YAML scalars: "20" -> 20, "3e-4" -> 0.0003, "true" -> True, "null" -> None, "[1,2]" -> list
+    value = yaml.safe_load(text) if text != "" else ""
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" as a string; people mean a number
+            return float(value) if any(c in value for c in "eE") and value[0] in "0123456789.-" else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value; write it like train.max_steps=20")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(text)
+    return raw
+
+
+def named_file_text(path: str | Path, missing: str) -> str:
+    """The text of a file the user named; `missing` is the one-line error when it is no file."""
+    if not Path(path).is_file():
+        raise ConfigError(missing)
+    return Path(path).read_text()
+
+
+def read_yaml(path: str | Path) -> dict:
+    text = named_file_text(path, f"config file '{path}' not found; pass an existing YAML file or none for the default run")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"malformed YAML in '{path}'{where}: {problem}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{path}' must hold a mapping of sections (model:, data:, train: …), not {type(raw).__name__}")
+    return raw
+
+
+def validate(raw: dict) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_first_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    raw = read_yaml(path) if path else {}
+    return validate(apply_overrides(raw, list(overrides or [])))
+
+
+def describe_fields(model_cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field: the reference printed by --help-config."""
+    rows = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        dotted = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, dotted + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((dotted, repr(default), " ".join((field.description or "").split())))
+    return rows

@@ -1,0 +1,74 @@
+"""The config after cputrain.resolve: the same keys and dump, every "auto" a value, and read-only,
+so code downstream takes a thread count as an int and a precision as a torch dtype without
+casting, and nothing in a run can change a value that other parts of it have already read."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from cputrain.config import (Config, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
+                             ParallelConfig, TrainConfig)
+
+# Read-only: after resolution nothing in a run may change the config (a value changed in the middle
+# of setup would be seen by some parts of the run and not by others).
+_READ_ONLY = ConfigDict(frozen=True)
+
+
+class ResolvedHardwareConfig(HardwareConfig):
+    model_config = _READ_ONLY
+    precision: Literal["fp32", "bf16"]
+    threads: int = Field(gt=0)
+
+    @property
+    def dtype(self):
+        """The compute dtype: torch.bfloat16 or torch.float32."""
+        import torch
+
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+
+class ResolvedLoraConfig(LoraConfig):
+    model_config = _READ_ONLY
+
+
+class ResolvedModelConfig(ModelConfig):
+    model_config = _READ_ONLY
+    compile: bool
+    lora: ResolvedLoraConfig
+    # attn_implementation may still be "auto" here: it is timed on the model's shape once the
+    # process group exists (resolve.with_attention), and a model is built only after that.
+
+
+class ResolvedDataConfig(DataConfig):
+    model_config = _READ_ONLY
+    num_proc: int = Field(gt=0)
+
+
+class ResolvedTrainConfig(TrainConfig):
+    model_config = _READ_ONLY
+
+
+class ResolvedParallelConfig(ParallelConfig):
+    model_config = _READ_ONLY
+    strategy: Literal["single", "ddp", "fsdp", "zero3"]
+    backend: Literal["gloo", "ccl"]
+
+
+class ResolvedLaunchConfig(LaunchConfig):
+    model_config = _READ_ONLY
+
+
+class ResolvedConfig(Config):
+    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value, read-only."""
+
+    model_config = _READ_ONLY
+    model: ResolvedModelConfig
+    data: ResolvedDataConfig
+    train: ResolvedTrainConfig
+    hardware: ResolvedHardwareConfig
+    parallel: ResolvedParallelConfig
+    launch: ResolvedLaunchConfig
+
+
