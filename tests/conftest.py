@@ -6,6 +6,7 @@ and its tokenizer a BPE trained with `tokenizers` on Python's own documentation.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,3 +119,28 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"{SHARED} is absent (shared data and schemas live beside the repository)")
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory):
+    """Conversations of very different lengths (answers of a few words to a few paragraphs), some
+    with a system prompt and two turns, so micro-batches hold different numbers of trained tokens."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    with open(path, "w") as f:
+        for i, name in enumerate(sorted(topics)):
+            paragraphs = [" ".join(p.split()) for p in topics[name].split("\n\n") if len(p.strip()) > 40]
+            answer = " ".join(paragraphs[: 1 + i % 3])[: 40 + 60 * (i % 5)]
+            messages = [{"role": "user", "content": f"What is {name}?"}, {"role": "assistant", "content": answer}]
+            if i % 3 == 0:
+                messages = [{"role": "system", "content": "Answer briefly."}] + messages + [
+                    {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def sft_overrides(chat_file) -> dict:
+    """What turns tiny_overrides into a chat fine-tuning run on `chat_file`."""
+    return {"data.source": chat_file, "data.format": "auto", "data.seq_len": 96, "data.max_documents": 80,
+            "data.val_fraction": 0.1, "model.arch.max_position_embeddings": 128}

@@ -8,34 +8,13 @@ import json
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from conftest import run_cli, sft_overrides, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def chat_file(tmp_path_factory):
-    """Conversations of very different lengths (answers of a few words to a few paragraphs), some
-    with a system prompt and two turns, so micro-batches hold different numbers of trained tokens."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
-    with open(path, "w") as f:
-        for i, name in enumerate(sorted(topics)):
-            paragraphs = [" ".join(p.split()) for p in topics[name].split("\n\n") if len(p.strip()) > 40]
-            answer = " ".join(paragraphs[: 1 + i % 3])[: 40 + 60 * (i % 5)]
-            messages = [{"role": "user", "content": f"What is {name}?"}, {"role": "assistant", "content": answer}]
-            if i % 3 == 0:
-                messages = [{"role": "system", "content": "Answer briefly."}] + messages + [
-                    {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
-
-
 def _sft(out, cache_dir, chat_file, **extra):
-    base = {"data.source": chat_file, "data.format": "auto", "data.seq_len": 96, "data.max_documents": 80,
-            "data.val_fraction": 0.1, "model.arch.max_position_embeddings": 128}
-    return tiny_overrides(out, cache_dir, **{**base, **extra})
+    return tiny_overrides(out, cache_dir, **{**sft_overrides(chat_file), **extra})
 
 
 def _rows(out) -> dict[int, dict]:

@@ -154,3 +154,21 @@ def test_packed_and_unpacked_give_the_same_loss_on_a_real_model(tiny_model_dir):
     b = summed_loss(model, unpacked, np.arange(len(unpacked)), 3)
     assert a[1] == b[1] > 0
     assert abs(a[0] / a[1] - b[0] / b[1]) < 1e-4
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_batch_without_trained_tokens_has_loss_zero_not_nan(tiny_model_dir, chunked):
+    from transformers import AutoModelForCausalLM
+
+    from cputrain.data.batch import Batch
+    from cputrain.kernels.chunked_loss import install_chunked_loss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if chunked:
+        install_chunked_loss(model)
+    ids = torch.randint(5, 100, (2, 16))
+    batch = Batch(ids, torch.full_like(ids, IGNORE_INDEX))
+    loss = model(**batch.model_inputs(), num_items_in_batch=1.0).loss  # the trainer's divisor is never 0
+    loss.backward()
+    assert batch.trained_targets == 0 and float(loss) == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
