@@ -22,9 +22,10 @@ from cputrain.config import Config
 from cputrain.distributed.agent import (LaunchError, NodeLaunch, RankPlacement, free_port, run_agent,
                                         split_endpoint, torchrun_args)
 from cputrain.distributed.allocator import choose_allocator
-from cputrain.distributed.env import started_by_launcher
-from cputrain.distributed.placement import core_sets
-from cputrain.hardware import HardwareFacts
+from cputrain.distributed.env import normalize, started_by_launcher
+from cputrain.distributed.env_check import check_rank_variables, wait_for_master
+from cputrain.distributed.placement import core_sets, cpus_for_rank
+from cputrain.hardware import HardwareFacts, detect
 from cputrain.preflight import check_before_work
 from cputrain.resolve import resolve, settings_of
 
@@ -33,7 +34,6 @@ log = logging.getLogger("cputrain")
 
 def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> NodeLaunch:
     """Everything decided before a rank starts, with reasons; raises on bad input."""
-    from cputrain.distributed.placement import cpus_for_rank
     env = os.environ if environ is None else environ
     launch = cfg.launch
     if launch.node_rank >= launch.nnodes:
@@ -65,9 +65,6 @@ def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> 
 def launch(cfg: Config, worker_args: list[str], run_here: Callable[[], dict], dry_run: bool = False) -> dict | None:
     """Run `cputrain train` here (`run_here`, the worker) or through the agent; returns rank 0's
     summary when it ran here."""
-    from cputrain.distributed.env import normalize
-    from cputrain.distributed.env_check import check_rank_variables, wait_for_master
-    from cputrain.hardware import detect
 
     # Everything that can be refused without data or weights is refused now, before any rank
     # starts or waits: leftover rank variables, the run folder, the model config.

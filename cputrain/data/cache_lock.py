@@ -57,7 +57,6 @@ def build_once(lock_path: Path, is_complete: Callable[[], bool], build: Callable
                stale_after_s: float, progress: Callable[[], str] = lambda: "") -> bool:
     """Build an entry exactly once among everyone sharing the folder. True if this process built it."""
     lock = WriterLock(lock_path, stale_after_s)
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
     waited_since, last_log = time.monotonic(), 0.0
     while not is_complete():
         if lock.try_acquire():

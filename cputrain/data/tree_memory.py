@@ -1,6 +1,6 @@
 """Peak memory of a process and everything it started, sampled in a background thread.
 
-A process's own high-water mark (metrics.memory) misses the workers it spawns. This sums the
+A process's own high-water mark (VmHWM) misses the workers it spawns. This sums the
 PSS (proportional set size) of the process and its descendants, so pages that forked or spawned
 workers share are counted once, and keeps the highest sum seen: what a node must hold for a
 job such as tokenizing with N processes.

@@ -9,14 +9,19 @@ that shares data.cache_dir).
      "stale_after_s": 120}
 
 A holder no longer counts, and its lock is taken over, when
-  - it is provably on this same machine (the same host name AND boot AND pid namespace) and its
-    process is gone, or its pid now belongs to another process (another start time);
+  - it is provably on this same machine (the same host name AND boot AND pid namespace, the last
+    two known) and its process is gone, or its pid now belongs to another process (another start
+    time);
   - its heartbeat is older than `stale_after_s` (a record without one is judged by the file's
     modification time); the hosts' clocks must agree to well within that;
   - the taker was told to (`take_over`).
 A host name alone says nothing: a pod rescheduled under its name, or Indexed Job pods on several
 nodes, share a host name but not a boot or a pid namespace, so a pid of theirs cannot be looked up
-here. Such a holder counts for as long as it beats.
+here. Such a holder counts for as long as it beats. So does one whose boot or pid namespace is
+unknown (no /proc): two such pods would otherwise be one machine by their host name alone.
+
+The holder learns at each heartbeat whether the file still holds its token; `assert_held` raises
+once it does not (cheap: it reads no file, so it may run before every write).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
 
+from cputrain.errors import one_line
 from cputrain.hardware import read_system_file
 
 log = logging.getLogger("cputrain")
@@ -41,6 +47,14 @@ TAKE_TRIES = 20  # rounds of create / judge / take over before giving up on a lo
 
 class LockContended(Exception):
     """Other processes kept taking the lock in every round."""
+
+
+class LockLost(Exception):
+    """Another process took the lock over; `holder` is its record ({} when the file was removed)."""
+
+    def __init__(self, holder: dict):
+        super().__init__("the lock was taken over" if holder else "the lock file was removed")
+        self.holder = holder
 
 
 def utc(seconds: float) -> str:
@@ -143,13 +157,22 @@ class HeartbeatLock:
         if self.take_over:
             return "told to take it over"
         pid = holder.get("pid")
-        same_machine = all(holder.get(k) == v for k, v in machine().items())
-        if same_machine and isinstance(pid, int) and process_start(pid) != holder.get("pid_start"):
-            return f"its process {pid} on this host has ended"
+        if self.same_machine(holder) and isinstance(pid, int):
+            started, recorded = process_start(pid), holder.get("pid_start")
+            # A pid alive here with no start time on record may be the holder: only the heartbeat tells.
+            if started is None or (recorded is not None and started != recorded):
+                return f"its process {pid} on this host has ended"
         age_s = holder["heartbeat_age_s"]
         if age_s > self.stale_after_s:
             return f"its last heartbeat is {age_s:.0f}s old (over {self.stale_after_s:.0f}s)"
         return None
+
+    @staticmethod
+    def same_machine(holder: dict) -> bool:
+        """Whether the holder's pid means a process here: same host name, boot and pid namespace."""
+        here = machine()
+        known = here["boot_id"] is not None and here["pid_namespace"] is not None
+        return known and all(holder.get(k) == v for k, v in here.items())
 
     def _encode(self) -> bytes:
         return (json.dumps(self.record, indent=1) + "\n").encode()
@@ -167,7 +190,12 @@ class HeartbeatLock:
                 self.record.update(heartbeat=utc(now), heartbeat_s=now)
                 self.file.replace(self._encode(), self.token)
             except Exception as exc:  # a file system hiccup: the next beat tries again
-                log.warning("%s: heartbeat failed (%s)", self.file.path, str(exc).splitlines()[0] if str(exc) else exc)
+                log.warning("%s: heartbeat failed (%s)", self.file.path, one_line(exc))
+
+    def assert_held(self) -> None:
+        """Raise LockLost if the last heartbeat found the lock taken over or removed."""
+        if self.lost is not None:
+            raise LockLost(self.lost)
 
     def release(self) -> None:
         """Stop beating and remove the file if it is still this process's (else leave it)."""
@@ -177,4 +205,5 @@ class HeartbeatLock:
             self._thread = None
         holder = self.holder()
         if holder is not None and holder.get("token") == self.token:
-            self.file.remove()
+            # Only these very bytes: a process that judged us stale meanwhile keeps its new lock.
+            self.file.remove_if(holder["_raw"])

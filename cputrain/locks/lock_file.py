@@ -1,8 +1,11 @@
 """The few atomic file operations a lock needs, on a local path and on an fsspec URL.
 
-    create   make the file only if it does not exist     local: O_CREAT|O_EXCL   fsspec: mode "xb"
-    replace  swap in new content whole                    local: temp + rename    fsspec: one put
-    remove   delete it
+    create      make it only if it does not exist     local: O_CREAT|O_EXCL         fsspec: mode "xb"
+    read        its bytes (None: no file)
+    modified_s  its modification time (judges a record that names no heartbeat)
+    replace     swap in new content whole             local: temp + rename          fsspec: one put
+    remove_if   delete it only if it holds given bytes local: rename aside, check   fsspec: look, delete
+    remove      delete it
 
 O_CREAT|O_EXCL is atomic on a local disk, on NFSv3 and later and on Lustre (FSx for Lustre), so
 of two runs creating the lock at once exactly one succeeds. On an object store there is no
@@ -31,11 +34,12 @@ class LocalLockFile:
             missing.append(folder)
             folder = os.path.dirname(folder)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self.made = self.made or missing
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        # Only the creator of the lock owns the folders made for it (a loser of the race owns none).
+        self.made = self.made or missing
         try:
             os.write(fd, data)
             os.fsync(fd)
@@ -83,6 +87,7 @@ class LocalLockFile:
             os.unlink(aside)
             return False
         os.unlink(aside)
+        self._remove_made_folders()
         return True
 
     def remove(self) -> None:
@@ -90,6 +95,9 @@ class LocalLockFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self._remove_made_folders()
+
+    def _remove_made_folders(self) -> None:
         # A run refused before it wrote anything (bad data, say) leaves no empty run folder.
         for folder in self.made:
             try:
@@ -143,3 +151,4 @@ class FsspecLockFile:
             self.fs.rm(self.path)
         except FileNotFoundError:
             pass
+

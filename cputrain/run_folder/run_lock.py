@@ -25,7 +25,7 @@ import os
 import time
 
 from cputrain.errors import RunFolderError, one_line
-from cputrain.locks.heartbeat_lock import HeartbeatLock, LockContended
+from cputrain.locks.heartbeat_lock import HeartbeatLock, LockContended, LockLost
 from cputrain.locks.lock_file import FsspecLockFile, LocalLockFile
 from cputrain.run_folder.layout import RunFolder
 
@@ -83,10 +83,12 @@ class RunLock:
 
     def assert_held(self) -> None:
         """Stop a run whose lock another run has taken over, before it writes beside it."""
-        if self.lock.lost is not None:
-            who = holder_text(self.lock.lost) if self.lock.lost else "the lock file was removed"
+        try:
+            self.lock.assert_held()
+        except LockLost as lost:
+            who = holder_text(lost.holder) if lost.holder else "the lock file was removed"
             raise RunFolderError(f"{LOCK_NAME} in output_dir '{self.run.url}' was taken over by another run ({who}); "
-                                 "this run stops so that only one run writes there")
+                                 "this run stops so that only one run writes there") from None
 
     def release(self) -> None:
         try:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from cputrain.data.cache_lock import WriterLock, build_once
+from cputrain.locks import heartbeat_lock
 from cputrain.locks.heartbeat_lock import machine
 
 
@@ -54,18 +55,33 @@ def test_two_holders_with_one_host_name_are_two_machines(tmp_path):
     for as long as it beats, and is taken over only once its heartbeat is older than the limit."""
     path = tmp_path / "x.lock"
     gone_here = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    other_pod = {"host": socket.gethostname(), "boot_id": "another-boot", "pid_namespace": "pid:[1]",
-                 "pid": int(gone_here.stdout), "pid_start": "1", "token": "other"}
-    path.write_text(json.dumps({**other_pod, "heartbeat_s": time.time() - 5}))
-    assert not WriterLock(path, stale_after_s=60).try_acquire()  # alive elsewhere: not ours to take
-    assert json.loads(path.read_text())["token"] == "other"
-    for same_boot_other_namespace in ({"boot_id": machine()["boot_id"]},):  # a container on this node
-        path.write_text(json.dumps({**other_pod, **same_boot_other_namespace, "heartbeat_s": time.time()}))
-        assert not WriterLock(path, stale_after_s=60).try_acquire()
-    path.write_text(json.dumps({**other_pod, "heartbeat_s": time.time() - 61}))  # it stopped beating
+    here = machine()
+    other_node = {"host": here["host"], "boot_id": "another-boot", "pid_namespace": here["pid_namespace"]}
+    container_here = {"host": here["host"], "boot_id": here["boot_id"], "pid_namespace": "pid:[1]"}
+    for other_pod in (other_node, container_here):
+        record = {**other_pod, "pid": int(gone_here.stdout), "pid_start": "1", "token": "other"}
+        path.write_text(json.dumps({**record, "heartbeat_s": time.time() - 5}))
+        assert not WriterLock(path, stale_after_s=60).try_acquire(), other_pod  # alive elsewhere: not ours
+        assert json.loads(path.read_text())["token"] == "other"
+        path.write_text(json.dumps({**record, "heartbeat_s": time.time() - 61}))  # it stopped beating
+        taker = WriterLock(path, stale_after_s=60)
+        assert taker.try_acquire(), other_pod
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+        taker.release()
+
+
+def test_without_boot_id_and_pid_namespace_a_host_name_is_not_a_machine(tmp_path, monkeypatch):
+    """Where /proc tells neither (two such pods would look alike), a pid is never judged: only the heartbeat."""
+    monkeypatch.setattr(heartbeat_lock, "machine", lambda: {"host": socket.gethostname(), "boot_id": None,
+                                                            "pid_namespace": None})
+    path = tmp_path / "x.lock"
+    gone_here = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = {**heartbeat_lock.machine(), "pid": int(gone_here.stdout), "pid_start": "1", "token": "other"}
+    path.write_text(json.dumps({**record, "heartbeat_s": time.time()}))
+    assert not WriterLock(path, stale_after_s=60).try_acquire()
+    path.write_text(json.dumps({**record, "heartbeat_s": time.time() - 61}))
     taker = WriterLock(path, stale_after_s=60)
     assert taker.try_acquire()
-    assert json.loads(path.read_text())["pid"] == os.getpid()
     taker.release()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -120,6 +121,14 @@ def test_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path, caplog):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_live_pid_with_no_start_time_on_record_counts_while_it_beats(tmp_path):
+    """Without the holder's start time a live pid here may well be the holder: it is not judged dead."""
+    run = tmp_path / "run"
+    _fake_holder(run, **_machine(), pid=os.getpid(), pid_start=None)
+    with pytest.raises(RunFolderError, match="in use by another run"):
+        _lock(run).acquire()
 
 
 def test_heartbeat_refreshes_and_a_taken_over_run_stops(tmp_path):
