@@ -5,7 +5,7 @@
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
-EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb
+EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer
 
 .PHONY: demo demo-sft test install install-test
 

@@ -3,8 +3,8 @@
 
 A chat record is rendered with the chat template and its assistant turns found as character
 spans of the rendering (cputrain.data.chat_template); a token is trained when it starts inside
-one. A prompt/completion record is the prompt's tokens (with the tokenizer's BOS, if it adds
-one), then the completion's, then EOS; the completion and EOS are trained. The token that ends
+one. A prompt/completion record is the tokens of prompt + completion (with the tokenizer's BOS, if it
+adds one), then EOS; the completion and EOS are trained, from where the prompt's own tokens end. The token that ends
 each trained answer is trained: without it the model never learns to stop.
 Like tokenize_chunk, a worker opens the Arrow files itself and needs no torch.
 """
@@ -111,10 +111,14 @@ def _prompt_completion_example(prompt, completion, row: int) -> tuple[list[int],
     if not completion.strip():
         raise _record_error(row, f"the completion ('{spec.completion_field}') is empty: nothing to learn from it")
     tok = s["tokenizer"]
-    prompt_ids = tok.encode(prompt, add_special_tokens=True).ids  # BOS where the tokenizer adds one
-    answer_ids = tok.encode(completion, add_special_tokens=False).ids + [s["eos"]]
+    # The text whole, then the prompt alone (TRL's rule, so both give the same examples): the
+    # answer starts where the two token sequences part. Tokenized apart, a word split across the
+    # boundary would be split as no text the model ever reads is. EOS ends the answer.
+    ids = tok.encode(prompt + completion, add_special_tokens=True).ids + [s["eos"]]
+    prompt_ids = tok.encode(prompt, add_special_tokens=True).ids
+    start = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
     trained = 1 if spec.train_on == "all" else 0
-    return prompt_ids + answer_ids, [trained] * len(prompt_ids) + [1] * len(answer_ids)
+    return ids, [trained] * start + [1] * (len(ids) - start)
 
 
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:

@@ -77,11 +77,14 @@ def test_train_on_all_trains_every_token_but_the_first(tok):
 
 
 def test_prompt_completion_trains_the_completion_and_eos(tok):
+    # The text is tokenized whole: the prompt's trailing space joins the answer's first word, as
+    # the model reads it in any text (and as TRL does); training starts where the prompt's own
+    # tokens part from the whole's.
     record = {"prompt": "Name a mutable sequence: ", "completion": "list"}
     [(ids, mask)] = _examples(_tokenize(tok, _spec(tok, fmt="prompt_completion", train_on="completion"), [record]))
     assert ids[-1] == tok.eos_token_id
-    assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "Name a mutable sequence: "
-    assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == "list" + tok.eos_token
+    assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "Name a mutable sequence:"
+    assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == " list" + tok.eos_token
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
