@@ -252,10 +252,7 @@ def cmd_prepare(args) -> int:
 
     cfg = _resolved_here(*_config_and_overrides(args))
     _, data = prepare(cfg)
-    s = data.stats
-    print(f"{s['records']:,} records → {s['documents']:,} documents ({s['val_documents']:,} held out), "
-          f"{s['tokens']:,} tokens → {s['train_sequences']:,} train + {s['val_sequences']:,} validation "
-          f"sequences of {s['seq_len']}")
+    print(f"{data.stats['records']:,} records → {data.describe()}")
     print(f"token cache: {data.folder}")
     return 0
 

@@ -29,14 +29,18 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def write_jsonl(path: Path, size_bytes: int) -> Path:
-    """Python's documentation repeated, one paragraph per record, numbered so no two are alike."""
+def write_jsonl(path: Path, size_bytes: int, chat: bool = False) -> Path:
+    """Python's documentation repeated, one paragraph per record, numbered so no two are alike;
+    with `chat`, each paragraph is the answer of a conversation."""
     from cputrain.data.sources import _pydoc_documents
 
     docs, written, i = _pydoc_documents(), 0, 0
     with open(path, "w") as f:
         while written < size_bytes:
-            line = json.dumps({"text": f"{i}: {docs[i % len(docs)]}"}) + "\n"
+            text = f"{i}: {docs[i % len(docs)]}"
+            record = {"messages": [{"role": "user", "content": f"Paragraph {i}?"},
+                                   {"role": "assistant", "content": text}]} if chat else {"text": text}
+            line = json.dumps(record) + "\n"
             f.write(line)
             written += len(line)
             i += 1
@@ -52,11 +56,14 @@ def stats_of(cache: Path) -> dict:
     return json.loads(next((cache / "packed").glob("*/stats.json")).read_text())
 
 
-def test_peak_memory_is_flat_with_corpus_size(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_peak_memory_is_flat_with_corpus_size(tmp_path, tokenizer_dir, kind):
+    """Chat records go through the same preparation: rendered, masked and written as they come."""
     peaks = {}
+    chat = ("data.format=chat", "data.seq_len=512") if kind == "chat" else ()
     for mb in (4, 24):
-        corpus = write_jsonl(tmp_path / f"c{mb}.jsonl", mb * 10**6)
-        prepare(corpus, tmp_path / f"cache{mb}", tokenizer_dir, "data.num_proc=2", check=True)
+        corpus = write_jsonl(tmp_path / f"c{mb}.jsonl", mb * 10**6, chat=kind == "chat")
+        prepare(corpus, tmp_path / f"cache{mb}", tokenizer_dir, "data.num_proc=2", *chat, check=True)
         stats = stats_of(tmp_path / f"cache{mb}")
         assert stats["num_proc"] == 2
         peaks[mb] = stats["peak_memory_gib"]
