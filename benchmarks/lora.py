@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.layer_mfu import layers_step  # noqa: E402
-from benchmarks.step_timing import run_child, time_steps  # noqa: E402
+from benchmarks.step_timing import run_child, time_steps, trainer_step_clock  # noqa: E402
 from benchmarks.vs_hf_trainer import (RowsDataset, corpus_documents, env, packed_rows, physical_cores,  # noqa: E402
                                       shared_tokenizer)
 
@@ -154,10 +154,8 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
 def peft_child(opts: dict) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments,
                               default_data_collator)
-
-    from cputrain.metrics import memory
 
     torch.set_num_threads(physical_cores())  # the threads cputrain's `auto` gives one rank
     base, seq_len = opts["base"], opts["seq_len"]
@@ -165,17 +163,8 @@ def peft_child(opts: dict) -> dict:
     docs = corpus_documents(opts["source"])
     rows = RowsDataset(packed_rows(tok, docs, seq_len))
 
-    marks: list[float] = []
-    peaks: list[float] = []
-
-    class Clock(TrainerCallback):
-        # the same high-water mark cputrain reads around each step: reset before, read after
-        def on_step_begin(self, args, state, control, **kw):
-            memory.reset_peak()
-
-        def on_step_end(self, args, state, control, **kw):
-            peaks.append(memory.peak_rss_gib())
-            marks.append(time.perf_counter())
+    clock = trainer_step_clock()  # the same step peak cputrain's memory.json reads
+    marks, peaks = clock.marks, clock.peaks
 
     dtype = getattr(torch, opts["base_dtype"])
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="sdpa")
@@ -192,7 +181,7 @@ def peft_child(opts: dict) -> dict:
             dataloader_num_workers=0,
         )
         trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
-                          callbacks=[Clock()])
+                          callbacks=[clock])
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0

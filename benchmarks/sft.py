@@ -44,7 +44,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.lora import make_base, run_measured, steady_median  # noqa: E402
 from benchmarks.report import machine_line, write_block  # noqa: E402
+from benchmarks.step_timing import trainer_step_clock  # noqa: E402
 from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
+from cputrain.data.chat_template import MARKED_CHATML  # noqa: E402
 
 ARCH_100M = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
              "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -53,14 +55,6 @@ QUICK_ARCH = {**ARCH_100M, "hidden_size": 64, "intermediate_size": 176, "num_hid
 SEQ_LEN, LR, SEED = 1024, 1e-4, 1337
 RANK, ALPHA = 16, 32.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MARKED_CHATML = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def write_chats(path: Path, n: int, seed: int = SEED) -> None:
@@ -126,26 +120,18 @@ def trl_child(opts: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from cputrain.metrics import memory
-
     torch.set_num_threads(physical_cores())  # the threads cputrain's `auto` gives one rank
     tok = AutoTokenizer.from_pretrained(opts["base"])
     tok.chat_template = MARKED_CHATML
     counts = {"trained": 0, "positions": 0, "padding": 0}
     per_step: list[dict] = []
-    marks: list[float] = []
-    peaks: list[float] = []
 
-    class Clock(TrainerCallback):
-        # the same high-water mark cputrain reads around each step: reset before, read after
-        def on_step_begin(self, args, state, control, **kw):
-            memory.reset_peak()
+    def close_step() -> None:  # the step's counts, from the batches its collator built
+        per_step.append(dict(counts))
+        counts.update(trained=0, positions=0, padding=0)
 
-        def on_step_end(self, args, state, control, **kw):
-            peaks.append(memory.peak_rss_gib())
-            marks.append(time.perf_counter())
-            per_step.append(dict(counts))
-            counts.update(trained=0, positions=0, padding=0)
+    clock = trainer_step_clock(close_step)  # the same step peak cputrain's memory.json reads
+    marks, peaks = clock.marks, clock.peaks
 
     dtype = torch.bfloat16 if opts["bf16"] else torch.float32
     model = AutoModelForCausalLM.from_pretrained(opts["base"], dtype=torch.float32 if not opts["lora"] else dtype,
@@ -179,7 +165,7 @@ def trl_child(opts: dict) -> dict:
             return batch
 
         trainer.data_collator = counting
-        trainer.add_callback(Clock())
+        trainer.add_callback(clock)
         trainer.add_callback(type("Losses", (TrainerCallback,), {
             "on_log": lambda self, args, state, control, logs=None, **kw: losses.append(logs["loss"])
             if logs and "loss" in logs else None})())

@@ -38,3 +38,27 @@ def run_child(script: str, *args: str) -> dict:
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def trainer_step_clock(on_step_end: Callable[[], None] = lambda: None):
+    """A Hugging Face TrainerCallback that measures each step as cputrain's memory.json does: the
+    high-water mark reset before the step and read after it. `.marks` holds each step's end time,
+    `.peaks` its peak RSS in GiB; `on_step_end()` runs after both are taken."""
+    from transformers import TrainerCallback
+
+    from cputrain.metrics import memory
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+            self.peaks: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            memory.reset_peak()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.peaks.append(memory.peak_rss_gib())
+            self.marks.append(time.perf_counter())
+            on_step_end()
+
+    return StepClock()

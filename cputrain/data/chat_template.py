@@ -31,6 +31,17 @@ BUILTIN_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The same template with each answer and its end token inside `{% generation %}` markers, for
+# tools that find answers only through them (TRL's assistant_only_loss): cputrain trains the very
+# same tokens with either (tests/unit/test_sft_vs_trl.py, benchmarks/sft.py).
+MARKED_CHATML = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 ROLES = ("system", "user", "assistant")
 
 

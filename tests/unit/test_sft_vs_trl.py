@@ -13,18 +13,11 @@ import numpy as np
 import pytest
 
 from cputrain.data import chat_template
+from cputrain.data.chat_template import MARKED_CHATML
 from cputrain.data.tokenize_examples import ExampleSpec
 
 trl = pytest.importorskip("trl")
 
-MARKED_CHATML = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
