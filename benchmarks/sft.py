@@ -47,6 +47,7 @@ from benchmarks.report import machine_line, write_block  # noqa: E402
 from benchmarks.step_timing import trainer_step_clock  # noqa: E402
 from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
 from cputrain.data.chat_template import MARKED_CHATML  # noqa: E402
+from cputrain.data.examples import open_examples  # noqa: E402
 
 ARCH_100M = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
              "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -98,14 +99,12 @@ def run_cputrain(base: str, data: Path, template: Path, lora: bool, steps: int, 
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         phases = json.loads((Path(out) / "memory.json").read_text())["ranks"][0]["phases"]
         step_peak = next(p["rss_gib"] for p in phases if p["phase"] == "training step peak")
-        stats = json.loads(next(Path(cache_dir).glob("packed/*/stats.json")).read_text())
-        efficiency = None
-        for line in stderr.splitlines():
-            if "filled)" in line:
-                efficiency = float(line.split("(")[-1].split("%")[0]) / 100
+        # the rows as the run packed them: their fill is 1 - the padding share
+        examples = open_examples(next(Path(cache_dir).glob("packed/*/stats.json")).parent, packing=True)
+        stats = examples.stats
     return {"trained_tokens_per_s": steady_median([r["trained_tokens_per_s"] for r in rows], warmup),
             "tokens_per_s": steady_median([r["tokens_per_s"] for r in rows], warmup),
-            "padding_share": 1 - efficiency if efficiency is not None else float("nan"),
+            "padding_share": 1 - stats["packing_efficiency"],
             "step_peak_rss_gib": step_peak, "process_peak_rss_gib": process_peak, "first_loss": rows[0]["loss"],
             "trained_token_share": stats["trained_token_share"]}
 

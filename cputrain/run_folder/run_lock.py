@@ -77,10 +77,6 @@ class RunLock:
                 f"to end or choose another output_dir (a lock without a heartbeat for {self.stale_after_s:.0f}s "
                 "is taken over; if that run is gone, --take-over-lock takes it now)")
 
-    @property
-    def lost(self) -> dict | None:
-        return self.lock.lost
-
     def assert_held(self) -> None:
         """Stop a run whose lock another run has taken over, before it writes beside it."""
         try:
