@@ -141,6 +141,8 @@ def cmd_train(args) -> int:
     # Precedence: config file < PET_* variables < key=value overrides < flags.
     overrides = pet_overrides() + overrides + [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
     cfg = load_config(config_path, overrides)
+    if args.from_command_line and not args.dry_run:
+        _start_again_with_allocator(cfg)
     # Ranks started by the agent re-run this same command, config and overrides included.
     worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else []) + (
         ["--take-over-lock"] if args.take_over_lock else [])
@@ -149,6 +151,23 @@ def cmd_train(args) -> int:
     summary = launch(cfg, worker_args, run_here=lambda: run_worker(cfg, take_over_lock=args.take_over_lock),
                      dry_run=args.dry_run)
     return 0 if summary is not None else 1
+
+
+def _start_again_with_allocator(cfg) -> None:
+    """A one-process run started from the command line starts itself again, once, with tcmalloc
+    preloaded (hardware.allocator; a library can only be preloaded into a new process). Nothing
+    has been read, written or imported by then; the pid stays the same (exec), so signals and
+    exit codes are the caller's as before. The agent preloads its ranks itself."""
+    from cputrain.distributed.allocator import choose_allocator, reexec_env
+    from cputrain.distributed.env import started_by_launcher
+
+    if started_by_launcher() or cfg.launch.nproc_per_node * cfg.launch.nnodes != 1:
+        return
+    env = reexec_env(choose_allocator(cfg.hardware.allocator), dict(os.environ))
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "cputrain", *sys.argv[1:]], env)
 
 
 def cmd_doctor(args) -> int:
@@ -216,7 +235,9 @@ def cmd_eval(args) -> int:
         rows = rows_of(data, "train")
     result = evaluate_loss(model, rows, args.max_sequences, cfg.train.micro_batch_size)
     result.update({"model": model_folder(args.path), "data": cfg.data.source, "split": args.split})
-    print(json.dumps(result, indent=2))
+    from cputrain.metrics.finite_json import dumps
+
+    print(dumps(result, indent=2))  # a diverged model's NaN loss is null: NaN is not JSON
     return 0
 
 
@@ -298,6 +319,7 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
+    args.from_command_line = argv is None  # this process is the command (not a call from Python)
     if args.command is None:
         parser.print_help()
         return 0
@@ -309,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         if args.debug:
             raise
-        print(f"cputrain: error: {err}", file=sys.stderr)
+        print(f"{err.label}{err}", file=sys.stderr)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under the agent: hand it the message
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

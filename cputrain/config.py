@@ -130,9 +130,12 @@ class ModelConfig(Section):
     it was measured to pay, except for models built from scratch narrower than 512 and LoRA runs
     (compiled blocks with peft's layers measured slower and larger)."""
 
-    chunked_loss: bool = True
+    chunked_loss: bool | Literal["auto"] = "auto"
     """Compute the head and its cross-entropy a block of tokens at a time, so the fp32 logits of
-    the whole vocabulary never exist at once (1 GiB per copy for Llama-3 at 2,048 tokens)."""
+    the whole vocabulary never exist at once (1 GiB per copy for Llama-3 at 2,048 tokens). auto:
+    on in bf16; in fp32 on where one micro-batch's fp32 logits exceed 256 MiB (a large vocabulary),
+    off below that, where the plain head measured as fast and its logits are small
+    (benchmarks/fp32_choices.py)."""
 
     compile_cache_dir: str | None = None
     """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""
@@ -277,6 +280,12 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this; 0 turns clipping off."""
 
+    max_bad_steps: int = Field(3, gt=0)
+    """Optimizer steps in a row whose loss or gradient norm is not finite (NaN or inf) before the
+    run stops. Such a step is skipped: no weight, optimizer moment or checkpoint sees it; its
+    batch counts as consumed and the schedule moves on. zero3 steps inside DeepSpeed's engine and
+    cannot skip, so there the first such step stops the run, before any checkpoint of it."""
+
     eval_every: int = Field(25, gt=0)
     """Compute validation loss every this many steps (and at the end)."""
 
@@ -288,6 +297,11 @@ class TrainConfig(Section):
 
     checkpoint_every: int = Field(50, gt=0)
     """Save a checkpoint every this many steps (and at the end)."""
+
+    checkpoint_every_s: float | None = Field(None, gt=0)
+    """Also save once this many seconds have passed since the last save (or the session's start):
+    at 8B a step takes minutes, so a step count alone can mean hours of work between saves. Rank
+    0's clock decides for every rank (in the step's all-reduce). Empty: by steps only."""
 
     keep_last: int = Field(2, gt=0)
     """Complete checkpoints to keep; older ones are deleted."""
@@ -316,8 +330,10 @@ class HardwareConfig(Section):
     pin_cores: bool = True
     """Pin each rank to its own disjoint set of cores (whole NUMA nodes where they divide evenly)."""
 
-    allocator: Literal["auto", "system"] = "auto"
-    """auto: preload an installed tcmalloc or jemalloc for launched ranks; system: leave malloc alone."""
+    allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
+    """The malloc every rank runs on. auto: tcmalloc where installed (measured +1–4% tokens/s over
+    glibc in fp32; jemalloc measured 5–9% slower), else glibc; tcmalloc/jemalloc: that one;
+    system: glibc, nothing preloaded."""
 
     @model_validator(mode="after")
     def _positive_threads(self):
@@ -360,6 +376,11 @@ class LaunchConfig(Section):
 
     rdzv_timeout_s: int = Field(120, gt=0)
     """Seconds to wait for all nodes to join before failing."""
+
+    stop_timeout_s: int = Field(600, gt=0)
+    """After a SIGTERM, how long the agent lets its ranks finish their step and save a checkpoint
+    before it kills them (torchrun's --shutdown-timeout; its own default, 30 s, is shorter than
+    one step of an 8B model). The rendered pods' terminationGracePeriodSeconds must cover it."""
 
     max_restarts: int = Field(0, ge=0)
     """Times the agent restarts the whole group after a rank dies; each restart resumes from the newest checkpoint."""

@@ -6,6 +6,7 @@ class UserError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
 
     exit_code = 2
+    label = "cputrain: error: "  # how the command line introduces the message
 
 
 class ConfigError(UserError):
@@ -22,6 +23,21 @@ class ModelError(UserError):
 
 class RunFolderError(UserError):
     """An output_dir that would be damaged by this run."""
+
+
+class Diverged(UserError):
+    """The loss or gradient norm stayed non-finite for train.max_bad_steps steps in a row."""
+
+    exit_code = 3
+
+
+class Stopped(UserError):
+    """Stopped by a signal at a step boundary, with a checkpoint saved: not a failure. The exit code
+    is sysexits.h EX_TEMPFAIL ("a temporary failure; retry"): not 0 (a Kubernetes Job would count the
+    pod as done), not 1/2/3 (failures), not 143 (killed without a checkpoint)."""
+
+    exit_code = 75
+    label = "cputrain: "
 
 
 def one_line(exc: BaseException) -> str:

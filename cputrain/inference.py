@@ -57,6 +57,11 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature:
     from cputrain.data.chat_template import end_of_turn_ids, render, template_variables
 
     model, tokenizer = load_for_inference(path)
+    # Sampling from NaN logits fails deep inside torch.multinomial; say what is wrong instead.
+    damaged = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if damaged:
+        raise ModelError(f"the model in '{model_folder(path)}' has non-finite weights (NaN or inf) in {len(damaged)} "
+                         f"tensor(s), e.g. {damaged[0]}: it diverged in training; retrain with a lower train.lr")
     torch.manual_seed(seed)
     stop = end_of_turn_ids(tokenizer)  # EOS, and the end of a chat turn where the tokenizer has one
     if chat:

@@ -49,15 +49,21 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         cfg.hardware.precision = precision
         res.note("hardware.precision", precision, why)
 
+    per_rank = max(1, hw.physical_cores // max(1, local_world_size))
     if cfg.hardware.threads == "auto":
-        threads = max(1, hw.physical_cores // max(1, local_world_size))
-        cfg.hardware.threads = threads
+        cfg.hardware.threads = per_rank
         res.note(
             "hardware.threads",
-            threads,
+            per_rank,
             f"{hw.physical_cores} physical cores ÷ {local_world_size} rank(s) on this node "
             "(hyper-threads add nothing to matmul throughput)",
         )
+    elif cfg.hardware.threads * local_world_size > hw.logical_cpus:
+        asked = cfg.hardware.threads
+        cfg.hardware.threads = per_rank
+        why = (f"hardware.threads={asked} × {local_world_size} rank(s) is more than the {hw.logical_cpus} CPUs usable "
+               f"here: using {per_rank} per rank (threads beyond the cores only wait for each other)")
+        res.note("hardware.threads", per_rank, why)  # logged at start as one line, and kept in config.yaml
 
     if cfg.model.compile == "auto":
         width = cfg.model.arch.get("hidden_size", 0) if cfg.model.name_or_path is None else None
@@ -125,19 +131,50 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
     return "ddp", f"{world_size} ranks; the model is replicated (use fsdp to shard it)"
 
 
-def with_attention(res: Resolution, implementation: str, why: str) -> Resolution:
-    """The model-aware step of resolving: model.attn_implementation=auto becomes the kernel that was
-    chosen for this run's shape (cputrain.attention_for_run), and the config is final."""
+def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
+    """The rank-aware step of resolving: a key that needs the model's shape (the attention
+    kernel timed on it, the chunked loss by its vocabulary) or this process (the malloc it runs
+    on) takes its value."""
     data = res.config.model_dump()
-    data["model"]["attn_implementation"] = implementation
+    section, name = key.split(".")
+    data[section][name] = value
     final = Resolution(ResolvedConfig.model_validate(data), list(res.reasons))
-    final.note("model.attn_implementation", implementation, why)
+    final.note(key, value, why)
     return final
+
+
+def with_attention(res: Resolution, implementation: str, why: str) -> Resolution:
+    """model.attn_implementation=auto becomes the kernel chosen for this run's shape (cputrain.attention_for_run)."""
+    return with_model_choice(res, "model.attn_implementation", implementation, why)
+
+
+# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, block fp32_choices): the
+# plain head as fast as the chunked one at the demo's shape (0.99–1.01×) and 1.3% faster at ~100M
+# (8,192-token vocabulary); at a 128,256-token vocabulary see FP32_LARGE_VOCAB_WHY.
+FP32_LARGE_VOCAB_WHY = "PENDING"
+
+
+def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vocab: int) -> tuple[bool, str]:
+    """model.chunked_loss for this precision and head shape, and why ("" when the config fixed it)."""
+    from cputrain.kernels.chunked_loss import BLOCK_BYTES
+
+    if setting != "auto":
+        return setting, ""
+    if precision == "bf16":
+        return True, ("bf16: the fp32 logits of one block of tokens at a time instead of the whole vocabulary's, and "
+                      "+1% tokens/s on a 97M Llama on AMX (benchmarks/bf16_step.py)")
+    logits_mib = tokens_per_micro_batch * vocab * 4 / 2**20
+    if logits_mib * 2**20 > BLOCK_BYTES:
+        return True, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch ({tokens_per_micro_batch:,} tokens × "
+                      f"{vocab:,}): the plain head keeps about three such copies, the chunked one about one; "
+                      + FP32_LARGE_VOCAB_WHY)
+    return False, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch: the plain head measured as fast "
+                   "(0.99–1.01× at the demo's shape, 1.01× at ~100M; benchmarks/fp32_choices.py) and its logits are small")
 
 
 def unresolved_keys(cfg: Config) -> list[str]:
     """Keys still "auto": none may be left when a model is built."""
-    keys = [*AUTO_KEYS, "model.attn_implementation"]
+    keys = [*AUTO_KEYS, "model.attn_implementation", "model.chunked_loss"]
     return [key for key in keys if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == "auto"]
 
 

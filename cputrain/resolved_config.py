@@ -37,8 +37,9 @@ class ResolvedModelConfig(ModelConfig):
     model_config = _READ_ONLY
     compile: bool
     lora: ResolvedLoraConfig
-    # attn_implementation may still be "auto" here: it is timed on the model's shape once the
-    # process group exists (resolve.with_attention), and a model is built only after that.
+    # attn_implementation and chunked_loss may still be "auto" here: they need the model's shape
+    # (its vocabulary; attention is timed once the process group exists), and are completed by
+    # resolve.with_model_choice before a model is built.
 
 
 class ResolvedDataConfig(DataConfig):

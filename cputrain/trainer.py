@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +21,8 @@ from cputrain.resolved_config import ResolvedConfig
 from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
-from cputrain.errors import ConfigError
+from cputrain.distributed.stop_request import StopRequest
+from cputrain.errors import ConfigError, Diverged, Stopped
 from cputrain.evaluation import summed_loss
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_loss import install_chunked_loss
@@ -39,6 +41,17 @@ from cputrain.run_folder.run_lock import RunLock, take_run_lock
 log = logging.getLogger("cputrain")
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    loss: float  # this rank's loss (sum over its micro-batches of each one's share of the global mean)
+    grad_norm: float  # global, before clipping
+    trained: int  # trained targets in the global batch
+    tokens: int  # tokens processed in the global batch
+    stepped: bool  # False: a non-finite loss or gradient norm on some rank; the weights were left alone
+    stop_signal: str | None  # a stop was asked for (on any rank): finish here with a checkpoint
+    save_due: bool  # train.checkpoint_every_s has passed on rank 0's clock
+
+
 class Trainer:
     def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
                  take_over_lock: bool = False):
@@ -51,7 +64,11 @@ class Trainer:
         self.take_over_lock = take_over_lock
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
         self.phases = PhaseRecorder(ranks.rank)
-        self.step = 0  # optimizer steps completed
+        self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
+        self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
+        self.bad_steps_in_row = 0  # steps skipped for a non-finite loss or gradient norm, in a row
+        self.skipped_steps = 0  # all such steps of this session
+        self.last_finite = (None, None)  # (step, loss) of the newest step that updated the weights
         self.exported = False  # model/ written by this session (the worker then plots and samples)
         # Built by setup(), in this order:
         self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
@@ -159,9 +176,8 @@ class Trainer:
         return max(1, math.ceil(t.epochs * len(self.train_rows) / t.global_batch_size))
 
     # ------------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float, int, int]:
-        """One optimizer step over this rank's share of the global batch. Returns (loss, grad norm,
-        trained targets and tokens processed in the global batch)."""
+    def train_step(self) -> StepOutcome:
+        """One optimizer step over this rank's share of the global batch."""
         micro_batches = [self.train_rows.batch(indices) for indices in self.order.rank_micro_batches(
             self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size)]
         # The step's loss is the sum of the losses of every trained target of the global batch ÷
@@ -183,10 +199,48 @@ class Trainer:
                     loss = self.model(**batch.model_inputs(), num_items_in_batch=divisor).loss
                     self.strategy.backward(loss)
                 loss_sum += loss.detach().float()
-        grad_norm = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip)
+        loss = float(loss_sum)
+        # One small all-reduce a step (none on one rank): is any rank's loss not finite, was any rank
+        # asked to stop, is a timed checkpoint due by rank 0's clock? Every rank then skips or steps,
+        # stops or goes on, saves or not, at the same step.
+        time_due = self.ranks.is_main and self.checkpoints.time_due()
+        bad_losses, stops, save_due = pg.all_reduce_sum([0.0 if math.isfinite(loss) else 1.0,
+                                                         float(self.stop_request.requested), float(time_due)])
+        grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
+                                                loss_finite=bad_losses == 0)
         self.schedule.step()
         self.step += 1
-        return float(loss_sum), grad_norm, trained, tokens
+        return StepOutcome(loss, grad_norm, trained, tokens, stepped,
+                           (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0)
+
+    def _guard(self, outcome: StepOutcome) -> None:
+        """A step that could not update the weights (non-finite loss or gradient norm) is counted;
+        train.max_bad_steps of them in a row stop the run, before any checkpoint or export."""
+        if outcome.stepped:
+            self.bad_steps_in_row = 0
+            self.last_finite = (self.step, outcome.loss)
+            return
+        self.bad_steps_in_row += 1
+        self.skipped_steps += 1
+        limit = self.cfg.train.max_bad_steps if self.strategy.can_skip_step else 1
+        if self.ranks.is_main:
+            log.warning("step %d: loss %s, gradient norm %s: not finite, %s (%d in a row, the run stops at %d)",
+                        self.step, outcome.loss, outcome.grad_norm,
+                        "optimizer step skipped" if self.strategy.can_skip_step else "zero3 cannot skip it",
+                        self.bad_steps_in_row, limit)
+        if self.bad_steps_in_row < limit:
+            return
+        step, loss = self.last_finite
+        newest = self.run.newest_complete()
+        raise Diverged(
+            f"training diverged: the loss or gradient norm was not finite for {self.bad_steps_in_row} step(s) in a "
+            f"row, up to step {self.step} (last finite loss: "
+            + (f"{loss:.4f} at step {step}" if step is not None else "none in this session")
+            + f"); {'no weight was updated by them, and ' if self.strategy.can_skip_step else ''}nothing was saved "
+            f"from them ({'newest checkpoint: ' + self.run.step_path(newest) if newest is not None else 'no checkpoint'}). "
+            f"Try a lower train.lr (now {self.cfg.train.lr:g}), more train.warmup_steps (now "
+            f"{self.cfg.train.warmup_steps}) or train.grad_clip > 0, then re-run to resume"
+        )
 
     def evaluate(self) -> float:
         """Mean validation loss per trained target over the first eval_batches × micro-batch rows,
@@ -215,19 +269,28 @@ class Trainer:
         stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
         metrics = self.metrics
         metrics.start(self.step)
-        while self.step < stop_at:
-            with metrics.step():
-                loss, grad_norm, trained, tokens = self.train_step()
-            if metrics.steps_this_session == 1:
-                self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
-            row = metrics.record(self.step, loss, grad_norm, self.schedule.get_last_lr()[0],
-                                 self.order.epoch_of(self.step), trained, tokens)
-            if self._validation_due():
-                row = metrics.with_validation(row, self.step, self.evaluate())
-            metrics.publish(row)
-            if self.checkpoints.should_save(self.step, self.total_steps, stop_at):
-                self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
-                metrics.exclude_pause()
+        self.stop_request.install()
+        try:
+            while self.step < stop_at:
+                with metrics.step():
+                    outcome = self.train_step()
+                if metrics.steps_this_session == 1:
+                    self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
+                row = metrics.record(self.step, outcome.loss, outcome.grad_norm, self.schedule.get_last_lr()[0],
+                                     self.order.epoch_of(self.step), outcome.trained, outcome.tokens)
+                if self._validation_due() and not outcome.stop_signal:
+                    row = metrics.with_validation(row, self.step, self.evaluate())
+                metrics.publish(row)
+                self._guard(outcome)  # after the row is written: the step that stops the run is on record
+                if (outcome.stop_signal or outcome.save_due
+                        or self.checkpoints.should_save(self.step, self.total_steps, stop_at)):
+                    self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+                    metrics.exclude_pause()
+                if outcome.stop_signal:
+                    raise Stopped(f"stopped by {outcome.stop_signal} at step {self.step}/{self.total_steps}; checkpoint "
+                                  f"saved ({self.run.step_path(self.step)}); re-run the same command to resume")
+        finally:
+            self.stop_request.uninstall()
         metrics.stop()
         self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
                          rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
@@ -245,6 +308,7 @@ class Trainer:
 
     def _finish(self) -> dict:
         summary = self.metrics.summary(self.step)
+        summary["skipped_steps"] = self.skipped_steps  # non-finite steps that updated nothing (train.max_bad_steps)
         self.phases.write(self.run, self.ranks)
         self.checkpoints.export(self.strategy, self._write_model)
         self.exported = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from cputrain.config import Config
 
@@ -12,7 +13,7 @@ from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.parallel import needs_process_group
-from cputrain.resolve import check_agent_agrees, resolve, with_attention
+from cputrain.resolve import chunked_loss_choice, check_agent_agrees, resolve, with_attention, with_model_choice
 
 log = logging.getLogger("cputrain")
 
@@ -23,6 +24,13 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     hw = detect()
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size)
     check_agent_agrees(res.config)
+    user_threads = os.environ.get("OMP_NUM_THREADS")
+    # A one-process run (launcher "python") inherits the user's own value; a launcher's (torchrun's
+    # 1, cputrain's agent's own) is not the user's to be told about.
+    if ranks.launcher == "python" and user_threads and user_threads != str(res.config.hardware.threads):
+        log.warning("OMP_NUM_THREADS=%s is set in the environment: cputrain sets each rank's threads from "
+                    "hardware.threads (%s here) instead; set hardware.threads=%s to use %s", user_threads,
+                    res.config.hardware.threads, user_threads, user_threads)
     from cputrain.distributed import process_group as pg
     from cputrain.distributed.placement import cpus_for_rank
     from cputrain.trainer import Trainer
@@ -35,6 +43,23 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
     if res.config.model.attn_implementation == "auto":
         res = with_attention(res, *attention_for_run(res.config, ranks))
+    if res.config.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
+        from cputrain import model as models
+
+        cfg = res.config
+        vocab = models.resolve_source(cfg.model, vocab_size=cfg.model.tokenizer_vocab_size).hf_config.vocab_size
+        chunked, why = chunked_loss_choice("auto", cfg.hardware.precision, cfg.train.micro_batch_size * cfg.data.seq_len,
+                                           vocab)
+        res = with_model_choice(res, "model.chunked_loss", chunked, why)
+    if res.config.hardware.allocator == "auto":  # what this process runs on (preloaded before it started)
+        from cputrain.distributed.allocator import choose_allocator
+
+        choice = choose_allocator("auto")
+        loaded = choice.library is not None and choice.library in os.environ.get("LD_PRELOAD", "")
+        res = with_model_choice(res, "hardware.allocator", choice.name if loaded else "system",
+                                choice.reason if loaded or choice.library is None else
+                                f"{choice.name} is installed but was not preloaded into this process (started by "
+                                "another launcher): glibc malloc")
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)

@@ -14,13 +14,14 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import uuid
 from dataclasses import dataclass, field
 
 from cputrain.config import Config
 from cputrain.distributed.allocator import AllocatorChoice, preload_env
-from cputrain.errors import ConfigError, UserError
+from cputrain.errors import ConfigError, Diverged, Stopped, UserError
 from cputrain.resolve import AGENT_SETTINGS_VAR
 
 log = logging.getLogger("cputrain")
@@ -29,9 +30,9 @@ log = logging.getLogger("cputrain")
 class LaunchError(UserError):
     """The ranks could not be started, or they failed."""
 
-    def __init__(self, message: str, exit_code: int = 2):
+    def __init__(self, message: str, exit_code: int = 2, label: str = UserError.label):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.label = exit_code, label
 
 
 # torchrun reads PET_<FLAG> for each of its flags; Kubeflow Trainer sets these on every node.
@@ -144,6 +145,8 @@ def torchrun_args(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> list
         # read_timeout bounds how long a node waits to reach an endpoint that is not there.
         f"--rdzv-conf=is_host={int(plan.is_host)},join_timeout={timeout},read_timeout={timeout}",
         f"--max-restarts={cfg.launch.max_restarts}",
+        # After a SIGTERM the agent forwards it and waits this long for the ranks to save.
+        f"--shutdown-timeout={cfg.launch.stop_timeout_s}",
         *([f"--local-addr={_route_address(plan.endpoint)}"] if plan.nnodes > 1 else []),
         "--monitor-interval=0.5",
         "-m", "cputrain", "train", *worker_args,
@@ -163,30 +166,40 @@ def _route_address(endpoint: str) -> str:
         return socket.gethostname()
 
 
-def _failure_message(err) -> LaunchError:
-    """One line from the agent's ChildFailedError: the first failed rank's own error message."""
-    failures = sorted(err.failures.items())
-    # The agent stops the other ranks once one fails: report a rank that failed by itself
-    # (a cputrain error, exit code 2) rather than one the agent terminated.
-    rank, first = next(((r, f) for r, f in failures if f.exitcode == 2), failures[0])
-    message = first.message
+def _rank_message(failure) -> str:
+    """The cputrain error a failed rank recorded (ErrorHandler.record_exception), or ""."""
+    message = failure.message
     if isinstance(message, dict):  # what ErrorHandler.record_exception wrote: {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
     message = message if isinstance(message, str) else ""
     if message == "<NONE>" or message.startswith("To enable traceback"):
-        message = ""  # no error file: the rank died without a cputrain error (signal, crash, bug)
-    for prefix in ("ConfigError: ", "DataError: ", "ModelError: ", "RunFolderError: ", "UserError: ", "LaunchError: "):
+        return ""  # no error file: the rank died without a cputrain error (signal, crash, bug)
+    for prefix in ("ConfigError: ", "DataError: ", "ModelError: ", "RunFolderError: ", "UserError: ", "LaunchError: ",
+                   "Diverged: ", "Stopped: "):
         message = message.removeprefix(prefix)
+    return message
+
+
+def _failure_message(err) -> LaunchError:
+    """One line from the agent's ChildFailedError: the first failed rank's own error message."""
+    failures = sorted(err.failures.items())
+    if all(f.exitcode == Stopped.exit_code for _, f in failures):  # a stop asked for, checkpoint saved
+        return LaunchError(_rank_message(failures[0][1]) or "stopped by a signal; re-run the same command to resume",
+                           exit_code=Stopped.exit_code, label=Stopped.label)
+    # The agent stops the other ranks once one fails: report a rank that failed by itself
+    # (a cputrain error: exit code 2 or 3) rather than one the agent terminated.
+    rank, first = next(((r, f) for r, f in failures if f.exitcode in (2, Diverged.exit_code)), failures[0])
+    message = _rank_message(first)
     exit_codes = {f.exitcode for _, f in failures}
     if not message:
-        signal = first.signal_name() if first.exitcode < 0 else None
-        message = f"exited with {signal}" if signal else f"exited with code {first.exitcode}"
-    user_error = 2 in exit_codes
-    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank}: {message.splitlines()[0]}",
-                       exit_code=2 if user_error else 1)
+        killed_by = first.signal_name() if first.exitcode < 0 else None
+        message = f"exited with {killed_by}" if killed_by else f"exited with code {first.exitcode}"
+    exit_code = next((c for c in (2, Diverged.exit_code) if c in exit_codes), 1)
+    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank}: {message.splitlines()[0]}", exit_code=exit_code)
 
 
 def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
@@ -211,6 +224,13 @@ def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
         return elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as err:
         raise _failure_message(err) from None
+    except SignalException as err:
+        # The agent was told to stop (a pod's SIGTERM): it has forwarded the signal and waited up to
+        # launch.stop_timeout_s for the ranks, which finish their step and save (rank 0 printed where).
+        raise LaunchError(f"stopped by {signal.Signals(err.sigval).name}: the ranks were given "
+                          f"{cfg.launch.stop_timeout_s} s (launch.stop_timeout_s) to finish their step and save a "
+                          "checkpoint; re-run the same command to resume", exit_code=Stopped.exit_code,
+                          label=Stopped.label) from None
     except RendezvousTimeoutError:
         raise LaunchError(f"rendezvous at {plan.endpoint} timed out after {cfg.launch.rdzv_timeout_s}s: not all "
                           f"{plan.nnodes} nodes joined; start `cputrain train --nnodes {plan.nnodes}` on every node "

@@ -1,9 +1,13 @@
-"""Find an installed tcmalloc or jemalloc to preload into launched ranks.
+"""Which malloc the ranks run on: tcmalloc where installed, by measurement.
 
 glibc malloc returns freed blocks slowly and fragments under the many short-lived activation
-tensors of a training step; tcmalloc and jemalloc keep per-thread caches and typically give a
-few percent of throughput and a flatter RSS. A library can only be preloaded into a process
-that has not started yet, so this applies to ranks started by `cputrain train` itself.
+tensors of a training step. Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py,
+the default step preloaded with each, against glibc): tcmalloc +1–4% tokens/s at the demo's
+shape and +2.4% at ~100M; jemalloc −5% to −9% at both (and 35% slower in one bf16 LoRA run). So
+`auto` preloads tcmalloc only; jemalloc is there for whoever measures it better on their machine
+(hardware.allocator=jemalloc). A library can only be preloaded into a process that has not
+started yet: the agent sets LD_PRELOAD for the ranks it starts, and a one-process `cputrain train`
+starts itself again with it (reexec_env) before anything is imported.
 """
 
 from __future__ import annotations
@@ -13,13 +17,19 @@ import glob
 import os
 from dataclasses import dataclass
 
-# Preference order: tcmalloc (full, then minimal), then jemalloc.
-_NAMES = ("libtcmalloc.so*", "libtcmalloc_minimal.so*", "libjemalloc.so*")
+# Files per allocator, in order of preference. gperftools' full tcmalloc (libgoogle-perftools4)
+# was measured; its minimal build (libtcmalloc-minimal4) is the same allocator without the profiler.
+_NAMES = {"tcmalloc": ("libtcmalloc.so*", "libtcmalloc_minimal.so*"), "jemalloc": ("libjemalloc.so*",)}
 _DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+MEASURED = ("measured in fp32 on a 2-core AVX2 EPYC: tcmalloc +1–4% tokens/s at the demo's shape, +2.4% at ~100M; "
+            "jemalloc −5% to −9% (benchmarks/fp32_choices.py)")
+# Set in a process cputrain started again with the allocator preloaded: never start it a third time.
+REEXEC_MARK = "CPUTRAIN_ALLOCATOR_PRELOADED"
 
 
 @dataclass(frozen=True)
 class AllocatorChoice:
+    name: str  # tcmalloc | jemalloc | system
     library: str | None
     reason: str
 
@@ -32,8 +42,8 @@ def _search_dirs() -> list[str]:
     return dirs
 
 
-def find_allocator(dirs: list[str] | None = None) -> str | None:
-    for pattern in _NAMES:
+def find_allocator(name: str = "tcmalloc", dirs: list[str] | None = None) -> str | None:
+    for pattern in _NAMES[name]:
         for d in dirs or _search_dirs():
             hits = sorted(glob.glob(os.path.join(d, pattern)))
             if hits:
@@ -45,15 +55,19 @@ def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] 
     """What to put in LD_PRELOAD for the ranks, and why (setting = hardware.allocator)."""
     env = os.environ if environ is None else environ
     if setting == "system":
-        return AllocatorChoice(None, "hardware.allocator=system: glibc malloc")
-    already = [p for p in env.get("LD_PRELOAD", "").split(":") if "tcmalloc" in p or "jemalloc" in p]
-    if already:
-        return AllocatorChoice(already[0], "already in LD_PRELOAD")
-    lib = find_allocator(dirs)
+        return AllocatorChoice("system", None, "hardware.allocator=system: glibc malloc")
+    for name in _NAMES:
+        already = [p for p in env.get("LD_PRELOAD", "").split(":") if name in os.path.basename(p)]
+        if already and setting in ("auto", name):
+            why = MEASURED if setting == "auto" and name == "tcmalloc" else f"hardware.allocator={setting}"
+            return AllocatorChoice(name, already[0], f"{why}; in LD_PRELOAD")
+    name = "tcmalloc" if setting == "auto" else setting
+    lib = find_allocator(name, dirs)
     if lib is None:
-        return AllocatorChoice(None, "no tcmalloc or jemalloc installed (apt install libtcmalloc-minimal4 or "
-                                     "libjemalloc2 for a flatter RSS); glibc malloc")
-    return AllocatorChoice(lib, "found; preloaded into every rank")
+        package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
+        return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {MEASURED}); glibc malloc")
+    why = MEASURED if setting == "auto" else f"hardware.allocator={setting}"
+    return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")
 
 
 def preload_env(choice: AllocatorChoice, environ: dict) -> None:
@@ -63,6 +77,21 @@ def preload_env(choice: AllocatorChoice, environ: dict) -> None:
     current = [p for p in environ.get("LD_PRELOAD", "").split(":") if p]
     if choice.library not in current:
         environ["LD_PRELOAD"] = ":".join([choice.library, *current])
+    if choice.name == "tcmalloc":
+        # gperftools prints a "large alloc" line to stderr for every allocation over 1 GiB (an
+        # 8B model's logits, its weights): noise in a training log.
+        environ.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(2**60))
+
+
+def reexec_env(choice: AllocatorChoice, environ: dict) -> dict | None:
+    """The environment to start this process again with, so that `choice` is its malloc; None
+    when nothing needs doing (no library, already preloaded, or already started again once)."""
+    if choice.library is None or environ.get(REEXEC_MARK) or choice.library in environ.get("LD_PRELOAD", "").split(":"):
+        return None
+    env = dict(environ)
+    preload_env(choice, env)
+    env[REEXEC_MARK] = "1"
+    return env
 
 
 # glibc's M_MMAP_THRESHOLD (malloc.h): blocks at least this large get their own mapping.

@@ -102,9 +102,11 @@ class PodResources:
     shm_size: str
 
 
-def pod_resources(opts: ClusterOptions, pod_memory_bytes: int, vcpus: int | None, allocatable_gib: float | None
-                  ) -> PodResources:
-    """Requests = limits (Guaranteed QoS: the CPU manager then gives the pod whole cores)."""
+def pod_resources(opts: ClusterOptions, pod_memory_bytes: int, vcpus: int | None, allocatable_gib: float | None,
+                  instance_given: bool = True) -> PodResources:
+    """Requests = limits (Guaranteed QoS: the CPU manager then gives the pod whole cores).
+    `instance_given`: --instance-type was the user's; else the plan chose it, and an error names
+    what the user did give."""
     if opts.cpu is not None:
         cpu = opts.cpu
     elif vcpus is not None:
@@ -120,6 +122,10 @@ def pod_resources(opts: ClusterOptions, pod_memory_bytes: int, vcpus: int | None
     else:
         # /dev/shm is memory-backed: what ranks write there counts against the pod's limit.
         memory = f"{math.ceil((pod_memory_bytes + shm_bytes) / GIB)}Gi"
+    if allocatable_gib is not None and quantity_value(memory, "--memory") > allocatable_gib * GIB and not instance_given:
+        raise ManifestError(
+            f"--memory {memory} is more than the {allocatable_gib:.0f} GiB that {opts.instance_type} (the smallest "
+            f"instance the plan fits) allocates to pods; lower --memory, or pass --instance-type with a bigger one")
     if allocatable_gib is not None and quantity_value(memory, "--memory") > allocatable_gib * GIB:
         raise ManifestError(
             f"--instance-type: {opts.instance_type} allocates {allocatable_gib:.0f} GiB to pods but a pod with "

@@ -29,12 +29,14 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     plan = plan or make_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node,
                              instances=None if opts.instance_type else instances, config_json=config_json)
     rank_peak = max(r.total_bytes for r in plan.ranks)
-    if opts.instance_type:
+    given = bool(opts.instance_type)
+    if given:
         inst = find_instance(instances, opts.instance_type)
     else:
         inst = plan.fit.instance
         opts = replace(opts, instance_type=inst.name)
-    res = pod_resources(opts, pod_memory_bytes(rank_peak, opts.nproc_per_node), inst.vcpus, allocatable_gib(inst))
+    res = pod_resources(opts, pod_memory_bytes(rank_peak, opts.nproc_per_node), inst.vcpus, allocatable_gib(inst),
+                        instance_given=given)
 
     objects = []
     if opts.karpenter:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,13 +103,23 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-        """Clip, step, zero the gradients; returns the global gradient norm before clipping."""
+    # Whether step() can leave the weights untouched when the gradients are not finite.
+    can_skip_step = True
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+             loss_finite: bool = True) -> tuple[float, bool]:
+        """Clip, step, zero the gradients. Returns the global gradient norm before clipping and
+        whether the optimizer stepped: it does not when the loss (every rank's, agreed by the
+        caller) or the norm is not finite, so NaN never reaches a weight or an AdamW moment.
+        The norm is global (the same on every rank), so all ranks skip or step together."""
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        stepped = loss_finite and math.isfinite(norm)
+        if stepped:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm, stepped
 
     # --- state ---------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer) -> CheckpointState:

@@ -185,10 +185,15 @@ class Zero3Strategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the trainer already divided by the micro-batches
 
-    def step(self, model: nn.Module, optimizer, grad_clip: float) -> float:
+    # DeepSpeed computes the norm inside engine.step(), after which the step is taken: a
+    # non-finite step cannot be skipped here, only detected (the trainer then stops at once).
+    can_skip_step = False
+
+    def step(self, model: nn.Module, optimizer, grad_clip: float, loss_finite: bool = True) -> tuple[float, bool]:
         self.engine.step()  # clips to gradient_clipping, steps, zeroes the gradient partitions
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else float("nan")
+        return norm, loss_finite and math.isfinite(norm)
 
     # --- state ---------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer) -> DeepSpeedState:

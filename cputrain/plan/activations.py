@@ -65,8 +65,21 @@ def adapter_bytes(m: ModelShape, tokens: int, matmul_bytes: int, dropout: float 
     return out
 
 
+def head_bytes(m: ModelShape, tokens: int, matmul_bytes: int, chunked_loss: bool) -> int:
+    """The head and its loss at the end of the forward. Plain: the logits upcast to fp32, their
+    log-softmax and its gradient, each tokens × vocabulary × 4 bytes. Chunked
+    (kernels/chunked_loss.py): the gradient of every logit in the compute dtype, one block's fp32
+    logits, and the saved gradients of the hidden states and the head's weight."""
+    from cputrain.kernels.chunked_loss import block_rows
+
+    if not chunked_loss:
+        return 2 * tokens * m.hidden * 4 + 3 * tokens * m.vocab * 4
+    block = min(tokens, block_rows(m.vocab)) * m.vocab * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
+    return tokens * m.vocab * matmul_bytes + block + tokens * m.hidden * (4 + matmul_bytes) + m.vocab * m.hidden * 4
+
+
 def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool,
-                     local_weight_params: int, lora_dropout: float = 0.0) -> ActivationBytes:
+                     local_weight_params: int, lora_dropout: float = 0.0, chunked_loss: bool = False) -> ActivationBytes:
     tokens = micro_batch * seq_len
     matmul_bytes = 2 if precision == "bf16" else 4
     norms, matmul = _block_elements(m, tokens)
@@ -76,7 +89,6 @@ def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: s
         blocks = m.layers * tokens * m.hidden * m.residual_bytes + block  # block inputs + one block recomputed
     else:
         blocks = m.layers * block
-    head = 2 * tokens * m.hidden * 4 + 3 * tokens * m.vocab * 4  # logits are upcast to fp32 for the loss
-    head += adapters.get("root", 0)  # an adapted head
+    head = head_bytes(m, tokens, matmul_bytes, chunked_loss) + adapters.get("root", 0)  # an adapted head
     weight_copies = local_weight_params * 2 if precision == "bf16" else 0
     return ActivationBytes(saved_bytes=blocks + head, weight_copy_bytes=weight_copies)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cputrain.config import Config
+from cputrain.errors import ConfigError
 from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, resolve_inputs
 from cputrain.plan.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
@@ -48,8 +49,12 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
               vocab_size: int | None = None, shape: ModelShape | None = None) -> Plan:
     """`shape`: the model as built (the trainer's skeleton, adapters and dtypes included);
     without it the model is built from the config, with model.lora's adapters added the same way."""
-    from cputrain.resolve import precision_choice
+    from cputrain.config import batch_error
+    from cputrain.resolve import chunked_loss_choice, precision_choice
 
+    error = batch_error(cfg.train, world_size)  # the rule `train` applies: a plan it would refuse is no plan
+    if error:
+        raise ConfigError(error)
     if shape is None:
         import torch
 
@@ -64,6 +69,8 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
         from_scratch=cfg.model.name_or_path is None,
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
+        chunked_loss=chunked_loss_choice(cfg.model.chunked_loss, planned_precision(cfg),
+                                         cfg.train.micro_batch_size * cfg.data.seq_len, shape.vocab)[0],
         **_zero3_settings(cfg, world_size, shape),
     )
     notes = []

@@ -46,6 +46,7 @@ class PlanInputs:
     persistence_threshold: int = 0  # zero3: DeepSpeed's stage3_param_persistence_threshold
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance (its default)
     lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
+    chunked_loss: bool = False  # model.chunked_loss as resolved (resolve.chunked_loss_choice)
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
     # communication buffers already count.
     weights_cast = 0 if SHARDED[inp.strategy] else sum(p.numel for p in m.params if p.stored_bytes == FP32_BYTES)
     act = activation_bytes(m, inp.micro_batch, inp.seq_len, inp.precision, inp.activation_checkpointing,
-                           weights_cast, inp.lora_dropout)
+                           weights_cast, inp.lora_dropout, inp.chunked_loss)
     # Fused AdamW updates each parameter in one kernel, with no temporary of a group's size.
     step_tmp = 0
     if inp.strategy == "zero3":

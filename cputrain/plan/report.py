@@ -70,7 +70,8 @@ def table_lines(plan: Plan) -> list[str]:
     lines = [
         f"model: {m.total_params:,} parameters, {m.layers} layers, hidden {m.hidden}, vocab {m.vocab}",
         f"strategy {inp.strategy}, precision {inp.precision}, world size {inp.world_size}, micro-batch "
-        f"{inp.micro_batch} × {inp.seq_len} tokens, activation checkpointing {'on' if inp.activation_checkpointing else 'off'}",
+        f"{inp.micro_batch} × {inp.seq_len} tokens, activation checkpointing {'on' if inp.activation_checkpointing else 'off'}, "
+        f"head + loss {'chunked' if inp.chunked_loss else 'plain'} (model.chunked_loss)",
     ]
     lora = _lora_line(plan)
     if lora:
@@ -155,6 +156,7 @@ def plan_document(plan: Plan) -> dict:
         "micro_batch_size": inp.micro_batch,
         "seq_len": inp.seq_len,
         "activation_checkpointing": inp.activation_checkpointing,
+        "chunked_loss": inp.chunked_loss,
         "offload_optimizer": inp.offload_optimizer,
         "offload_param": inp.offload_param,
         "from_scratch": inp.from_scratch,

@@ -10,14 +10,17 @@ keep the last k, export a plain Hugging Face model. Strategies hand it their sta
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
 import random
+import time
 import warnings
 from collections.abc import Callable
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
@@ -31,6 +34,13 @@ log = logging.getLogger("cputrain")
 class Checkpoints:
     def __init__(self, run: RunFolder, cfg: Config, ranks: RankEnv):
         self.run, self.cfg, self.ranks = run, cfg, ranks
+        self.last_save_s = time.monotonic()  # the session's start counts as a save for checkpoint_every_s
+
+    def time_due(self) -> bool:
+        """train.checkpoint_every_s has passed since the last save, on this rank's clock (the
+        trainer takes rank 0's answer for every rank)."""
+        every = self.cfg.train.checkpoint_every_s
+        return every is not None and time.monotonic() - self.last_save_s >= every
 
     def should_save(self, step: int, total_steps: int, stop_at: int) -> bool:
         """Every train.checkpoint_every steps, at the end of the schedule, and where this session
@@ -42,6 +52,34 @@ class Checkpoints:
         if self.ranks.is_main and self.run.fs.exists(tmp):
             self.run.fs.rm(tmp, recursive=True)  # left by a save that was killed
         pg.barrier()
+        try:
+            self._write(step, tmp, strategy, model, optimizer, schedule)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            # A full disk shows as ENOSPC, or only as a short write deep in a writer ("unexpected
+            # pos" from torch.save's zip stream): the free space left says which it was.
+            if not (disk_full(exc) or _nearly_full(self.run.local_path())):
+                raise
+            raise self._disk_full_error(step, tmp) from None
+        self.last_save_s = time.monotonic()
+
+    def _disk_full_error(self, step: int, tmp: str) -> RunFolderError:
+        """The disk filled during the save of `step`: the partial folder goes, the previous
+        checkpoint stays, and the message says how much room a checkpoint takes."""
+        written = _bytes_under(self.run.fs, tmp)
+        if self.ranks.is_main and self.run.fs.exists(tmp):
+            self.run.fs.rm(tmp, recursive=True)
+        previous = self.run.newest_complete()
+        needed = _bytes_under(self.run.fs, self.run.step_path(previous)) if previous is not None else None
+        free = _free_bytes(self.run.local_path())
+        room = (f"a checkpoint of this run takes {needed / 2**20:,.1f} MiB" if needed else
+                f"more than the {written / 2**20:,.1f} MiB written before the disk filled")
+        kept = f"{self.run.step_path(previous)} is kept" if previous is not None else "there is no earlier checkpoint"
+        return RunFolderError(
+            f"the disk filled while saving checkpoint step {step} in {self.run.checkpoints} "
+            f"({'' if free is None else f'{free / 2**20:,.1f} MiB free; '}{room}); the partial {tmp.rsplit('/', 1)[-1]} was "
+            f"removed and {kept}. Free space there (or lower train.keep_last, or move output_dir), then re-run to resume")
+
+    def _write(self, step: int, tmp: str, strategy, model, optimizer, schedule) -> None:
         with warnings.catch_warnings():
             # DCP notes that it runs without a process group; for one rank that is the intent.
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -68,8 +106,34 @@ class Checkpoints:
             self.run.prune(self.cfg.train.keep_last)
         pg.barrier()
 
+    def newest_intact(self) -> int | None:
+        """The newest complete checkpoint that is whole (checkpoint_check). Rank 0 checks; each
+        damaged one is renamed to step-N.damaged with one line saying what is wrong, and the
+        previous one is tried. Every rank gets the answer, or the same error."""
+        found, error = None, None
+        if self.ranks.is_main:
+            from cputrain.run_folder.checkpoint_check import damage_of
+
+            damaged = []
+            for step in reversed(self.run.complete_steps()):
+                problem = damage_of(self.run, step)
+                if problem is None:
+                    found = step
+                    break
+                aside = self.run.set_aside(step)
+                damaged.append(f"step {step} ({problem})")
+                log.warning("checkpoint %s is damaged: %s; kept as %s, trying the previous one",
+                            self.run.step_path(step), problem, aside)
+            if found is None and damaged:
+                error = (f"no intact checkpoint is left in {self.run.checkpoints}: {'; '.join(damaged)}; they are kept "
+                         "as step-N.damaged. Restore a checkpoint there, or choose a new output_dir to start over")
+        found, error = pg.broadcast_from_main((found, error))
+        if error:
+            raise RunFolderError(error)
+        return found
+
     def load_latest(self, strategy, model, optimizer, schedule) -> int | None:
-        step = self.run.newest_complete()
+        step = self.newest_intact()
         if step is None:
             return None
         folder = self.run.step_path(step)
@@ -78,19 +142,38 @@ class Checkpoints:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 strategy.checkpoint_state(model, optimizer).load(self.run.url_of(f"{folder}/state"))
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RunFolderError(
                 f"checkpoint {folder} does not fit this model ({first[:200]}); "
                 "it is from a different model: choose a new output_dir"
             ) from None
         schedule.load_state_dict(state["schedule"])
+        self._apply_peak_lr(schedule, int(state["step"]))
         rng_file = f"{folder}/rng/rank-{self.ranks.rank:05d}.pt"
         if self.run.fs.exists(rng_file) and state.get("world_size") == self.ranks.world_size:
             rng = torch.load(io.BytesIO(self.run.fs.cat_file(rng_file)), weights_only=True)
             torch.set_rng_state(rng["torch"])
             random.setstate(_unflatten(rng["python"]))
         return int(state["step"])
+
+    def _apply_peak_lr(self, schedule, step: int) -> None:
+        """The schedule's state holds the peak lr it started with; a resumed run whose train.lr
+        differs continues the same warm-up + cosine shape, at this step, with the new peak
+        (config.yaml records the value in use, so it must be the one used)."""
+        lr = self.cfg.train.lr
+        before = list(schedule.base_lrs)
+        if all(b == lr for b in before):
+            return
+        schedule.base_lrs = [lr] * len(before)
+        for group, factor_of in zip(schedule.optimizer.param_groups, schedule.lr_lambdas):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor_of(schedule.last_epoch)
+        schedule._last_lr = [g["lr"] for g in schedule.optimizer.param_groups]
+        if self.ranks.is_main:
+            log.info("train.lr is %g (the checkpoint's schedule peaked at %g): the schedule continues at step %d "
+                     "with peak %g; the next step runs at %.3g", lr, before[0], step, lr,
+                     schedule.optimizer.param_groups[0]["lr"])
 
     def export(self, strategy, write_model: Callable[[str, bool], None]) -> None:
         """model/: `write_model(folder, is_writer)` writes it (the model converter's export: a
@@ -107,6 +190,57 @@ class Checkpoints:
         if self.ranks.is_main and local is None:
             self.run.fs.put(target, self.run.path("model"), recursive=True)
         pg.barrier()
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` comes from a full disk (or quota), also when wrapped: DCP gathers every rank's
+    write failures into one CheckpointException, whose `failures` hold the original errors."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # rank → (exception, traceback)
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return False
+
+
+def _bytes_under(fs, path: str) -> int:
+    try:
+        return int(fs.du(path, total=True)) if fs.exists(path) else 0
+    except OSError:
+        return 0
+
+
+def _nearly_full(local: str | None) -> bool:
+    """Less than 1 MiB (or 0.5% of the disk) left where the run folder is: a failed write there was
+    the disk's fault. Remote run folders are judged by their error only."""
+    import shutil
+
+    if local is None:
+        return False
+    try:
+        usage = shutil.disk_usage(local)
+    except OSError:
+        return False
+    return usage.free < max(2**20, usage.total // 200)
+
+
+def _free_bytes(local: str | None) -> int | None:
+    if local is None:
+        return None
+    import shutil
+
+    try:
+        return shutil.disk_usage(local).free
+    except OSError:
+        return None
 
 
 def _flatten(state):

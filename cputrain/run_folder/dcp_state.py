@@ -46,6 +46,12 @@ def save_dcp(model, optimizer, path: str) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_storage(path, write=True))
 
 
+def read_dcp_metadata(path: str):
+    """The checkpoint's DCP Metadata (which file holds which bytes of which tensor), read without
+    loading a tensor."""
+    return _storage(path, write=False).read_metadata()
+
+
 def load_dcp(model, optimizer, path: str) -> None:
     model_sd, optim_sd = _trained_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

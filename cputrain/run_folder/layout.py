@@ -58,6 +58,17 @@ class RunFolder:
             self.fs.rm(final, recursive=True)
         self.fs.mv(tmp, final, recursive=True)
 
+    def set_aside(self, step: int) -> str:
+        """Rename a damaged step folder to step-N.damaged (…damaged-2, … if taken): never loaded,
+        never pruned, kept for whoever wants to look at it. Returns the new path."""
+        base = self.step_path(step) + ".damaged"
+        target, n = base, 1
+        while self.fs.exists(target):
+            n += 1
+            target = f"{base}-{n}"
+        self.fs.mv(self.step_path(step), target, recursive=True)
+        return target
+
     def prune(self, keep_last: int) -> None:
         for step in self.complete_steps()[:-keep_last]:
             self.fs.rm(self.step_path(step), recursive=True)

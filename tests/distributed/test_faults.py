@@ -123,3 +123,32 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, cache_
     assert "step 5" in resumed.stderr or "step-000005" in resumed.stderr
     assert (out / "checkpoints" / "step-000012").is_dir()
     assert_no_survivors(out)
+
+
+def test_sigterm_to_the_agent_saves_where_the_ranks_are_and_resumes_exactly(uninterrupted, tmp_path, cache_dir):
+    """A pod's SIGTERM reaches the agent: it forwards it, both ranks finish the step they are in,
+    agree on it, save a checkpoint there and exit 75; the agent ends with one line and no
+    traceback. The same command then resumes and ends with the uninterrupted run's weights."""
+    out = tmp_path / "stopped"
+    proc = _start(out, cache_dir, "--nproc-per-node", "2")
+    metrics = out / "metrics.jsonl"
+    assert _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 7, 300), "no steps logged"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=RESTART_TIMEOUT_S)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("cputrain: stopped by SIGTERM") and "re-run the same command" in last, last
+    reached = max(int(line.split('"step": ')[1].split(",")[0]) for line in metrics.read_text().splitlines())
+    assert 7 <= reached < 40
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert steps[-1] == f"step-{reached:06d}", (steps, reached)  # saved where the ranks stopped, not at a multiple of 5
+    assert not (out / "run.lock").exists()
+    assert_no_survivors(out)
+
+    resumed = run_cli("train", *tiny_overrides(out, cache_dir, **LONG), "--nproc-per-node", "2", check=True)
+    assert f"(step {reached})" in resumed.stderr
+    a = load_file(str(uninterrupted / "model" / "model.safetensors"))
+    b = load_file(str(out / "model" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs after the stop")

@@ -24,13 +24,16 @@ from .rendering import ARCH, render_case
     (dict(cpu="two"), "--cpu"),
     (dict(shm_size="-1Gi"), "--shm-size"),
     (dict(memory="1Gi"), "--memory"),  # a valid quantity below the plan
-    (dict(instance_type="c7i.8xlarge", nproc_per_node=16), "--instance-type"),
+    (dict(instance_type="c7i.8xlarge", nnodes=1, nproc_per_node=16), "--instance-type"),
     (dict(instance_type="x9.huge"), "--instance-type"),
+    (dict(memory="4000Gi", instance_type=None), "--memory 4000Gi is more than"),  # --instance-type not given: not blamed
 ])
 def test_refused_with_the_field_named(changes, field):
     with pytest.raises(UserError) as err:
         render_case("job-ddp-4x1", **changes)
     assert field in str(err.value)
+    if not changes.get("instance_type"):
+        assert "--instance-type:" not in str(err.value)  # an option the user did not give is not named as the cause
 
 
 def test_quantities_follow_kubernetes_grammar():

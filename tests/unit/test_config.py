@@ -149,3 +149,17 @@ def test_world_size_must_divide_the_batch():
     cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4"])
     with pytest.raises(ConfigError, match="not divisible"):
         resolve(cfg, detect(), world_size=3, local_world_size=3)
+
+
+def test_chunked_loss_auto_follows_precision_and_the_logits_size():
+    """bf16: chunked. fp32: plain where a micro-batch's fp32 logits are small (measured as fast),
+    chunked where they exceed the 256 MiB block (a large vocabulary); an explicit value stays."""
+    from cputrain.resolve import chunked_loss_choice
+
+    assert chunked_loss_choice("auto", "bf16", 2048, 4096)[0] is True
+    demo, why = chunked_loss_choice("auto", "fp32", 8 * 256, 4096)
+    assert demo is False and "32 MiB" in why
+    llama3, why = chunked_loss_choice("auto", "fp32", 2048, 128_256)
+    assert llama3 is True and "1,002 MiB" in why
+    assert chunked_loss_choice(True, "fp32", 16, 16) == (True, "")
+    assert chunked_loss_choice(False, "bf16", 2048, 128_256) == (False, "")

@@ -70,7 +70,30 @@ def test_clipping_bounds_the_update():
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     before = model.weight.detach().clone()
     strategy = SingleStrategy(StrategyContext(Config(), 0, 1, torch.float32))
-    norm = strategy.step(model, opt, grad_clip=1.0)
+    norm, stepped = strategy.step(model, opt, grad_clip=1.0)
+    assert stepped
     assert norm == pytest.approx(10.0 * math.sqrt(3))
     assert torch.linalg.vector_norm(model.weight - before).item() == pytest.approx(1.0, rel=1e-4)
     assert model.weight.grad is None
+
+
+@pytest.mark.parametrize("grad_value, loss_finite", [(float("nan"), True), (float("inf"), True), (1.0, False)])
+def test_a_non_finite_step_leaves_weights_and_moments_alone(grad_value, loss_finite):
+    from cputrain.config import Config
+    from cputrain.parallel.base import StrategyContext
+    from cputrain.parallel.single import SingleStrategy
+
+    model = nn.Linear(3, 1, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model.weight.grad = torch.ones_like(model.weight)
+    strategy = SingleStrategy(StrategyContext(Config(), 0, 1, torch.float32))
+    assert strategy.step(model, opt, grad_clip=1.0)[1]  # a finite step first: AdamW has moments
+    weight, moments = model.weight.detach().clone(), {k: v.clone() for k, v in opt.state[model.weight].items()}
+    model.weight.grad = torch.full_like(model.weight, grad_value)
+    norm, stepped = strategy.step(model, opt, grad_clip=1.0, loss_finite=loss_finite)
+    assert not stepped
+    assert math.isfinite(norm) == (grad_value == 1.0)
+    assert torch.equal(model.weight, weight)
+    for key, value in opt.state[model.weight].items():
+        assert torch.equal(value, moments[key]), key
+    assert model.weight.grad is None  # the bad gradient does not leak into the next step

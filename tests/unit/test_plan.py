@@ -65,7 +65,8 @@ def test_loading_holds_the_whole_init_only_where_the_code_builds_it_whole(tmp_pa
 
     cfg = load_config(None, ["model.arch.hidden_size=64", "model.arch.intermediate_size=128",
                              "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=4",
-                             "model.arch.num_key_value_heads=2", "parallel.strategy=fsdp", "hardware.precision=fp32"])
+                             "model.arch.num_key_value_heads=2", "parallel.strategy=fsdp", "hardware.precision=fp32",
+                             "train.micro_batch_size=4"])
     scratch = make_plan(cfg, 4, vocab_size=512)
     total = scratch.shape.total_params
     # fsdp from scratch: the whole fp32 init beside the rank's shard, freed before the first step.
@@ -309,8 +310,9 @@ def test_lora_adds_only_small_activations_and_no_autocast_copies_of_the_base(tmp
     full_cfg = load_config(None, [f"model.name_or_path={tmp_path}", "hardware.precision=bf16", "data.seq_len=16",
                                   "train.micro_batch_size=2", "train.global_batch_size=2"])
     full, lora = make_plan(full_cfg, 1), make_plan(_lora_config(tmp_path), 1)
-    full_act = activation_bytes(full.shape, 2, 16, "bf16", False, 0).saved_bytes
-    lora_act = activation_bytes(lora.shape, 2, 16, "bf16", False, 0).saved_bytes
+    # bf16: the plan takes the chunked head, as model.chunked_loss=auto resolves there
+    full_act = activation_bytes(full.shape, 2, 16, "bf16", False, 0, chunked_loss=True).saved_bytes
+    lora_act = activation_bytes(lora.shape, 2, 16, "bf16", False, 0, chunked_loss=True).saved_bytes
     assert lora_act - full_act == 14 * 32 * 4 * 2  # lora_A's output: 32 tokens × r=4 in bf16, per adapted linear
     # autocast keeps bf16 copies of the fp32 weights: every weight in full fine-tuning, the adapters under LoRA
     assert full.ranks[0].activation_bytes == full_act + full.shape.total_params * 2
@@ -398,6 +400,29 @@ def test_loading_from_a_folder_counts_the_mapped_weight_files(tmp_path):
     full_fsdp = load_config(None, [f"model.name_or_path={tmp_path}", "parallel.strategy=fsdp",
                                    "hardware.precision=bf16"])
     assert make_plan(full_fsdp, 2).ranks[0].load_bytes == 0
-    lora_fsdp = make_plan(_lora_config(tmp_path, "parallel.strategy=fsdp"), 2)
+    lora_fsdp = make_plan(_lora_config(tmp_path, "parallel.strategy=fsdp", "train.global_batch_size=4"), 2)
     owned = sum(-(-p.shape[0] // 2) * (p.numel // p.shape[0]) for p in lora_fsdp.shape.params if not p.trainable)
     assert lora_fsdp.ranks[0].load_bytes == owned * 4 + largest // 2 + 4096 * 4
+
+
+def test_the_plan_follows_the_head_the_run_uses():
+    """The chunked head keeps one compute-dtype copy of the logits' gradient and one block of fp32
+    logits instead of three fp32 copies: at Llama-3's vocabulary that is GiBs per rank."""
+    fp32_llama3_head = ["data.seq_len=1024", "train.micro_batch_size=2", "train.global_batch_size=2",
+                        "hardware.precision=fp32"]
+    plain = make_plan(load_config(None, [*fp32_llama3_head, "model.chunked_loss=false"]), 1, vocab_size=128_256)
+    chunked = make_plan(load_config(None, [*fp32_llama3_head, "model.chunked_loss=true"]), 1, vocab_size=128_256)
+    auto = make_plan(load_config(None, fp32_llama3_head), 1, vocab_size=128_256)
+    saved = plain.ranks[0].activation_bytes - chunked.ranks[0].activation_bytes
+    assert saved > 1.5 * 2048 * 128_256 * 4  # about two of the three fp32 logits copies
+    assert auto.inputs.chunked_loss is True  # fp32 with 1 GiB of logits per micro-batch
+    small = make_plan(load_config(None, ["hardware.precision=fp32"]), 1, vocab_size=4096)
+    assert small.inputs.chunked_loss is False  # the demo in fp32: the plain head
+
+
+def test_plan_and_k8s_refuse_a_world_size_that_train_would_refuse():
+    """global_batch_size 16 over 3 ranks is no whole micro-batches per rank: `train` refuses it,
+    so the plan (and k8s, which renders from it) refuses it too, with the same line."""
+    with pytest.raises(ConfigError, match=r"global_batch_size \(16\) is not divisible by micro_batch_size × world size \(8 × 3\)"):
+        make_plan(load_config(None, []), 3)
+    assert make_plan(load_config(None, []), 2).inputs.world_size == 2
