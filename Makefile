@@ -1,5 +1,5 @@
 # Two commands set up a fresh machine that has python3 and pip:
-#   make demo   install, then train the built-in demo (about 3 minutes on 2 cores)
+#   make demo   install, then train the built-in demo (about 2½ minutes on 2 AVX2 cores, less with AVX-512)
 #   make test   install with the test tools, then run the test suite
 #   make demo-sft  the demo, then supervised fine-tuning of its model on chat data (configs/demo-sft.yaml)
 VENV ?= .venv

@@ -24,8 +24,10 @@ def decay_groups(params, weight_decay: float, ndim: Callable[[torch.Tensor], int
 def build_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = decay_groups(model.parameters(), cfg.weight_decay)
     # fused: one kernel per parameter that reads and writes each of param, grad and both moments
-    # once (foreach makes a pass per arithmetic op). Measured on a 97M Llama in bf16 on AMX: +3%
-    # tokens/s (benchmarks/bf16_step.py). Same update rule; CPU support since torch 2.4.
+    # once (foreach makes a pass per arithmetic op, with temporaries of a group's size). Measured
+    # on a 97M Llama in bf16 on AMX: +3% tokens/s (benchmarks/bf16_step.py); in fp32 on an AVX2
+    # EPYC within noise of foreach (0.97–1.01×, benchmarks/fp32_choices.py), so it is kept for
+    # both precisions. Same update rule; CPU support since torch 2.4.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 

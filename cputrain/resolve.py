@@ -148,10 +148,11 @@ def with_attention(res: Resolution, implementation: str, why: str) -> Resolution
     return with_model_choice(res, "model.attn_implementation", implementation, why)
 
 
-# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, block fp32_choices): the
-# plain head as fast as the chunked one at the demo's shape (0.99–1.01×) and 1.3% faster at ~100M
-# (8,192-token vocabulary); at a 128,256-token vocabulary see FP32_LARGE_VOCAB_WHY.
-FP32_LARGE_VOCAB_WHY = "PENDING"
+# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*): the
+# plain head 1.01× the chunked one's speed at the demo's shape and 1.03× at ~100M (8,192-token
+# vocabulary); at 128,256 tokens the chunked head 1.05× the plain one's, with 1.2 GiB less step peak.
+FP32_LARGE_VOCAB_WHY = ("at a 128,256-token vocabulary it measured 1.05× the plain head's speed in fp32 with 1.2 GiB "
+                        "less step peak (benchmarks/fp32_choices.py)")
 
 
 def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vocab: int) -> tuple[bool, str]:
@@ -168,8 +169,9 @@ def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vo
         return True, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch ({tokens_per_micro_batch:,} tokens × "
                       f"{vocab:,}): the plain head keeps about three such copies, the chunked one about one; "
                       + FP32_LARGE_VOCAB_WHY)
-    return False, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch: the plain head measured as fast "
-                   "(0.99–1.01× at the demo's shape, 1.01× at ~100M; benchmarks/fp32_choices.py) and its logits are small")
+    return False, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch: the plain head measured 1.01× the "
+                   "chunked one's speed at the demo's shape and 1.03× at ~100M (benchmarks/fp32_choices.py), and its "
+                   "logits are small")
 
 
 def unresolved_keys(cfg: Config) -> list[str]:

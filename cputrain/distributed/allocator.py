@@ -2,8 +2,9 @@
 
 glibc malloc returns freed blocks slowly and fragments under the many short-lived activation
 tensors of a training step. Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py,
-the default step preloaded with each, against glibc): tcmalloc +1–4% tokens/s at the demo's
-shape and +2.4% at ~100M; jemalloc −5% to −9% at both (and 35% slower in one bf16 LoRA run). So
+the same step preloaded with each, against glibc): tcmalloc 1.03× at the demo's shape, 1.00–1.02×
+at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92×, 0.95–1.00×, 0.97× (and 35% slower in
+one bf16 LoRA run). So
 `auto` preloads tcmalloc only; jemalloc is there for whoever measures it better on their machine
 (hardware.allocator=jemalloc). A library can only be preloaded into a process that has not
 started yet: the agent sets LD_PRELOAD for the ranks it starts, and a one-process `cputrain train`
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 # was measured; its minimal build (libtcmalloc-minimal4) is the same allocator without the profiler.
 _NAMES = {"tcmalloc": ("libtcmalloc.so*", "libtcmalloc_minimal.so*"), "jemalloc": ("libjemalloc.so*",)}
 _DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-MEASURED = ("measured in fp32 on a 2-core AVX2 EPYC: tcmalloc +1–4% tokens/s at the demo's shape, +2.4% at ~100M; "
-            "jemalloc −5% to −9% (benchmarks/fp32_choices.py)")
+MEASURED = ("measured in fp32 on a 2-core AVX2 EPYC against glibc: tcmalloc 1.03× at the demo's shape, 1.00–1.02× "
+            "at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92–1.00× (benchmarks/fp32_choices.py)")
 # Set in a process cputrain started again with the allocator preloaded: never start it a third time.
 REEXEC_MARK = "CPUTRAIN_ALLOCATOR_PRELOADED"
 

@@ -66,7 +66,7 @@ def test_loading_holds_the_whole_init_only_where_the_code_builds_it_whole(tmp_pa
     cfg = load_config(None, ["model.arch.hidden_size=64", "model.arch.intermediate_size=128",
                              "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=4",
                              "model.arch.num_key_value_heads=2", "parallel.strategy=fsdp", "hardware.precision=fp32",
-                             "train.micro_batch_size=4"])
+                             "train.global_batch_size=16", "train.micro_batch_size=4"])
     scratch = make_plan(cfg, 4, vocab_size=512)
     total = scratch.shape.total_params
     # fsdp from scratch: the whole fp32 init beside the rank's shard, freed before the first step.
@@ -421,8 +421,8 @@ def test_the_plan_follows_the_head_the_run_uses():
 
 
 def test_plan_and_k8s_refuse_a_world_size_that_train_would_refuse():
-    """global_batch_size 16 over 3 ranks is no whole micro-batches per rank: `train` refuses it,
+    """global_batch_size 8 over 3 ranks is no whole micro-batches per rank: `train` refuses it,
     so the plan (and k8s, which renders from it) refuses it too, with the same line."""
-    with pytest.raises(ConfigError, match=r"global_batch_size \(16\) is not divisible by micro_batch_size × world size \(8 × 3\)"):
+    with pytest.raises(ConfigError, match=r"global_batch_size \(8\) is not divisible by micro_batch_size × world size \(4 × 3\)"):
         make_plan(load_config(None, []), 3)
     assert make_plan(load_config(None, []), 2).inputs.world_size == 2
