@@ -283,6 +283,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="repetitions per configuration (default: %(default)s)")
     ap.add_argument("--micro-batch", type=int, default=4, help="cputrain / hf-packed micro-batch (default: %(default)s)")
     ap.add_argument("--global-batch", type=int, default=8, help="cputrain / hf-packed sequences per step (default: %(default)s)")
+    ap.add_argument("--sizes", default="demo,~30M,~100M", help="comma-separated subset of demo, ~30M, ~100M")
     ap.add_argument("--precisions", default=None, help="comma-separated; default: fp32, and bf16 where the CPU "
                     "has AMX or AVX512-BF16")
     ap.add_argument("--source", default=None, help="corpus (default: ../shared/data/tinyshakespeare.txt if present, "
@@ -304,6 +305,7 @@ def main() -> None:
     sizes = [("demo", ARCH, VOCAB, 4 if a.quick else a.steps)]
     if not a.quick:
         sizes += [("~30M", ARCH_30M, VOCAB, max(6, a.steps // 3)), ("~100M", ARCH_100M, VOCAB_100M, max(4, a.steps // 5))]
+        sizes = [size for size in sizes if size[0] in a.sizes.split(",")]
     for _, _, vocab, _ in sizes:
         shared_tokenizer(source, a.cache_dir, vocab)  # trained once here, read from the cache by every run
 
