@@ -148,9 +148,7 @@ def with_attention(res: Resolution, implementation: str, why: str) -> Resolution
     return with_model_choice(res, "model.attn_implementation", implementation, why)
 
 
-# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*): the
-# plain head 1.01× the chunked one's speed at the demo's shape and 1.03× at ~100M (8,192-token
-# vocabulary); at 128,256 tokens the chunked head 1.05× the plain one's, with 1.2 GiB less step peak.
+# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*).
 FP32_LARGE_VOCAB_WHY = ("at a 128,256-token vocabulary it measured 1.05× the plain head's speed in fp32 with 1.2 GiB "
                         "less step peak (benchmarks/fp32_choices.py)")
 

@@ -46,9 +46,9 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     if res.config.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
         from cputrain import model as models
 
-        cfg = res.config
-        vocab = models.resolve_source(cfg.model, vocab_size=cfg.model.tokenizer_vocab_size).hf_config.vocab_size
-        chunked, why = chunked_loss_choice("auto", cfg.hardware.precision, cfg.train.micro_batch_size * cfg.data.seq_len,
+        now = res.config  # not `cfg`: that name is the unresolved config this function was given
+        vocab = models.resolve_source(now.model, vocab_size=now.model.tokenizer_vocab_size).hf_config.vocab_size
+        chunked, why = chunked_loss_choice("auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len,
                                            vocab)
         res = with_model_choice(res, "model.chunked_loss", chunked, why)
     if res.config.hardware.allocator == "auto":  # what this process runs on (preloaded before it started)
