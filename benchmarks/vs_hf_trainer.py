@@ -191,12 +191,17 @@ def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_d
         if proc.returncode:
             raise RuntimeError(f"cputrain failed:\n{proc.stderr[-3000:]}")
         summary = json.loads((Path(out) / "run" / "summary.json").read_text())
+        import yaml
+
+        # The malloc the run chose (hardware.allocator=auto: tcmalloc where installed, else glibc).
+        allocator = yaml.safe_load((Path(out) / "run" / "config.yaml").read_text())["hardware"]["allocator"]
     # summary.json: the median of the logged windows after the first (the same steady state as above).
     return {"tokens_per_s": summary["tokens_per_s"], "mfu": summary["mfu"], "wall_s": summary["wall_time_s"],
             "mfu_of_measured_peak": summary.get("mfu_of_measured_peak"),
             "measured_peak_flops": summary.get("measured_peak_flops"), "peak_flops": summary.get("peak_flops"),
             "attn_implementation": summary.get("attn_implementation"), "compile": summary.get("compile"),
-            "flops_per_token": summary["flops_per_token"], "parameters": summary["parameters"]}
+            "flops_per_token": summary["flops_per_token"], "parameters": summary["parameters"],
+            "allocator": allocator}
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,7 +361,7 @@ def main() -> None:
             rows.append(f"| {precision} | {shape} | Trainer (b): packed {SEQ_LEN}-token blocks (run_clm) | "
                         f"{med(pk, 'tokens_per_s'):,.0f} ({spread(pk)}) | {ratio:.2f}× (target ≥ 1.0×) |")
             rows.append(f"| {precision} | {shape} | `cputrain train` (attention {cp[-1]['attn_implementation']}, "
-                        f"compile {cp[-1]['compile']}) | {med(cp, 'tokens_per_s'):,.0f} ({spread(cp)}) | 1.00× |")
+                        f"compile {cp[-1]['compile']}, malloc {cp[-1]['allocator']}) | {med(cp, 'tokens_per_s'):,.0f} ({spread(cp)}) | 1.00× |")
     met = [f"{p} {n} {r:.2f}×" for p, n, r in ratios]
     missing = "" if "bf16" in precisions else (
         " bf16 is not measured here: this CPU has neither AMX nor AVX512-BF16, so bf16 would be emulated; its rows "
