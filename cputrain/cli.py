@@ -316,6 +316,15 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
     return args
 
 
+def _lost_peer(err: RuntimeError):
+    """A rank under the agent whose collective failed on a vanished peer: a PeerLost, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    from cputrain.distributed.lost_peer import lost_peer_error
+
+    return lost_peer_error(err, int(os.environ.get("RANK", "0")))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
@@ -327,7 +336,13 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(int(os.environ.get("RANK", "0")))
     try:
-        return COMMANDS[args.command](args)
+        try:
+            return COMMANDS[args.command](args)
+        except RuntimeError as err:
+            lost = _lost_peer(err) if not args.debug else None
+            if lost is None:
+                raise
+            raise lost from None
     except UserError as err:
         if args.debug:
             raise

@@ -46,3 +46,11 @@ def one_line(exc: BaseException) -> str:
     ends mid-sentence ("Validation error for field 'x':")."""
     text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
     return text or type(exc).__name__
+
+
+class PeerLost(UserError):
+    """This rank's collective failed because another rank is gone (killed, out of memory, its node
+    lost). Not this rank's fault: under the agent, its line names the rank that failed first."""
+
+    exit_code = 1
+    label = "cputrain: "

@@ -1,8 +1,9 @@
 """The model: a Hugging Face causal LM, built as a skeleton first and filled from safetensors.
 
 Loading a pretrained model goes skeleton-on-meta → (strategy shards it) → materialize → copy
-tensors from the safetensors files. No tensor exists twice: the file is memory-mapped and each
-parameter is copied straight into its final storage (or, under FSDP, only this rank's rows).
+tensors from the safetensors files. No tensor exists twice: the strategies read each parameter
+with plain file reads straight into its final storage (under FSDP, only this rank's rows;
+cputrain.parallel.file_reads); the headers are read through safetensors' own reader.
 """
 
 from __future__ import annotations
@@ -190,32 +191,46 @@ def load_into(
     do not hold (LoRA's adapters, which the converter fills).
     """
     reader = SafetensorsReader(folder)
+    keys = matching_keys(model, reader, shape_of, file_name_of)
+    with torch.no_grad():
+        for name, param in model.named_parameters(remove_duplicate=True):
+            if name in keys:
+                (copy_fn or _copy_whole)(name, param, reader, keys[name])
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def matching_keys(
+    model: nn.Module,
+    reader: SafetensorsReader,
+    shape_of: Callable[[torch.Tensor], list[int]] = lambda param: list(param.shape),
+    file_name_of: Callable[[str], str | None] = lambda name: name,
+) -> dict[str, str]:
+    """{parameter name: its key in the files}, after checking that the files hold every parameter
+    in its shape (from the headers alone: no tensor is read). A tied lm_head may be absent."""
     tied = {id(p) for n, p in model.named_parameters() if n.endswith("lm_head.weight")} if getattr(
         model.config, "tie_word_embeddings", False
     ) else set()
-    missing = []
-    with torch.no_grad():
-        for name, param in model.named_parameters(remove_duplicate=True):
-            in_files = file_name_of(name)
-            if in_files is None:
-                continue
-            key = checkpoint_name(in_files, reader)
-            if key is None:
-                if id(param) in tied:
-                    continue
+    keys, missing = {}, []
+    for name, param in model.named_parameters(remove_duplicate=True):
+        in_files = file_name_of(name)
+        if in_files is None:
+            continue
+        key = checkpoint_name(in_files, reader)
+        if key is None:
+            if id(param) not in tied:
                 missing.append(name)
-                continue
-            full_shape = reader.shape(key)
-            if shape_of(param) != full_shape:
-                raise ModelError(
-                    f"weights for '{name}' have shape {full_shape}, the model expects {shape_of(param)}; "
-                    "the weights do not belong to this model config"
-                )
-            (copy_fn or _copy_whole)(name, param, reader, key)
+            continue
+        full_shape = reader.shape(key)
+        if shape_of(param) != full_shape:
+            raise ModelError(
+                f"weights for '{name}' have shape {full_shape}, the model expects {shape_of(param)}; "
+                "the weights do not belong to this model config"
+            )
+        keys[name] = key
     if missing:
         raise ModelError(f"weights file lacks {len(missing)} parameters of the model (first: '{missing[0]}'); wrong model folder?")
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    return keys
 
 
 def _copy_whole(name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:

@@ -18,7 +18,9 @@ from cputrain.errors import ConfigError, RunFolderError, one_line
 def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
     if probe_output_dir:
         check_output_dir(cfg.output_dir)
+    check_cache_dir(cfg.data.cache_dir)
     check_model_fits_seq_len(cfg)
+    check_model_weights(cfg)
     check_report_to(cfg)
 
 
@@ -47,6 +49,19 @@ def check_output_dir(url: str) -> None:
         reason = f"{exc.strerror}: '{where}'" if isinstance(exc, OSError) and exc.strerror and where else one_line(exc)
         raise RunFolderError(f"output_dir '{url}' cannot be created or written ({reason}); "
                              "choose an output_dir on a writable file system") from None
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    """data.cache_dir can be created and written: the tokenizer and the token streams go there
+    (a read-only mount, a path through a file). Whatever this creates is removed."""
+    try:
+        _probe_local(Path(cache_dir).expanduser())
+    except RunFolderError:
+        raise ConfigError(f"data.cache_dir '{cache_dir}' is a file, not a folder; choose another data.cache_dir") from None
+    except OSError as exc:
+        reason = f"{exc.strerror}: '{exc.filename}'" if exc.strerror and exc.filename else one_line(exc)
+        raise ConfigError(f"data.cache_dir '{cache_dir}' cannot be created or written ({reason}); choose a writable "
+                          "data.cache_dir (the tokenizer and the token cache are written there)") from None
 
 
 def _probe_local(folder: Path) -> None:
@@ -86,3 +101,25 @@ def check_model_fits_seq_len(cfg: Config) -> None:
     if isinstance(limit, int) and cfg.data.seq_len > limit:
         raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) is longer than the model's max_position_embeddings "
                           f"({limit}); {fix} set data.seq_len={limit} or less")
+
+
+def check_model_weights(cfg: Config) -> None:
+    """A local model folder holds safetensors weights for every parameter of its config, in the
+    config's shapes: read from the files' headers against the model built on the meta device
+    (no tensor is read, no memory is taken), so a .bin-only folder or one whose weights belong to
+    another config is refused before the data is tokenized, not after. The LoRA settings are
+    checked against the same skeleton."""
+    if cfg.model.name_or_path is None:
+        return
+    folder = Path(cfg.model.name_or_path).expanduser()
+    if not (folder / "config.json").is_file():
+        return  # a hub id or a missing folder: reported where the model is fetched
+    from cputrain import model as models
+
+    reader = models.SafetensorsReader(folder)  # no .safetensors, or a header that cannot be read
+    skeleton = models.build_skeleton(models.ModelSource(folder, models.folder_config(cfg.model, folder)), cfg.model)
+    models.matching_keys(skeleton, reader)
+    if cfg.model.lora.enabled:  # targets that name no layer, a rank as wide as a layer
+        from cputrain.lora.adapters import check_rank
+
+        check_rank(skeleton, cfg.model.lora)

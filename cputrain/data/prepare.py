@@ -162,7 +162,7 @@ def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Pa
     dtype = packing.token_dtype(len(tokenizer))
     if spec is None:
         streams = {"train.bin": dtype, "val.bin": dtype}
-        counters = ("documents", "val_documents", "text_chars")
+        counters = ("documents", "val_documents", "text_chars", "not_text", "blank")
         worker = _Worker(tokenize_chunk.init_worker, (corpus.field, portable_tokenizer(tokenizer), dtype), tokenize_rows)
     else:
         streams = {f"{split}{suffix}": kind for split in ("train", "val")
@@ -225,11 +225,17 @@ def _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wal
             "use more text or a shorter data.seq_len"
         )
     train_seqs, val_seqs = train_tokens // seq_len, val_tokens // seq_len
+    if progress["not_text"]:
+        log.warning("data: %d record(s) of %s have a '%s' that is not text (a number, a list, null or missing); "
+                    "they were left out (stats.json: skipped_not_text)", progress["not_text"], data_cfg.source,
+                    corpus.field)
     return {
         "source": data_cfg.source,
         "records": corpus.rows,
         "skipped_records": corpus.skipped_records,
         "documents": progress["documents"],
+        "skipped_not_text": progress["not_text"],
+        "skipped_blank": progress["blank"],
         "val_documents": progress["val_documents"],
         "validation_rule": VALIDATION_RULE,
         "val_records": n_val_records,

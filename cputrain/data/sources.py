@@ -172,6 +172,13 @@ def _good_json_records(files: list[str]):
                     yield record
 
 
+def _records_with_text(files: list[str], field: str):
+    """{field: its string, or None where it is not one}, one per JSON object line."""
+    for record in _good_json_records(files):
+        value = record.get(field)
+        yield {field: value if isinstance(value, str) else None}
+
+
 def _load(cfg: DataConfig, cache: str):
     """The source as a datasets.Dataset, and how many malformed records were skipped."""
     import datasets
@@ -193,6 +200,13 @@ def _load(cfg: DataConfig, cache: str):
         if kind != "json":
             raise
         bad, total, first = _malformed_json_lines(files)
+        if not bad and _text_field(cfg) == cfg.text_field and "changed from" in str(exc):
+            # Every line is an object, but the text field holds a string in some and a number or
+            # a list in others: Arrow wants one type per column. Read the lines here, give the
+            # non-strings None, and tokenizing counts them (stats.json: skipped_not_text).
+            return datasets.Dataset.from_generator(
+                _records_with_text, gen_kwargs={"files": [str(p) for p in files], "field": cfg.text_field},
+                cache_dir=cache), 0
         if not bad:
             raise
         if cfg.bad_records == "fail":

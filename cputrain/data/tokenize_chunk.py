@@ -27,6 +27,8 @@ class ChunkTokens:
     documents: int
     val_documents: int
     text_chars: int
+    not_text: int = 0  # records whose text field is no string (a number, a list, missing): left out
+    blank: int = 0  # records whose text is empty or whitespace: nothing to train on
 
     @property
     def parts(self) -> dict:
@@ -35,7 +37,8 @@ class ChunkTokens:
 
     @property
     def counts(self) -> dict:
-        return {"documents": self.documents, "val_documents": self.val_documents, "text_chars": self.text_chars}
+        return {"documents": self.documents, "val_documents": self.val_documents, "text_chars": self.text_chars,
+                "not_text": self.not_text, "blank": self.blank}
 
 
 # A worker re-opens its memory map after reading this much text: pages of a mapped file that
@@ -83,14 +86,45 @@ def init_worker(arrow_files: list[str] | None, dataset, field: str, tokenizer, d
                   ids_of=ids_of, eos=eos, dtype=np.dtype(dtype), chars_since_open=0)
 
 
+# A document is encoded in pieces of at most this many characters, each cut before a space: the
+# tokenizer's working memory grows with the text of one call (offsets and a string per token,
+# ~100 bytes a character), and one document can be any length (a book on one line). A cut before
+# a space is where the pre-tokenizer splits anyway, so the ids are those of the whole document.
+PIECE_CHARS = 1_000_000
+
+
+def pieces(doc: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """`doc` as consecutive pieces of at most `piece_chars` characters (longer only where no space
+    falls in a piece's second half), cut before spaces; joined they are `doc`."""
+    if len(doc) <= piece_chars:
+        return [doc]
+    out, start = [], 0
+    while len(doc) - start > piece_chars:
+        stop = doc.rfind(" ", start + piece_chars // 2, start + piece_chars)
+        if stop <= start:  # no space: the next one, wherever it is (or the rest)
+            stop = doc.find(" ", start + piece_chars)
+            stop = len(doc) if stop < 0 else stop
+        out.append(doc[start:stop])
+        start = stop
+    if start < len(doc):
+        out.append(doc[start:])
+    return out
+
+
 def _stream(docs: list[str]) -> np.ndarray:
     s = _state
     if not docs:
         return np.empty(0, dtype=s["dtype"])
     eos = (s["eos"],)
     # Each document's ids, then EOS: the boundary the model learns to predict. No padding.
-    flat = itertools.chain.from_iterable(itertools.chain(ids, eos) for ids in s["ids_of"](docs))
-    return np.fromiter(flat, dtype=s["dtype"])
+    if all(len(doc) <= PIECE_CHARS for doc in docs):
+        flat = itertools.chain.from_iterable(itertools.chain(ids, eos) for ids in s["ids_of"](docs))
+        return np.fromiter(flat, dtype=s["dtype"])
+    parts = []
+    for doc in docs:
+        parts += [np.fromiter(ids, dtype=s["dtype"]) for piece in pieces(doc) for ids in s["ids_of"]([piece])]
+        parts.append(np.asarray(eos, dtype=s["dtype"]))
+    return np.concatenate(parts)
 
 
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
@@ -100,10 +134,14 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
     s = _state
     texts = s["dataset"][start:stop][s["field"]]
     train_docs, val_docs = [], []
-    text_chars = 0
+    text_chars = not_text = blank = 0
     for text, is_val in zip(texts, held_out):
         doc = clean(text)
         if doc is None:
+            if isinstance(text, str):
+                blank += 1
+            else:
+                not_text += 1
             continue
         text_chars += len(doc)
         (val_docs if is_val else train_docs).append(doc)
@@ -112,4 +150,4 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
         s["dataset"] = None  # drop the old mapping before the new one exists
         s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
     return ChunkTokens(start, stop, _stream(train_docs), _stream(val_docs), len(train_docs) + len(val_docs),
-                       len(val_docs), text_chars)
+                       len(val_docs), text_chars, not_text, blank)

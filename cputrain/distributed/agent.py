@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from cputrain.config import Config
 from cputrain.distributed.allocator import AllocatorChoice, preload_env
-from cputrain.errors import ConfigError, Diverged, Stopped, UserError
+from cputrain.errors import ConfigError, Diverged, PeerLost, Stopped, UserError
 from cputrain.resolve import AGENT_SETTINGS_VAR
 
 log = logging.getLogger("cputrain")
@@ -166,18 +166,42 @@ def _route_address(endpoint: str) -> str:
         return socket.gethostname()
 
 
-def _rank_message(failure) -> str:
-    """The cputrain error a failed rank recorded (ErrorHandler.record_exception), or ""."""
+def _recorded(failure) -> str:
+    """What a failed rank recorded: "ErrorClass: message" (ErrorHandler.record_exception), or the agent's text."""
     message = failure.message
     if isinstance(message, dict):  # what ErrorHandler.record_exception wrote: {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
-    message = message if isinstance(message, str) else ""
-    if message == "<NONE>" or message.startswith("To enable traceback"):
+    return message if isinstance(message, str) else ""
+
+
+def _rank_message(failure) -> str:
+    """The cputrain error a failed rank recorded, or ""."""
+    message = _recorded(failure)
+    if message == "<NONE>" or message.startswith("To enable traceback") or (
+            failure.exitcode < 0 and message.startswith("Signal ")):
         return ""  # no error file: the rank died without a cputrain error (signal, crash, bug)
     for prefix in ("ConfigError: ", "DataError: ", "ModelError: ", "RunFolderError: ", "UserError: ", "LaunchError: ",
-                   "Diverged: ", "Stopped: "):
+                   "Diverged: ", "Stopped: ", "PeerLost: "):
         message = message.removeprefix(prefix)
     return message
+
+
+def _blame_order(rank: int, failure) -> tuple:
+    """Which failed rank to name: the agent stops the others once one fails, and their collectives
+    fail on the vanished peer, so a rank that failed by itself comes first. In order: a cputrain
+    error (exit 2 or 3), a death by a signal the agent does not send (SIGKILL from the OOM killer,
+    SIGSEGV), an error of its own, a rank that only lost its peers (PeerLost) or was stopped by
+    the agent's SIGTERM; then the earliest, then the lowest rank."""
+    code = failure.exitcode
+    if code in (2, Diverged.exit_code):
+        kind = 0
+    elif code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
+        kind = 1
+    elif code > 0 and not _recorded(failure).startswith(f"{PeerLost.__name__}: "):
+        kind = 2
+    else:
+        kind = 3
+    return kind, failure.timestamp, rank
 
 
 def _failure_message(err) -> LaunchError:
@@ -186,16 +210,18 @@ def _failure_message(err) -> LaunchError:
     if all(f.exitcode == Stopped.exit_code for _, f in failures):  # a stop asked for, checkpoint saved
         return LaunchError(_rank_message(failures[0][1]) or "stopped by a signal; re-run the same command to resume",
                            exit_code=Stopped.exit_code, label=Stopped.label)
-    # The agent stops the other ranks once one fails: report a rank that failed by itself
-    # (a cputrain error: exit code 2 or 3) rather than one the agent terminated.
-    rank, first = next(((r, f) for r, f in failures if f.exitcode in (2, Diverged.exit_code)), failures[0])
+    rank, first = min(failures, key=lambda item: _blame_order(*item))
     message = _rank_message(first)
     exit_codes = {f.exitcode for _, f in failures}
     if not message:
         killed_by = first.signal_name() if first.exitcode < 0 else None
         message = f"exited with {killed_by}" if killed_by else f"exited with code {first.exitcode}"
+        if killed_by == "SIGKILL":
+            message += (" (killed from outside: the kernel's OOM killer sends it when memory runs out; `dmesg` says "
+                        "which, and `cputrain plan` what a rank needs)")
     exit_code = next((c for c in (2, Diverged.exit_code) if c in exit_codes), 1)
-    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank}: {message.splitlines()[0]}", exit_code=exit_code)
+    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank} first: {message.splitlines()[0]}",
+                       exit_code=exit_code)
 
 
 def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:

@@ -79,6 +79,15 @@ def broadcast_from_main(value):
     return box[0]
 
 
+def all_gather_objects(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def all_reduce_mean(value: float) -> float:
     if not dist.is_initialized():
         return value

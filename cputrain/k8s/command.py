@@ -36,6 +36,10 @@ def add_parser(sub, add_common) -> None:
     p.add_argument("--cpu", help="CPU request and limit per pod (default: the instance's vCPUs minus 1)")
     p.add_argument("--memory", help="memory request and limit per pod (default: the plan plus /dev/shm)")
     p.add_argument("--shm-size", default="8Gi", help="size of the memory-backed /dev/shm (default: %(default)s)")
+    p.add_argument("--grace-period-s", type=int, help="seconds a pod gets after SIGTERM to finish its step and save "
+                   "(default: the plan's step plus checkpoint save, printed on stderr)")
+    p.add_argument("--storage-write-mib-s", type=float, help="write rate of the run folder's storage that the "
+                   "default grace period assumes (default: that of FSx for Lustre's smallest file system)")
     p.add_argument("--instances-file", help="YAML/JSON instance table (default: built-in c7i/m7i/r7i)")
     p.add_argument("--model-config", help="a config.json (or folder) to plan for instead of the config's model")
     p.add_argument("--output", help="write one file per object into this folder instead of stdout")
@@ -56,7 +60,8 @@ def run(args) -> int:
         cluster_name=args.cluster_name, pvc=args.pvc, storage_class=args.storage_class, storage=args.storage,
         hf_token_secret=args.hf_token_secret, hf_token_key=args.hf_token_key,
         secret_env=parse_secret_env(args.secret_env), cpu=args.cpu, memory=args.memory,
-        shm_size=args.shm_size, karpenter=not args.no_karpenter,
+        shm_size=args.shm_size, karpenter=not args.no_karpenter, grace_period_s=args.grace_period_s,
+        **({} if args.storage_write_mib_s is None else {"storage_write_mib_s": args.storage_write_mib_s}),
     ).check()  # names, counts, quantities and the image before the (slower) plan
     cfg = load_run_config(args.config, args.overrides)
     out = render(cfg, opts, load_instances(args.instances_file), kind=args.kind, config_json=args.model_config)

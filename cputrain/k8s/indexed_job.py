@@ -7,9 +7,11 @@ Kubeflow runtime would, so the container command is the same.
 
 from __future__ import annotations
 
+from cputrain.errors import Stopped
 from cputrain.k8s import pod
 from cputrain.k8s.options import RDZV_PORT, ClusterOptions, PodResources, manifest
 
+STOPPED_EXIT_CODE = Stopped.exit_code  # `cputrain train` stopped by a signal, its checkpoint saved
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
@@ -59,11 +61,21 @@ def indexed_job(opts: ClusterOptions, res: PodResources) -> dict:
             # One lost pod breaks the collective of all: fail fast, restart the job, resume from
             # the newest checkpoint (torchrun's --max-restarts covers in-pod rank failures).
             "backoffLimit": 0,
+            # A pod stopped on purpose is not a failure: one evicted by a node drain or a spot
+            # reclaim (the DisruptionTarget condition), or one that exited 75 after saving its
+            # checkpoint because another node's pod was stopped. Ignore = a new pod, no count
+            # against backoffLimit: the job resumes from that checkpoint.
+            "podFailurePolicy": {"rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "Ignore", "onExitCodes": {"containerName": pod.CONTAINER, "operator": "In",
+                                                     "values": [STOPPED_EXIT_CODE]}},
+            ]},
             "template": {
                 "metadata": {"labels": opts.labels, "annotations": pod.annotations(opts)},
                 "spec": {
                     "subdomain": opts.service_name,
-                    "restartPolicy": "Never",
+                    "restartPolicy": "Never",  # podFailurePolicy requires it
+                    **pod.termination(opts),
                     "nodeSelector": pod.node_selector(opts),
                     "tolerations": pod.tolerations(opts),
                     "containers": [container],

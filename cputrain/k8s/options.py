@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cputrain.k8s.checks import (ManifestError, check_count, check_env_name, check_image, check_name,
                                  check_quantity, quantity_value)
+from cputrain.plan.stop_window import DEFAULT_STORAGE_WRITE_MIB_S
 
 GIB = 2**30
 RDZV_PORT = 29500
@@ -33,6 +34,11 @@ class ClusterOptions:
     memory: str | None = None  # None: the plan's pod memory plus /dev/shm
     shm_size: str = "8Gi"
     karpenter: bool = True
+    # Seconds a pod gets after SIGTERM (None: the plan's stop window, plan/stop_window.py) and the
+    # storage rate that window assumes; render fills grace_period_s and stop_timeout_s.
+    grace_period_s: int | None = None
+    storage_write_mib_s: float = DEFAULT_STORAGE_WRITE_MIB_S
+    stop_timeout_s: int | None = None  # the agent's launch.stop_timeout_s in the rendered config
 
     def check(self) -> "ClusterOptions":
         check_name(self.name, "--name", max_len=50)  # pods are <name>-<index>-<suffix>: room for suffixes
@@ -53,6 +59,10 @@ class ClusterOptions:
             check_quantity(self.memory, "--memory")
         if self.hf_token_secret is not None:
             check_name(self.hf_token_secret, "--hf-token-secret")
+        if self.grace_period_s is not None and self.grace_period_s < 1:
+            raise ManifestError(f"--grace-period-s must be a positive number of seconds (got {self.grace_period_s})")
+        if not self.storage_write_mib_s > 0:
+            raise ManifestError(f"--storage-write-mib-s must be a positive rate in MiB/s (got {self.storage_write_mib_s:g})")
         for var, secret, key in self.secret_env:
             check_env_name(var, "--secret-env")
             check_name(secret, f"--secret-env {var}")

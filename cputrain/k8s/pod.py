@@ -74,6 +74,11 @@ def tolerations(opts: ClusterOptions) -> list[dict]:
     return [{"key": AMX_TAINT_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
 
 
+def termination(opts: ClusterOptions) -> dict:
+    """The pod's grace period after SIGTERM: the plan's step plus checkpoint save (render sets it)."""
+    return {"terminationGracePeriodSeconds": opts.grace_period_s} if opts.grace_period_s is not None else {}
+
+
 def annotations(opts: ClusterOptions) -> dict[str, str]:
     # Karpenter would otherwise consolidate a node away from under a running job.
     return dict(DO_NOT_DISRUPT) if opts.karpenter else {}

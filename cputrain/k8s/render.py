@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from cputrain.config import Config
 from cputrain.k8s import indexed_job, karpenter, storage, trainjob
+from cputrain.k8s.checks import quantity_value
 from cputrain.k8s.options import ClusterOptions, pod_resources
 from cputrain.plan.build import Plan, make_plan
-from cputrain.plan.fit import allocatable_gib, pod_memory_bytes
+from cputrain.plan.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
 from cputrain.plan.instances import Instance, find_instance
+from cputrain.plan.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
+
+log = logging.getLogger("cputrain")
 
 KINDS = ("trainjob", "job")
 
@@ -33,10 +38,15 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     if given:
         inst = find_instance(instances, opts.instance_type)
     else:
-        inst = plan.fit.instance
+        # The plan's fit counts the ranks; the pod also holds its memory-backed /dev/shm, and asks
+        # for whole GiB (up to 1 GiB more): the smallest instance that holds all of that.
+        shm_bytes = int(quantity_value(opts.shm_size, "--shm-size"))
+        inst = smallest_cluster(instances, rank_peak, opts.world_size, opts.nproc_per_node,
+                                pod_extra_bytes=shm_bytes + GIB).instance
         opts = replace(opts, instance_type=inst.name)
     res = pod_resources(opts, pod_memory_bytes(rank_peak, opts.nproc_per_node), inst.vcpus, allocatable_gib(inst),
                         instance_given=given)
+    opts = _with_stop_window(cfg, opts, plan, inst)
 
     objects = []
     if opts.karpenter:
@@ -49,3 +59,23 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     else:
         objects += [indexed_job.service(opts), indexed_job.indexed_job(opts, res)]
     return Rendered(objects, plan, opts)
+
+
+def _with_stop_window(cfg: Config, opts: ClusterOptions, plan: Plan, inst: Instance) -> ClusterOptions:
+    """The pods' grace period and the agent's stop timeout: the plan's step plus checkpoint save,
+    or --grace-period-s. Said on stderr, since it decides whether a drain loses work."""
+    window = stop_window(plan.shape, plan.inputs.strategy, plan.inputs.precision, cfg.data.seq_len,
+                         cfg.train.global_batch_size, plan.inputs.activation_checkpointing, inst, opts.nnodes,
+                         storage_write_mib_s=opts.storage_write_mib_s)
+    if opts.grace_period_s is None:
+        grace, stop_timeout = window.grace_period_s, window.stop_timeout_s
+        log.info("pods: terminationGracePeriodSeconds %d (%s; --grace-period-s sets it)", grace, window.describe())
+    else:
+        grace, stop_timeout = opts.grace_period_s, max(1, opts.grace_period_s - EXIT_MARGIN_S)
+        if grace < window.grace_period_s:
+            log.warning("--grace-period-s %d is below the plan's %d s (%s): a drain may kill a checkpoint save "
+                        "half-way (the previous checkpoint is kept)", grace, window.grace_period_s, window.describe())
+    if stop_timeout > SPOT_NOTICE_S:
+        log.info("a spot node gets %d s of notice, less than this run's stop window: on spot capacity, set "
+                 "train.checkpoint_every_s so a reclaim loses at most that much", SPOT_NOTICE_S)
+    return replace(opts, grace_period_s=grace, stop_timeout_s=stop_timeout)

@@ -24,6 +24,8 @@ def pod_config(cfg: Config, opts: ClusterOptions) -> Config:
     pod_cfg.data.cache_dir = f"{pod.OUTPUT_DIR}/.cache/cputrain"
     if cfg.parallel.deepspeed_config:
         pod_cfg.parallel.deepspeed_config = f"{pod.CONFIG_DIR}/{DEEPSPEED_FILE}"
+    if opts.stop_timeout_s is not None:  # the agent waits for the save as long as the pod may
+        pod_cfg.launch.stop_timeout_s = opts.stop_timeout_s
     return pod_cfg
 
 

@@ -5,7 +5,9 @@ PET_MASTER_ADDR and PET_MASTER_PORT. numProcPerNode is always an explicit intege
 would start one rank per CPU of the pod — dozens of ranks, each with its own copy of the
 model state — which is how hand-written jobs run out of memory or deadlock.
 Pod-level settings (volumes, node selection, the do-not-disrupt annotation) go in a
-runtime patch on the runtime's "node" job.
+runtime patch on the runtime's "node" job. The patch can set the pods' grace period but not the
+Job's podFailurePolicy (the TrainJob API has no such field): whether a stopped pod (exit 75)
+restarts is the runtime's JobSet failure policy, which the cluster's ClusterTrainingRuntime owns.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ PATCH_MANAGER = "cputrain.k8s/render"
 
 def trainjob(opts: ClusterOptions, res: PodResources) -> dict:
     pod_spec = {
+        **pod.termination(opts),
         "nodeSelector": pod.node_selector(opts),
         "tolerations": pod.tolerations(opts),
         "volumes": pod.volumes(opts, res),

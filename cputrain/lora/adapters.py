@@ -62,6 +62,21 @@ def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
     return list(cfg.target_modules)
 
 
+def check_rank(model: nn.Module, cfg: LoraConfig) -> None:
+    """An adapter's rank below the width of every layer it goes on: at r ≥ min(d_in, d_out) the
+    update B·A is no longer low-rank, and it has more parameters than the layer it adapts."""
+    targets = target_modules(model, cfg)
+    widths = {name: min(m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and any(_matches(name, t) for t in targets)}
+    if not widths:
+        return
+    narrowest = min(widths, key=widths.get)
+    if cfg.rank >= widths[narrowest]:
+        raise ModelError(f"model.lora.rank {cfg.rank} is not below the width of {narrowest} ({widths[narrowest]}): "
+                         f"such an adapter is a full-rank update with more parameters than the layer; use a rank "
+                         f"below {widths[narrowest]} (8–64 is usual), or full fine-tuning (model.lora.enabled=false)")
+
+
 def peft_config(model: nn.Module, cfg: LoraConfig, base_path: str | None = None):
     from peft import LoraConfig as PeftLoraConfig
 
@@ -96,6 +111,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, s
     `frozen_dtype`; return the adapters' initial values (parameter name → full fp32 tensor)."""
     from peft import inject_adapter_in_model
 
+    check_rank(model, cfg)
     config = peft_config(model, cfg, base_path)
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)

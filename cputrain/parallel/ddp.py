@@ -1,8 +1,8 @@
 """DDP: every rank holds the whole model; gradients are averaged with one all-reduce per bucket.
 
-DistributedDataParallel broadcasts rank 0's parameters when it is built, so the skeleton is
-materialized at wrap time (a replica needs the whole model anyway) and the weights are then
-filled identically on every rank by load_weights. Gradient accumulation skips the all-reduce
+DistributedDataParallel is built without its start-up broadcast of rank 0's weights
+(init_sync=False): every rank fills the same weights itself (load_weights: the same files, or
+the same seed) and a fingerprint proves it (parallel.replica_check). Gradient accumulation skips the all-reduce
 on every micro-batch but the last (no_sync), so one step costs one all-reduce whatever the
 accumulation.
 """
@@ -16,8 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cputrain.model import load_into, materialize, random_init
+from cputrain.model import load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
+from cputrain.parallel.file_reads import PlainReads
+from cputrain.parallel.replica_check import check_replicas_agree
 
 
 def _metered_allreduce_hook(_state, bucket):
@@ -38,19 +40,22 @@ class DDPStrategy(Strategy):
         if self.ctx.cfg.model.name_or_path is None:
             # Initialise now, exactly as the single strategy does (init, then tie): initialising
             # after tying would draw the shared embedding twice and start from other weights.
-            # DDP broadcasts rank 0's parameters as it is built, so they must exist by then.
             random_init(model, self.ctx.cfg.seed)
         else:
             model.tie_weights()  # to_empty unties shared parameters; DDP must see the tied set
-        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        # No start-up broadcast: each rank has (or will read) the same weights; load_weights checks.
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, init_sync=False)
         ddp.register_comm_hook(None, _metered_allreduce_hook)
         return ddp
 
     def load_weights(self, model: nn.Module, folder: Path | None) -> None:
         # Every rank fills the same values (the same file; or the seed, drawn at wrap time), so
-        # replicas agree without a second broadcast.
+        # replicas agree without a broadcast: the fingerprint proves it.
         if folder is not None:
-            load_into(model.module, folder, file_name_of=self.ctx.file_name_of)
+            with PlainReads(safetensors_files(folder)) as files:  # no mapped second copy (file_reads)
+                load_into(model.module, folder, copy_fn=files.copy_whole, file_name_of=self.ctx.file_name_of)
+        check_replicas_agree(model.module, self.ctx.rank,
+                             f"reading {folder}" if folder is not None else f"the random init (seed {self.ctx.cfg.seed})")
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()

@@ -13,7 +13,6 @@ the seed) and each rank keeps its rows, so that every strategy starts from the s
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -22,10 +21,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from cputrain.distributed.allocator import pin_mmap_threshold
-from cputrain.errors import ModelError
-from cputrain.model import (SafetensorsReader, copy_full_into, decoder_blocks, load_into, materialize, random_init,
-                            safetensors_files)
+from cputrain.model import copy_full_into, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
+from cputrain.parallel.file_reads import PlainReads
 
 
 def owned_rows(param: DTensor) -> slice:
@@ -36,53 +34,6 @@ def owned_rows(param: DTensor) -> slice:
     per = -(-rows // world)
     start = min(rows, rank * per)
     return slice(start, min(rows, start + per))
-
-
-# safetensors dtype names (the file header's) for the dtypes a shard can be read into directly
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
-
-class RowFiles:
-    """Reads a tensor's rows from the safetensors files straight into this rank's shard.
-
-    safetensors' own reader maps the file; every page a slice touches then counts in this
-    process's RSS until the file is closed, which would add a second copy of the shard to the
-    peak of loading. Rows of dim 0 are one contiguous byte range in the file (row-major, the
-    format's layout), so they are read with plain file reads into the shard's own memory: the
-    page cache holds the file, the process holds only its shard.
-    """
-
-    def __init__(self, files: list[Path]):
-        self.where: dict[str, tuple[object, torch.dtype | None, int]] = {}  # key -> (file, dtype, data start)
-        self.files = []
-        for path in files:
-            f = open(path, "rb")  # noqa: SIM115  closed in close()
-            self.files.append(f)
-            header_len = int.from_bytes(f.read(8), "little")  # the format: u64 length, JSON header, data
-            header = json.loads(f.read(header_len))
-            for key, entry in header.items():
-                if key != "__metadata__":
-                    self.where[key] = (f, _DTYPES.get(entry["dtype"]), 8 + header_len + entry["data_offsets"][0])
-
-    def copy_owned_rows(self, name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
-        local = param.to_local()
-        rows = owned_rows(param)
-        if rows.stop <= rows.start:
-            return
-        f, dtype, start = self.where[key]
-        n_rows = rows.stop - rows.start
-        if dtype != local.dtype or not local.is_contiguous() or local.shape[0] != n_rows:
-            local.copy_(reader.read(key, rows=rows))  # a dtype cast or an odd layout: through safetensors
-            return
-        row_bytes = local[0].numel() * local.element_size()
-        target = memoryview(local.view(torch.uint8).numpy()).cast("B")
-        f.seek(start + rows.start * row_bytes)
-        if f.readinto(target) != n_rows * row_bytes:
-            raise ModelError(f"'{key}' is cut short in {f.name}; the file may be truncated")
-
-    def close(self) -> None:
-        for f in self.files:
-            f.close()
 
 
 class FSDPStrategy(Strategy):
@@ -106,11 +57,11 @@ class FSDPStrategy(Strategy):
     def load_weights(self, model: nn.Module, folder: Path | None) -> None:
         materialize(model)  # allocates only this rank's shard of every parameter
         if folder is not None:
-            files = RowFiles(safetensors_files(folder))
-            try:
-                load_into(model, folder, copy_fn=files.copy_owned_rows, file_name_of=self.ctx.file_name_of)
-            finally:
-                files.close()
+            # Plain reads of this rank's rows only (file_reads): no mapped copy of the shard.
+            with PlainReads(safetensors_files(folder)) as files:
+                load_into(model, folder, file_name_of=self.ctx.file_name_of,
+                          copy_fn=lambda name, param, reader, key: files.copy_rows(
+                              key, param.to_local(), owned_rows(param), reader))
             return
         full = self._full_random_init(model, self.ctx.cfg.seed)
         with torch.no_grad():

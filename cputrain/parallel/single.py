@@ -6,8 +6,9 @@ from pathlib import Path
 
 from torch import nn
 
-from cputrain.model import load_into, materialize, random_init
+from cputrain.model import load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
+from cputrain.parallel.file_reads import PlainReads
 
 
 class SingleStrategy(Strategy):
@@ -18,7 +19,8 @@ class SingleStrategy(Strategy):
         if folder is None:
             random_init(model, self.ctx.cfg.seed)
         else:
-            load_into(model, folder, file_name_of=self.ctx.file_name_of)
+            with PlainReads(safetensors_files(folder)) as files:  # no mapped second copy (file_reads)
+                load_into(model, folder, copy_fn=files.copy_whole, file_name_of=self.ctx.file_name_of)
 
 
 def build(ctx: StrategyContext) -> Strategy:

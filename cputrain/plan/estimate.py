@@ -142,27 +142,6 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
     return 0
 
 
-# DistributedDataParallel.broadcast_bucket_size, and the buckets c10d's broadcast_coalesced keeps
-# in flight (a flattened copy each, until its broadcast is done and copied back).
-DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20
-DDP_BROADCASTS_IN_FLIGHT = 2
-
-
-def _ddp_broadcast_bytes(m: ModelShape) -> int:
-    """Flattened copies alive while DDP broadcasts the weights: the largest two adjacent buckets.
-    A bucket takes parameters of one dtype in order until it reaches the bucket size (c10d's
-    take_tensors: a frozen bf16 base and fp32 adapters fill buckets of their own); what is left
-    of each dtype goes last. Every parameter is broadcast, frozen or not."""
-    buckets, current = [], {}
-    for p in m.params:
-        current[p.stored_bytes] = current.get(p.stored_bytes, 0) + p.numel * p.stored_bytes
-        if current[p.stored_bytes] >= DDP_BROADCAST_BUCKET_BYTES:
-            buckets.append(current.pop(p.stored_bytes))
-    buckets += [b for b in current.values() if b]
-    n = DDP_BROADCASTS_IN_FLIGHT
-    return max((sum(buckets[i:i + n]) for i in range(max(1, len(buckets) - n + 1))), default=0)
-
-
 def _load_bytes(m: ModelShape, inp: PlanInputs, rank: int = 0) -> int:
     """What building the weights holds beyond this rank's parameters, as each strategy does it.
 
@@ -171,15 +150,11 @@ def _load_bytes(m: ModelShape, inp: PlanInputs, rank: int = 0) -> int:
       copies its rows out (cputrain.parallel.fsdp); the whole copy is alive at the end.
     - zero3 from scratch: transformers' ZeRO-3 init gathers one module's parameters at a time,
       so the largest module (the embedding or the head) is whole once, in the compute dtype.
-    - ddp's constructor broadcasts rank 0's weights (torch.distributed.utils._sync_module_states)
-      in flattened buckets of 250 MiB, two in flight at a time: see _ddp_broadcast_bytes.
-    - single and ddp initialise their own full copy in place.
-    - From a model folder, single and ddp read every tensor through safetensors' memory map
-      (cputrain.model.load_into): each page read stays in the process's RSS until the files are
-      closed (clean file pages, which the kernel could reclaim, but RSS), so the whole weight
-      files are counted, plus one tensor read out of them. fsdp reads its rows with plain file
-      reads into the shard, except where the file's dtype is not the parameter's (a bf16 file
-      into fp32 masters, an fp32 file into a bf16 frozen base): those rows go through the map.
+    - single and ddp initialise their own full copy in place (ddp without a start-up broadcast:
+      every rank draws the same init, cputrain.parallel.replica_check).
+    - From a model folder, every strategy but zero3 reads with plain file reads into the
+      parameters (not through safetensors' memory map, whose pages would stay in the RSS): only
+      a tensor stored in another dtype takes a buffer of its own (_read_buffer_bytes).
     - LoRA: the adapters' initial values, whole and fp32 on every rank, are computed with the
       skeleton and kept until they are copied into the materialized (sharded) adapters.
     """
@@ -187,25 +162,25 @@ def _load_bytes(m: ModelShape, inp: PlanInputs, rank: int = 0) -> int:
     return adapter_init + _strategy_load_bytes(m, inp, rank)
 
 
-def _mapped_file_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
-    """Weight-file pages a rank maps while loading from a model folder, and the largest tensor
-    read out of them (0 without a folder; zero3 loads through DeepSpeed and is not planned here)."""
+def _read_buffer_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
+    """The largest buffer a rank reads a tensor into while loading from a model folder (0 without
+    one; zero3 loads through DeepSpeed and is not planned here). Plain reads go straight into the
+    parameter (cputrain.parallel.file_reads), except for a tensor the file stores in another dtype
+    (a bf16 file into fp32 masters): that one is read whole (fsdp: its rows) into a buffer of the
+    file's dtype and cast, one tensor at a time."""
     if inp.strategy in ("single", "ddp"):
-        read = [p.numel * p.file_bytes for p in m.params if p.file_bytes]
+        read = [p.numel * p.file_bytes for p in m.params if p.file_bytes and p.file_bytes != p.stored_bytes]
     elif inp.strategy == "fsdp":
         read = [local_numel(p.shape, "fsdp", inp.world_size, rank, padded=False) * p.file_bytes
                 for p in m.params if p.file_bytes and p.file_bytes != p.stored_bytes]
     else:
         return 0
-    return sum(read) + max(read, default=0)
+    return max(read, default=0)
 
 
 def _strategy_load_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
-    files = 0 if inp.from_scratch else _mapped_file_bytes(m, inp, rank)
-    if inp.strategy == "ddp":
-        return max(_ddp_broadcast_bytes(m), files)  # the broadcast is done (at wrap) before the files are read
     if not inp.from_scratch:
-        return files
+        return _read_buffer_bytes(m, inp, rank)
     if inp.strategy == "fsdp":
         return m.total_params * FP32_BYTES
     if inp.strategy == "zero3":

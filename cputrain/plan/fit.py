@@ -40,13 +40,14 @@ def pod_memory_bytes(rank_peak_bytes: int, nproc_per_node: int) -> int:
     return int(rank_peak_bytes * nproc_per_node * POD_HEADROOM)
 
 
-def fits(inst: Instance, rank_peak_bytes: int, nproc_per_node: int) -> bool:
-    return (pod_memory_bytes(rank_peak_bytes, nproc_per_node) <= allocatable_gib(inst) * GIB
+def fits(inst: Instance, rank_peak_bytes: int, nproc_per_node: int, pod_extra_bytes: int = 0) -> bool:
+    """`pod_extra_bytes`: what a pod holds besides its ranks (a memory-backed /dev/shm)."""
+    return (pod_memory_bytes(rank_peak_bytes, nproc_per_node) + pod_extra_bytes <= allocatable_gib(inst) * GIB
             and nproc_per_node <= inst.physical_cores)
 
 
 def smallest_cluster(instances: list[Instance], rank_peak_bytes: int, world_size: int,
-                     nproc_per_node: int | None = None) -> ClusterFit:
+                     nproc_per_node: int | None = None, pod_extra_bytes: int = 0) -> ClusterFit:
     """The cheapest layout in memory; `nproc_per_node` fixes the ranks per node when given."""
     layouts = [nproc_per_node] if nproc_per_node else [p for p in range(1, world_size + 1) if world_size % p == 0]
     if nproc_per_node and world_size % nproc_per_node:
@@ -55,7 +56,7 @@ def smallest_cluster(instances: list[Instance], rank_peak_bytes: int, world_size
         ClusterFit(inst, world_size // p, p, pod_memory_bytes(rank_peak_bytes, p), allocatable_gib(inst))
         for inst in instances
         for p in layouts
-        if fits(inst, rank_peak_bytes, p)
+        if fits(inst, rank_peak_bytes, p, pod_extra_bytes)
     ]
     if not options:
         largest = max(instances, key=allocatable_gib)

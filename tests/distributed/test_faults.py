@@ -5,6 +5,7 @@ the previous checkpoint loadable."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,3 +153,22 @@ def test_sigterm_to_the_agent_saves_where_the_ranks_are_and_resumes_exactly(unin
     b = load_file(str(out / "model" / "model.safetensors"))
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs after the stop")
+
+
+def test_a_killed_rank_without_restarts_ends_in_one_line_naming_it(tmp_path, cache_dir):
+    """Rank 1 dies (SIGKILL, as the OOM killer does); rank 0's next collective fails on the closed
+    socket. The agent's last line names rank 1, not rank 0, and no rank prints a traceback."""
+    out = tmp_path / "killed"
+    proc = _start(out, cache_dir, "--nproc-per-node", "2")  # launch.max_restarts: 0
+    metrics = out / "metrics.jsonl"
+    assert _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 300), "no steps logged"
+    victim = _rank_process(out, 1)
+    assert victim is not None
+    victim.send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=RESTART_TIMEOUT_S)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    # The agent may see rank 0 fail too (its collective) or stop it first: 1 or 2 failed ranks.
+    assert re.match(r"cputrain: error: [12] rank\(s\) failed; rank 1 first: exited with SIGKILL", last), last
+    assert_no_survivors(out)

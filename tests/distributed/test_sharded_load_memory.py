@@ -73,3 +73,28 @@ def test_fsdp_sharded_load_peak_rss(tmp_path_factory, cache_dir):
     for key, tensor in original.items():
         # 1e-30 steps move only weights that are themselves ~0; a wrong row would differ by ~1e-2
         assert torch.allclose(exported[key], tensor, rtol=0, atol=1e-20), f"{key} differs after sharded loading"
+
+
+@pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2)])
+def test_whole_model_load_peak_is_the_weights_not_twice_them(tmp_path_factory, cache_dir, strategy, world):
+    """single and ddp read each tensor with plain reads into its parameter: the peak while loading
+    is the weights once (not the weights plus the mapped file's pages), and ddp sends no copy of
+    them at start-up (each rank reads the files; replica_check compares fingerprints)."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama-170mb"), hidden=768, layers=8)
+    model_bytes = sum(t.numel() * t.element_size() for t in _tensors(folder / "model.safetensors").values())
+    out = tmp_path_factory.mktemp("run")
+    overrides = tiny_overrides(out, cache_dir, **{
+        "model.name_or_path": folder, "parallel.strategy": strategy, "train.max_steps": 1,
+        "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.eval_every": 100, "data.max_documents": 100})
+    overrides = [o for o in overrides if not o.startswith(("model.arch.", "model.tokenizer_vocab_size"))]
+    run_cli("train", *overrides, "--nproc-per-node", world, check=True, timeout=300)
+    assert_no_survivors(out)
+    for rank in json.loads((out / "memory.json").read_text())["ranks"]:
+        phases = {row["phase"]: row for row in rank["phases"]}
+        overhead_gib = phases["model skeleton"]["rss_gib"]
+        peak_gib = phases["sharded weights"]["peak_rss_gib"]
+        bound_gib = overhead_gib + model_bytes * 1.15 / GIB  # through the map it was ~2 × the weights
+        assert peak_gib <= bound_gib, (
+            f"{strategy} rank {rank['rank']}: peak RSS while loading {peak_gib * 1024:.0f} MiB > "
+            f"{bound_gib * 1024:.0f} MiB ({overhead_gib * 1024:.0f} MiB before the weights + the "
+            f"{model_bytes / 2**20:.0f} MiB model × 1.15)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -221,6 +222,25 @@ def test_output_dir_that_cannot_be_written(tmp_path, target):
     assert_no_work(cache)
 
 
+def test_cache_dir_that_cannot_be_written(tmp_path):
+    """A read-only mount (root ignores file modes, so a real one) and a pseudo file system: one
+    line naming data.cache_dir, before anything is tokenized or written."""
+    import subprocess
+
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                             capture_output=True).returncode == 0
+    try:
+        for cache in ([read_only / "cache"] if mounted else []) + [Path("/proc/cputrain-test/cache")]:
+            proc = run_cli("train", *tiny(tmp_path / "run", cache))
+            assert_refused(proc, f"data.cache_dir '{cache}' cannot be created or written", "writable data.cache_dir")
+            assert not (tmp_path / "run").exists()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)], check=True)
+
+
 def test_output_dir_check_leaves_nothing_behind(tmp_path):
     """The write probe removes the folders it made, so a command refused later leaves no empty run folder."""
     out = tmp_path / "a" / "b" / "run"
@@ -254,6 +274,28 @@ def test_seq_len_longer_than_the_models_positions(tmp_path, tiny_model_dir):
                            f"model.name_or_path={tiny_model_dir}"),
                    "max_position_embeddings (256)", "data.seq_len=256")
     assert_no_work(cache)
+
+
+@pytest.mark.parametrize("how", ["bin-only", "other-shapes", "lora-rank"])
+def test_model_weights_that_cannot_load_are_refused_before_tokenizing(tmp_path, tiny_model_dir, how):
+    """Read from the files' headers against the config, before any data is touched."""
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, broken)
+    extra = ()
+    if how == "lora-rank":  # the tiny model's k_proj has 32 outputs
+        extra = ("model.lora.enabled=true", "model.lora.rank=48")
+        expected = ("model.lora.rank 48 is not below the width of", "(32)")
+    elif how == "bin-only":
+        (broken / "model.safetensors").rename(broken / "pytorch_model.bin")
+        expected = ("has no .safetensors weights", "safe_serialization=True")
+    else:  # the config says a wider model than the weights hold
+        fields = json.loads((broken / "config.json").read_text())
+        fields["intermediate_size"] *= 2
+        (broken / "config.json").write_text(json.dumps(fields))
+        expected = ("have shape", "the weights do not belong to this model config")
+    assert_refused(run_cli("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}",
+                           *extra), *expected)
+    assert_no_work(tmp_path / "cache")
 
 
 def test_model_folder_config_without_hidden_size(tmp_path, tiny_model_dir):

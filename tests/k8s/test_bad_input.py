@@ -27,6 +27,8 @@ from .rendering import ARCH, render_case
     (dict(instance_type="c7i.8xlarge", nnodes=1, nproc_per_node=16), "--instance-type"),
     (dict(instance_type="x9.huge"), "--instance-type"),
     (dict(memory="4000Gi", instance_type=None), "--memory 4000Gi is more than"),  # --instance-type not given: not blamed
+    (dict(grace_period_s=0), "--grace-period-s"),
+    (dict(storage_write_mib_s=0.0), "--storage-write-mib-s"),
 ])
 def test_refused_with_the_field_named(changes, field):
     with pytest.raises(UserError) as err:

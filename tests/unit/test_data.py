@@ -54,6 +54,33 @@ def test_pack_has_no_padding_and_eos_between_documents(tok, tmp_path):
     assert np.asarray(data.train).reshape(-1).tolist() == expected[: data.train.size]
 
 
+def test_records_whose_text_is_not_a_string_are_counted_not_dropped_silently(tok, tmp_path, caplog):
+    good = [{"text": f"document {i} " + "word " * 20} for i in range(30)]
+    odd = [{"text": 5}, {"text": None}, {"text": ["a", "list"]}, {"id": 7}, {"text": "   "}]
+    corpus = tmp_path / "mixed.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in good[:3] + odd + good[3:]))
+    cfg = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=16, val_fraction=0.1)
+    with caplog.at_level("WARNING", logger="cputrain"):
+        data = prepare.packed_data(cfg, sources.fingerprint(cfg), 0, tok, 1)
+    assert data.stats["records"] == 35 and data.stats["documents"] == 30
+    assert data.stats["skipped_not_text"] == 4 and data.stats["skipped_blank"] == 1
+    assert any("4 record(s)" in r.message and "not text" in r.message for r in caplog.records)
+
+
+def test_a_long_document_is_encoded_in_pieces_with_the_ids_of_the_whole(tok, tmp_path, monkeypatch):
+    from cputrain.data import tokenize_chunk
+
+    doc = " ".join(f"word{i % 97}  and,more" for i in range(3000)) + " " + "x" * 5000 + " tail"
+    parts = tokenize_chunk.pieces(doc, piece_chars=1000)
+    assert "".join(parts) == doc and len(parts) > 20
+    assert all(len(part) <= 1000 for part in parts[:-2])  # the run of x's has no space to cut at
+    whole = _pack(tmp_path / "whole", [doc, "short one"], tok, seq_len=16, val_fraction=0.0)
+    monkeypatch.setattr(tokenize_chunk, "PIECE_CHARS", 1000)
+    cut = _pack(tmp_path / "cut", [doc, "short one"], tok, seq_len=16, val_fraction=0.0)
+    assert np.array_equal(np.asarray(whole.train), np.asarray(cut.train))
+    assert whole.stats["tokens"] == cut.stats["tokens"]
+
+
 def test_validation_documents_are_held_out_whole(tok, tmp_path):
     docs = [f"unique{i:03d} " + "alpha beta gamma " * 3 for i in range(40)]
     data = _pack(tmp_path, docs, tok, seq_len=8, val_fraction=0.25, seed=0)

@@ -132,6 +132,21 @@ def test_model_type_peft_does_not_know():
     assert target_modules(Custom(), LoraConfig(enabled=True, target_modules=["fc_in"])) == ["fc_in"]
 
 
+def test_a_rank_as_wide_as_a_layer_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.lora.adapters import check_rank
+
+    with torch.device("meta"):  # k_proj and v_proj: 2 KV heads × 16 = 32 outputs, the narrowest
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    check_rank(model, LoraConfig(enabled=True, rank=31))
+    with pytest.raises(ModelError) as err:
+        check_rank(model, LoraConfig(enabled=True, rank=32))
+    assert "model.lora.rank 32 is not below the width of" in str(err.value) and "(32)" in str(err.value)
+    check_rank(model, LoraConfig(enabled=True, rank=32, target_modules=["q_proj", "o_proj"]))  # 64 wide
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["model.lora.rank=0"], "model.lora.rank must be a positive integer"),
     (["model.lora.rank=-4"], "model.lora.rank must be a positive integer"),
