@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def _rank(rank: int, port: int, folders: list[str], results) -> None:
             skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders[rank]))
         model = strategy.wrap(skeleton)
         try:
-            strategy.load_weights(model, folders[rank])
+            strategy.load_weights(model, Path(folders[rank]))
             outcome = "agreed"
         except ModelError as err:
             outcome = str(err)
