@@ -390,8 +390,8 @@ class Config(Section):
     output_dir: str = "runs/default"
     """Run folder (a local path or an fsspec URL): config, metrics, checkpoints, exported model."""
 
-    seed: int = 1337
-    """Seed for weights, data order and dropout."""
+    seed: int = Field(1337, ge=0, lt=2**63)
+    """Seed for weights, data order and dropout (numpy's generator takes no negative seed)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

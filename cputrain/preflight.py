@@ -16,9 +16,9 @@ from cputrain.errors import ConfigError, RunFolderError, one_line
 
 
 def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
-    if probe_output_dir:
+    if probe_output_dir:  # one process probes (ranks that all did would remove each other's folders)
         check_output_dir(cfg.output_dir)
-    check_cache_dir(cfg.data.cache_dir)
+        check_cache_dir(cfg.data.cache_dir)
     check_model_fits_seq_len(cfg)
     check_model_weights(cfg)
     check_report_to(cfg)

@@ -126,6 +126,7 @@ class Trainer:
         self.model = self.strategy.wrap(skeleton)
         self.strategy.load_weights(self.model, source.folder)
         self.converter.fill(self.strategy.unwrap(self.model))
+        self.strategy.check_weights(self.model)
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)

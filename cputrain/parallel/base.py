@@ -1,6 +1,7 @@
 """The protocol every strategy offers the trainer; the trainer never branches on a strategy name.
 
-Build order (see trainer.setup): wrap(skeleton) → load_weights → build_optimizer. Wrapping
+Build order (see trainer.setup): wrap(skeleton) → load_weights → (the converter fills its
+adapters) → check_weights → build_optimizer. Wrapping
 comes before any weight exists so that a sharding strategy materializes only its own shard.
 Code that every strategy shares lives beside the protocol, not in a strategy: the meter
 (distributed.comm), weight-decay groups (optim.decay_groups), reading rows of a safetensors
@@ -57,7 +58,7 @@ class StrategyContext:
 
 
 class Strategy:
-    """One meaning per method. Build: wrap, load_weights, build_optimizer. Step: autocast,
+    """One meaning per method. Build: wrap, load_weights, check_weights, build_optimizer. Step: autocast,
     accumulation, backward, step. State: checkpoint_state (what a checkpoint saves and loads),
     full_state_dict (what the export writes), tensors_held (what the memory report counts).
     `meter` is the communication meter (no-op where nothing is metered). Strategies write no
@@ -83,6 +84,10 @@ class Strategy:
         """Materialise and fill the wrapped model: from `folder`'s safetensors, or random init
         from the config's seed."""
         raise NotImplementedError
+
+    def check_weights(self, model: nn.Module) -> None:
+        """Called once every weight is in place (the files, then the converter's adapters): what the
+        strategy verifies before the first step. Nothing by default; ddp checks that its replicas agree."""
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from cputrain.optim import build_adamw

@@ -47,6 +47,7 @@ def _rank(rank: int, port: int, folders: list[str], results) -> None:
         model = strategy.wrap(skeleton)
         try:
             strategy.load_weights(model, Path(folders[rank]))
+            strategy.check_weights(model)
             outcome = "agreed"
         except ModelError as err:
             outcome = str(err)
