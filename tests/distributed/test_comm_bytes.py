@@ -8,8 +8,8 @@ figure) must account for most of it and must not exceed it.
 
 Tolerance: the kernel count may exceed the metered bytes by 15% (TCP/IP headers, about 1%
 on loopback's 64 KiB segments, and gloo's own framing) plus a fixed 4 MiB for what the meter
-leaves out on purpose: the rendezvous and store traffic, DDP's start-up broadcast of the
-weights, the loss all-reduce of evaluation, checkpoint writes and memory.json's gather.
+leaves out on purpose: the rendezvous and store traffic, DDP's start-up comparison of the
+weights' fingerprints, the loss all-reduce of evaluation, checkpoint writes and memory.json's gather.
 """
 
 from __future__ import annotations
