@@ -35,8 +35,13 @@ def _tensors(path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def test_fsdp_sharded_load_peak_rss(tmp_path_factory, cache_dir):
-    folder = make_tiny_model(tmp_path_factory.mktemp("llama-170mb"), hidden=768, layers=8)
+@pytest.fixture(scope="module")
+def folder_170mb(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama-170mb"), hidden=768, layers=8)
+
+
+def test_fsdp_sharded_load_peak_rss(tmp_path_factory, cache_dir, folder_170mb):
+    folder = folder_170mb
     original = _tensors(folder / "model.safetensors")
     model_bytes = sum(t.numel() * t.element_size() for t in original.values())
     assert model_bytes > 150e6, model_bytes  # the shard must stand out from the process's own noise
@@ -76,11 +81,12 @@ def test_fsdp_sharded_load_peak_rss(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2)])
-def test_whole_model_load_peak_is_the_weights_not_twice_them(tmp_path_factory, cache_dir, strategy, world):
+def test_whole_model_load_peak_is_the_weights_not_twice_them(tmp_path_factory, cache_dir, folder_170mb, strategy,
+                                                            world):
     """single and ddp read each tensor with plain reads into its parameter: the peak while loading
     is the weights once (not the weights plus the mapped file's pages), and ddp sends no copy of
     them at start-up (each rank reads the files; replica_check compares fingerprints)."""
-    folder = make_tiny_model(tmp_path_factory.mktemp("llama-170mb"), hidden=768, layers=8)
+    folder = folder_170mb
     model_bytes = sum(t.numel() * t.element_size() for t in _tensors(folder / "model.safetensors").values())
     out = tmp_path_factory.mktemp("run")
     overrides = tiny_overrides(out, cache_dir, **{
