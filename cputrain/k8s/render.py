@@ -31,8 +31,8 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     opts.check()
     if kind not in KINDS:
         raise ValueError(kind)
-    plan = plan or make_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node,
-                             instances=None if opts.instance_type else instances, config_json=config_json)
+    # No instance fit in the plan: the render fits the whole pod (its ranks and /dev/shm) below.
+    plan = plan or make_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node, config_json=config_json)
     rank_peak = max(r.total_bytes for r in plan.ranks)
     given = bool(opts.instance_type)
     if given:

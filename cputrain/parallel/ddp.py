@@ -34,7 +34,6 @@ def _metered_allreduce_hook(_state, bucket):
 class DDPStrategy(Strategy):
     name = "ddp"
     metered = True
-    weights_from = "loading"  # where load_weights took them from, for check_weights' message
 
     def wrap(self, model: nn.Module) -> nn.Module:
         materialize(model)
@@ -55,10 +54,11 @@ class DDPStrategy(Strategy):
         if folder is not None:
             with PlainReads(safetensors_files(folder)) as files:  # no mapped second copy (file_reads)
                 load_into(model.module, folder, copy_fn=files.copy_whole, file_name_of=self.ctx.file_name_of)
-        self.weights_from = f"reading {folder}" if folder is not None else f"the random init (seed {self.ctx.cfg.seed})"
 
     def check_weights(self, model: nn.Module) -> None:
-        check_replicas_agree(model.module, self.ctx.rank, self.weights_from)
+        cfg = self.ctx.cfg
+        source = f"reading {cfg.model.name_or_path}" if cfg.model.name_or_path else f"the random init (seed {cfg.seed})"
+        check_replicas_agree(model.module, source)
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()

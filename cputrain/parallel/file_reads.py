@@ -49,7 +49,7 @@ class PlainReads:
         if n_rows <= 0:
             return
         f, dtype, start = self.where[key]
-        if dtype is None or target.dim() == 0 or not target.is_contiguous() or target.shape[0] != n_rows:
+        if dtype is None or not target.is_contiguous() or target.shape[0] != n_rows:
             target.copy_(reader.read(key, rows=rows))  # an unusual dtype or layout: through safetensors
             return
         buffer = target if dtype == target.dtype else torch.empty(target.shape, dtype=dtype)
@@ -62,4 +62,7 @@ class PlainReads:
 
     def copy_whole(self, name: str, param: torch.Tensor, reader: SafetensorsReader, key: str) -> None:
         """load_into's copy_fn for a rank that holds whole parameters (single, ddp)."""
-        self.copy_rows(key, param, slice(0, param.shape[0] if param.dim() else 1), reader)
+        if param.dim() == 0:  # a scalar has no rows
+            param.copy_(reader.read(key))
+        else:
+            self.copy_rows(key, param, slice(0, param.shape[0]), reader)

@@ -35,17 +35,17 @@ def fingerprint(module: nn.Module) -> tuple[list[str], list[int]]:
     return [name for name, _ in tensors], crcs
 
 
-def check_replicas_agree(module: nn.Module, rank: int, what: str) -> None:
+def check_replicas_agree(module: nn.Module, what: str) -> None:
     """Every rank's weights equal rank 0's, or every rank raises the same one-line error."""
     names, crcs = fingerprint(module)
-    reference = pg.broadcast_from_main(crcs)
-    differ = [name for name, mine, theirs in zip(names, crcs, reference) if mine != theirs]
-    if len(reference) != len(names):  # another model altogether
-        differ.append(f"{len(names)} tensors here, {len(reference)} on rank 0")
-    report = pg.all_gather_objects((rank, os.uname().nodename, len(differ), differ[0] if differ else None))
-    bad = [row for row in report if row[2]]
-    if bad:
-        r, host, n, name = bad[0]
-        raise ModelError(f"rank {r} (host {host}) holds other weights than rank 0 after {what}: {n} tensor(s) differ "
-                         f"(first: '{name}'); every rank must read the same files: check that model.name_or_path is "
-                         "the same copy on every node")
+    # One collective: every rank gets every rank's list and comes to the same verdict.
+    report = pg.all_gather_objects((os.uname().nodename, crcs))
+    reference = report[0][1]
+    for other, (host, theirs) in enumerate(report):
+        differ = [name for name, crc, ref in zip(names, theirs, reference) if crc != ref]
+        if len(theirs) != len(reference):  # another model altogether
+            differ.append(f"{len(theirs)} tensors there, {len(reference)} on rank 0")
+        if differ:
+            raise ModelError(f"rank {other} (host {host}) holds other weights than rank 0 after {what}: {len(differ)} "
+                             f"tensor(s) differ (first: '{differ[0]}'); every rank must read the same files: check "
+                             "that model.name_or_path is the same copy on every node")
