@@ -81,6 +81,12 @@ class LoraConfig(Section):
     """peft's init_lora_weights: true (A like nn.Linear, B zero: the model starts as the base),
     gaussian (A normal with std 1/r, B zero) or false (both random: for tests only)."""
 
+    base_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """How the frozen base is stored. auto: bf16 where the compute is bf16 or the model's files
+    hold bf16 (Llama-3's do: a bf16 copy loses nothing, at half the bytes), else fp32. A bf16 base
+    under fp32 compute (a CPU without bf16 units) converts each layer's weight to fp32 for its
+    matmul: an 8B base then takes 15 GiB, not 30."""
+
     @field_validator("rank")
     @classmethod
     def _rank_positive(cls, value: int) -> int:

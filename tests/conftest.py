@@ -91,8 +91,9 @@ def _train_tokenizer(folder: Path, vocab_size: int = 512):
 
 
 def make_tiny_model(folder: Path, vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0,
-                    tie: bool = True) -> Path:
-    """A Llama saved as a Hugging Face folder (config.json, model.safetensors, tokenizer)."""
+                    tie: bool = True, dtype=None) -> Path:
+    """A Llama saved as a Hugging Face folder (config.json, model.safetensors, tokenizer), its
+    weights in `dtype` (default fp32; Llama-3's published files are bf16)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -104,6 +105,8 @@ def make_tiny_model(folder: Path, vocab_size: int = 512, hidden: int = 64, layer
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(folder)  # safetensors by default
     tok.save_pretrained(folder)
     return folder

@@ -82,7 +82,9 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                            num_items_in_batch: float | None = None) -> torch.Tensor:
     """Next-token cross-entropy of `hidden` (batch, seq, d) through the head `weight` (vocab, d):
     the mean over the targets, or with `num_items_in_batch` their sum ÷ it (transformers' rule)."""
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
+    # The compute dtype: autocast's, else the hidden states' (a LoRA base stored in bf16 under
+    # fp32 compute has a bf16 head weight, converted to fp32 here once for all blocks).
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts t+1
     with torch.autocast("cpu", enabled=False):
         return _ChunkedLinearCrossEntropy.apply(

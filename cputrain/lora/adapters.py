@@ -106,10 +106,16 @@ def lora_layers(model: nn.Module):
 
 
 def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, seed: int,
-                 base_path: str | None = None) -> dict[str, torch.Tensor]:
+                 base_path: str | None = None, compute_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Put LoRA adapters into the skeleton `model` in place, freeze the rest and store it in
-    `frozen_dtype`; return the adapters' initial values (parameter name → full fp32 tensor)."""
+    `frozen_dtype` for computing in `compute_dtype` (default: the same; see
+    cputrain.lora.base_storage); return the adapters' initial values (parameter name → full fp32
+    tensor)."""
     from peft import inject_adapter_in_model
+
+    from cputrain.lora.base_storage import store_frozen
+
+    compute_dtype = compute_dtype or frozen_dtype
 
     check_rank(model, cfg)
     config = peft_config(model, cfg, base_path)
@@ -118,10 +124,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, s
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"peft could not add LoRA adapters to this model: {one_line(exc)}") from None
     # Frozen weights need no fp32 master copy: no gradient or optimizer step ever touches them.
-    # In bf16 they take 2 bytes per parameter and feed the bf16 matmuls without a cast.
-    for param in model.parameters():
-        if not param.requires_grad:
-            param.data = param.data.to(frozen_dtype)
+    store_frozen(model, frozen_dtype, compute_dtype)
     initial = {}
     # peft's own initialisation, on CPU tensors, from the run's seed (the same on every rank),
     # without touching the global generator the data order and dropout draw from.
@@ -140,7 +143,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, s
             initial[f"{name}.lora_B.{ADAPTER}.weight"] = b.weight.detach().clone()
             a.to("meta")
             b.to("meta")
-            if frozen_dtype == torch.bfloat16:
+            if compute_dtype == torch.bfloat16:
                 # peft casts a layer's input to the adapter's dtype (fp32) before A; under bf16
                 # autocast that is a round trip to fp32 and back per layer for nothing.
                 layer.cast_input_dtype_enabled = False

@@ -23,9 +23,10 @@ fp32; autocast also keeps a bf16 copy of every fp32 weight used in the forward f
 LoRA: the backward still runs through every frozen block to reach the adapters, so the
 activations above stay (a frozen linear saves no input of its own, but its adapter's lora_A
 saves that same tensor). Each adapted linear adds lora_A's output (t·r, saved by lora_B) and,
-with model.lora.dropout > 0, its own dropout of the input (t·in, and a t·in byte mask). A
-frozen bf16 embedding makes the hidden states between blocks bf16: the block inputs activation
-checkpointing keeps are 2 bytes each, and no weight of the frozen base is cast by autocast.
+with model.lora.dropout > 0, its own dropout of the input (t·in, and a t·in byte mask). Under
+bf16 compute a frozen bf16 embedding makes the hidden states between blocks bf16: the block
+inputs activation checkpointing keeps are 2 bytes each, and no weight of the frozen base is cast
+by autocast. Under fp32 compute a bf16 base is converted one matrix at a time (upcast_copy_bytes).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from cputrain.plan.model_shape import ModelShape
 @dataclass(frozen=True)
 class ActivationBytes:
     saved_bytes: int  # activations kept for the backward of one micro-batch
-    weight_copy_bytes: int  # bf16 copies of weights held by autocast until the backward
+    weight_copy_bytes: int  # bf16 copies of weights autocast holds until the backward; fp32 ones of a bf16 base
 
 
 def _block_elements(m: ModelShape, tokens: int) -> tuple[int, int]:
@@ -68,14 +69,28 @@ def adapter_bytes(m: ModelShape, tokens: int, matmul_bytes: int, dropout: float 
 def head_bytes(m: ModelShape, tokens: int, matmul_bytes: int, chunked_loss: bool) -> int:
     """The head and its loss at the end of the forward. Plain: the logits upcast to fp32, their
     log-softmax and its gradient, each tokens × vocabulary × 4 bytes. Chunked
-    (kernels/chunked_loss.py): the gradient of every logit in the compute dtype, one block's fp32
-    logits, and the saved gradients of the hidden states and the head's weight."""
+    (kernels/chunked_loss.py): one block's fp32 logits, the saved gradient of the hidden states,
+    and for a trained head the gradient of every logit in the compute dtype and the head's weight
+    gradient (a frozen LoRA head has neither)."""
     from cputrain.kernels.chunked_loss import block_rows
 
     if not chunked_loss:
         return 2 * tokens * m.hidden * 4 + 3 * tokens * m.vocab * 4
     block = min(tokens, block_rows(m.vocab)) * m.vocab * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
-    return tokens * m.vocab * matmul_bytes + block + tokens * m.hidden * (4 + matmul_bytes) + m.vocab * m.hidden * 4
+    hidden = tokens * m.hidden * (4 + matmul_bytes)
+    if m.lora:
+        return block + hidden
+    return tokens * m.vocab * matmul_bytes + block + hidden + m.vocab * m.hidden * 4
+
+
+def upcast_copy_bytes(m: ModelShape, precision: str) -> int:
+    """fp32 compute over a LoRA base stored in bf16 (cputrain.lora.base_storage): each frozen
+    matrix is converted to fp32 for its matmul, one at a time; the largest (for Llama the head,
+    used last, when every activation is saved) is the one that counts."""
+    if precision == "bf16":
+        return 0
+    return max((p.numel * 4 for p in m.params if not p.trainable and len(p.shape) == 2 and p.stored_bytes < 4),
+               default=0)
 
 
 def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool,
@@ -86,9 +101,11 @@ def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: s
     adapters = adapter_bytes(m, tokens, matmul_bytes, lora_dropout)
     block = norms * 4 + matmul * matmul_bytes + max((v for u, v in adapters.items() if u != "root"), default=0)
     if checkpointing:
-        blocks = m.layers * tokens * m.hidden * m.residual_bytes + block  # block inputs + one block recomputed
+        # block inputs + one block recomputed; under fp32 compute the stream is fp32 whatever the base's dtype
+        residual_bytes = m.residual_bytes if precision == "bf16" else 4
+        blocks = m.layers * tokens * m.hidden * residual_bytes + block
     else:
         blocks = m.layers * block
     head = head_bytes(m, tokens, matmul_bytes, chunked_loss) + adapters.get("root", 0)  # an adapted head
-    weight_copies = local_weight_params * 2 if precision == "bf16" else 0
+    weight_copies = local_weight_params * 2 if precision == "bf16" else upcast_copy_bytes(m, precision)
     return ActivationBytes(saved_bytes=blocks + head, weight_copy_bytes=weight_copies)

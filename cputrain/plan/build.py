@@ -58,8 +58,8 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
     if shape is None:
         import torch
 
-        frozen_dtype = torch.bfloat16 if planned_precision(cfg) == "bf16" else torch.float32
-        shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, frozen_dtype=frozen_dtype,
+        compute_dtype = torch.bfloat16 if planned_precision(cfg) == "bf16" else torch.float32
+        shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
                             seed=cfg.seed)
     shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
     inputs = resolve_inputs(

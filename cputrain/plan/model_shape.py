@@ -252,9 +252,10 @@ def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_
 
 
 def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None,
-                frozen_dtype=None, seed: int = 0) -> ModelShape:
+                compute_dtype=None, seed: int = 0) -> ModelShape:
     """Every parameter of the model the config trains. With model.lora enabled the adapters are
-    added as the trainer adds them, the base frozen in `frozen_dtype` (the compute dtype)."""
+    added as the trainer adds them, the base frozen in model.lora.base_dtype as the trainer
+    resolves it for `compute_dtype` (default fp32)."""
     import torch
 
     from cputrain import model as models
@@ -263,6 +264,22 @@ def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_js
     skeleton = models.build_skeleton(models.ModelSource(None, hf_config), model_cfg)  # meta: no memory
     if model_cfg.lora.enabled:
         from cputrain.lora.adapters import add_adapters
+        from cputrain.lora.base_storage import base_dtype_choice
 
-        add_adapters(skeleton, model_cfg.lora, frozen_dtype=frozen_dtype or torch.float32, seed=seed)
+        compute_dtype = compute_dtype or torch.float32
+        base_dtype = base_dtype_choice(model_cfg.lora.base_dtype, compute_dtype, _files_are_bf16(model_cfg))[0]
+        add_adapters(skeleton, model_cfg.lora, frozen_dtype=base_dtype, seed=seed, compute_dtype=compute_dtype)
     return shape_of(skeleton)
+
+
+def _files_are_bf16(model_cfg: ModelConfig) -> bool:
+    """The model's files hold bf16: read from their headers, or a known hub id (published in bf16)."""
+    from cputrain.lora.base_storage import files_are_bf16
+
+    folder = _folder_of(model_cfg.name_or_path) if model_cfg.name_or_path else None
+    if folder is not None and any(folder.glob("*.safetensors")):
+        try:
+            return files_are_bf16(folder)
+        except (OSError, ValueError):
+            return False  # a broken file: the trainer names it
+    return known_hub_config(model_cfg.name_or_path) is not None

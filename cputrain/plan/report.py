@@ -50,7 +50,8 @@ def lora_summary(plan: Plan) -> dict | None:
             "target_modules": sorted({a.name.split(".lora_A.")[0].rsplit(".", 1)[-1] for a in adapters}),
             "adapted_layers": len(adapters), "trainable_parameters": m.trainable_params,
             "frozen_parameters": m.frozen_params,
-            "frozen_bytes_per_parameter": max((p.stored_bytes for p in frozen), default=None)}
+            # the frozen matrices' (a bf16 base under fp32 compute keeps its norms in fp32)
+            "frozen_bytes_per_parameter": max((p.stored_bytes for p in frozen if len(p.shape) >= 2), default=None)}
 
 
 def _lora_line(plan: Plan) -> str | None:
@@ -62,7 +63,8 @@ def _lora_line(plan: Plan) -> str | None:
     dtype = {2: "bf16", 4: "fp32"}.get(stored, f"{stored} bytes")
     return (f"LoRA rank {lora['rank']} on {', '.join(lora['target_modules'])} ({lora['adapted_layers']} linears): "
             f"{m.trainable_params:,} trained parameters ({100 * m.trainable_params / m.total_params:.2f}%) in fp32 "
-            f"with gradients and AdamW state; {m.frozen_params:,} frozen in {dtype}, parameters only")
+            f"with gradients and AdamW state; {m.frozen_params:,} frozen in {dtype}, parameters only"
+            + (", each matrix converted to fp32 for its matmul" if stored == 2 and plan.inputs.precision == "fp32" else ""))
 
 
 def table_lines(plan: Plan) -> list[str]:

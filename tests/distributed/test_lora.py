@@ -1,5 +1,5 @@
-"""LoRA on real ranks (gloo on loopback): 2-rank DDP and 2-rank FSDP2 (frozen bf16/fp32 base and
-trained fp32 adapters in the same units) follow one rank's losses; adapters saved on 2 ranks
+"""LoRA on real ranks (gloo on loopback): 2-rank DDP and 2-rank FSDP2 (a frozen base stored in bf16,
+as its files are, under fp32 compute, and trained fp32 adapters in the same units) follow one rank's losses; adapters saved on 2 ranks
 resume on 1 into the same loss curve; bf16 follows fp32."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import make_tiny_model, run_cli, tiny_overrides
 from dist_helpers import assert_no_survivors, losses
@@ -25,7 +26,8 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("lora-dist-base") / "base", tie=False)
+    # bf16 files, as Llama-3 publishes them: under fp32 compute the base is stored in bf16 (model.lora.base_dtype=auto)
+    return make_tiny_model(tmp_path_factory.mktemp("lora-dist-base") / "base", tie=False, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,10 @@ def reference(tmp_path_factory, cache_dir, base):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_rank(strategy, reference, tmp_path, cache_dir, base):
     out = tmp_path / strategy
-    run_cli("train", *tiny_overrides(out, cache_dir, **COMMON, **{"model.name_or_path": base,
-                                                                   "parallel.strategy": strategy}),
-            "--nproc-per-node", "2", check=True)
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **COMMON, **{"model.name_or_path": base,
+                                                                          "parallel.strategy": strategy}),
+                   "--nproc-per-node", "2", check=True)
+    assert "the base is frozen in bfloat16 (the files hold bf16" in proc.stderr
     ref, got = losses(reference), losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got[STEPS] < got[1]

@@ -21,10 +21,11 @@ def _skeleton(folder):
     return source, models.build_skeleton(source, ModelConfig())
 
 
-def _lora_model(folder, dtype=torch.float32, seed=0, **lora):
+def _lora_model(folder, dtype=torch.float32, seed=0, compute_dtype=None, **lora):
     """What the single strategy builds: skeleton + adapters, materialized, base from the file."""
     source, skeleton = _skeleton(folder)
-    initial = add_adapters(skeleton, LoraConfig(enabled=True, **lora), frozen_dtype=dtype, seed=seed)
+    initial = add_adapters(skeleton, LoraConfig(enabled=True, **lora), frozen_dtype=dtype, seed=seed,
+                           compute_dtype=compute_dtype)
     models.materialize(skeleton)
     models.load_into(skeleton, source.folder, file_name_of=base_file_name)
     fill_adapters(skeleton, initial)
@@ -90,6 +91,55 @@ def test_starts_as_the_base_and_trains_only_the_adapters(tiny_model_dir):
     assert any(not torch.equal(named[n], initial[n]) for n in initial)
     state = optimizer.state_dict()["state"]
     assert len(state) == len(initial)  # AdamW moments for the adapters only
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "own-head"])
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked-loss", "plain-head"])
+def test_bf16_stored_base_computes_as_the_fp32_stored_one(tmp_path, tie, chunked):
+    """model.lora.base_dtype=bf16 under fp32 compute, on bf16 files: the same losses and adapter
+    updates as the base stored in fp32 (the fp32 copy of bf16 values is exact), with the frozen
+    matrices in bf16 and no fp32 copy of one kept for the backward."""
+    from conftest import make_tiny_model
+
+    from cputrain.config import TrainConfig
+    from cputrain.kernels.chunked_loss import install_chunked_loss
+    from cputrain.optim import build_adamw
+
+    folder = make_tiny_model(tmp_path / "bf16-files", tie=tie, dtype=torch.bfloat16)
+    # 21 tokens: no activation has a frozen matrix's shape (the hook below tells them apart by shape)
+    ids = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(0))
+    losses, adapters = {}, {}
+    for base_dtype in (torch.float32, torch.bfloat16):
+        model, initial = _lora_model(folder, dtype=base_dtype, compute_dtype=torch.float32, init_weights=False)
+        if chunked:
+            install_chunked_loss(model)
+        optimizer = build_adamw(model, TrainConfig(lr=1e-2))
+        shapes = {p.shape for p in model.parameters() if not p.requires_grad and p.dim() == 2}
+        saved_fp32_weights = []
+
+        def pack(t, out=saved_fp32_weights):
+            if t.dtype == torch.float32 and t.shape in shapes:
+                out.append(tuple(t.shape))
+            return t
+
+        losses[base_dtype] = []
+        for _ in range(3):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[base_dtype].append(loss.item())
+        adapters[base_dtype] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        stored = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+        if base_dtype == torch.bfloat16:
+            assert all(d == torch.bfloat16 for n, d in stored.items() if "norm" not in n), stored
+            assert all(d == torch.float32 for n, d in stored.items() if "norm" in n), stored
+            assert not saved_fp32_weights, f"fp32 copies of frozen matrices kept for the backward: {saved_fp32_weights}"
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], abs=1e-5)
+    assert losses[torch.float32][-1] < losses[torch.float32][0]  # the adapters learn
+    for name, value in adapters[torch.float32].items():
+        torch.testing.assert_close(adapters[torch.bfloat16][name], value, atol=1e-5, rtol=1e-5)
 
 
 def test_flops_count_adapter_weight_gradients_only(tiny_model_dir):

@@ -272,7 +272,7 @@ def test_lora_plan_builds_the_skeleton_the_trainer_builds(tmp_path):
     skeleton = models.build_skeleton(source, cfg.model)
     add_adapters(skeleton, cfg.model.lora, frozen_dtype=torch.bfloat16, seed=cfg.seed)
     models.enable_activation_checkpointing(skeleton)
-    planned = model_shape(cfg.model, frozen_dtype=torch.bfloat16, seed=cfg.seed)
+    planned = model_shape(cfg.model, compute_dtype=torch.bfloat16, seed=cfg.seed)
     assert shape_of(skeleton) == planned
     assert make_plan(cfg, 1, shape=shape_of(skeleton)).ranks == make_plan(cfg, 1).ranks
 
@@ -304,7 +304,10 @@ def test_lora_adds_only_small_activations_and_no_autocast_copies_of_the_base(tmp
     # bf16: the plan takes the chunked head, as model.chunked_loss=auto resolves there
     full_act = activation_bytes(full.shape, 2, 16, "bf16", False, 0, chunked_loss=True).saved_bytes
     lora_act = activation_bytes(lora.shape, 2, 16, "bf16", False, 0, chunked_loss=True).saved_bytes
-    assert lora_act - full_act == 14 * 32 * 4 * 2  # lora_A's output: 32 tokens × r=4 in bf16, per adapted linear
+    # lora_A's output (32 tokens × r=4 in bf16, per adapted linear); the frozen head keeps neither the gradient
+    # of every logit (32 × V in bf16) nor a weight gradient (V × h in fp32)
+    v, h = full.shape.vocab, full.shape.hidden
+    assert lora_act - full_act == 14 * 32 * 4 * 2 - 32 * v * 2 - v * h * 4
     # autocast keeps bf16 copies of the fp32 weights: every weight in full fine-tuning, the adapters under LoRA
     assert full.ranks[0].activation_bytes == full_act + full.shape.total_params * 2
     assert lora.ranks[0].activation_bytes == lora_act + 4096 * 2
@@ -352,6 +355,23 @@ def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
     assert rendered.plan.peak_rank.total_bytes == r.total_bytes
     with pytest.raises(UserError, match="m7i.8xlarge allocates"):
         render(load_config("configs/llama3-8b-fsdp.yaml", single), ClusterOptions(**opts), instances)
+
+
+def test_llama3_8b_lora_in_fp32_keeps_its_bf16_base():
+    """On a CPU without bf16 units (fp32 compute) the 8B base is stored as its files are, in bf16
+    (model.lora.base_dtype=auto), and fits 24 GiB; stored in fp32 it would not."""
+    from cputrain.plan.activations import upcast_copy_bytes
+
+    args = ["parallel.strategy=single", "hardware.precision=fp32", "model.lora.enabled=true"]
+    auto = make_plan(load_config("configs/llama3-8b-fsdp.yaml", args), 1)
+    fp32 = make_plan(load_config("configs/llama3-8b-fsdp.yaml", [*args, "model.lora.base_dtype=fp32"]), 1)
+    norms = 32 * 2 * 4096 + 4096  # kept in fp32: small, and not used by a linear layer
+    adapters = 41_943_040
+    assert auto.peak_rank.param_bytes == (8_030_261_248 - norms) * 2 + norms * 4 + adapters * 4
+    assert fp32.peak_rank.param_bytes == 8_030_261_248 * 4 + adapters * 4
+    # the head (128,256 × 4096) is converted to fp32 for the loss, beside every saved activation
+    assert upcast_copy_bytes(auto.shape, "fp32") == 128_256 * 4096 * 4 and upcast_copy_bytes(fp32.shape, "fp32") == 0
+    assert auto.peak_rank.total_bytes < 21 * GIB < 30 * GIB < fp32.peak_rank.total_bytes
 
 
 def test_compare_lora_prints_both_side_by_side(capsys):
