@@ -6,7 +6,7 @@ can be rerun alone with --only).
     python benchmarks/lora.py            # every part; the Trainer needs `scripts/install.sh bench` (accelerate);
                                          # estimated 40 min on 2 cores, under 12 GiB: run it alone
     python benchmarks/lora.py --quick    # tiny sizes, 3 steps, one run: checks the script only
-    python benchmarks/lora.py --only 300m|vs-peft|8b-layer
+    python benchmarks/lora.py --only 300m|vs-peft|8b-layer|base-dtype
 
 The base model: a ~300M-parameter Llama (1024 wide, 24 layers, ffn 2,816, 16 heads, 8 KV heads,
 untied 8,192-token head) with random weights, saved once as a Hugging Face folder (bf16
@@ -24,6 +24,8 @@ vs-peft  peft's `get_peft_model` + the HF Trainer (base loaded in bf16 like cput
 8b-layer one and two LlamaDecoderLayers of Llama-3-8B's shape at seq_len 2,048, micro-batch 1,
          forward + backward + clip + fused AdamW under bf16 autocast: fp32 weights all trained,
          vs frozen bf16 weights with r=16 adapters injected by peft's `inject_adapter_in_model`.
+base-dtype  LoRA in fp32 on the base saved in bf16: model.lora.base_dtype=bf16 (stored in bf16,
+         converted per matmul) vs fp32 (the same values stored in fp32); speed, memory, losses.
 
 Each run is a fresh process; the configurations alternate within each of --runs repetitions and
 medians are reported. Tokens/s is the median of the per-step rates after the first --warmup
@@ -68,7 +70,7 @@ MICRO, ACCUM = 4, 2
 RANK, ALPHA = 16, 32.0
 LR, WARMUP_LR, SEED = 1e-4, 2, 1337
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PARTS = ("300m", "vs-peft", "8b-layer")
+PARTS = ("300m", "vs-peft", "8b-layer", "base-dtype")
 GIB = 2**30
 
 
@@ -113,7 +115,7 @@ def steady_median(rates: list[float], warmup: int) -> float:
 
 
 def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, source: str, cache_dir: str,
-                 precision: str) -> dict:
+                 precision: str, extra: tuple[str, ...] = ()) -> dict:
     from cputrain.plan.compare import compare_run
 
     with tempfile.TemporaryDirectory(prefix="cputrain-lora-bench-") as out:
@@ -128,7 +130,7 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
         if lora:
             cmd += ["model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
                     "model.lora.dropout=0.0", f"model.lora.target_modules=[{','.join(TARGETS)}]"]
-        _, stderr, code, process_peak = run_measured(cmd)
+        _, stderr, code, process_peak = run_measured(cmd + list(extra))
         if code:
             raise RuntimeError(f"cputrain ({'LoRA' if lora else 'full'}) failed:\n{stderr[-3000:]}")
         summary = json.loads((run / "summary.json").read_text())
@@ -140,6 +142,7 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
         memory = json.loads((run / "memory.json").read_text())
     step_peak = next(p for p in memory["ranks"][0]["phases"] if p["phase"] == "training step peak")
     return {"tokens_per_s": steady_median(rates, warmup), "step_peak_rss_gib": step_peak["rss_gib"],
+            "losses": [r["loss"] for r in rows if "loss" in r and "tokens_per_s" in r],
             "process_peak_rss_gib": process_peak, "parameters": summary["parameters"],
             "trained_parameters": summary["trained_parameters"], "mfu": summary["mfu"],
             "attn_implementation": summary.get("attn_implementation"), "compile": summary.get("compile"),
@@ -395,6 +398,48 @@ is read by a callback around each optimizer step, the same way cputrain reads it
 
 Targets: cputrain LoRA ≥ 1.2× the Trainer's tokens/s: {'met' if ratio >= 1.2 else 'not met'} ({ratio:.2f}×); step peak
 RSS cputrain ÷ Trainer: {peak['lora'] / peak['peft']:.2f} ({peak['lora']:.2f} / {peak['peft']:.2f} GiB).
+"""
+
+    if "base-dtype" in parts:
+        # model.lora.base_dtype under fp32 compute, on bf16 files: the frozen base stored in bf16
+        # (each matrix converted for its matmul) against the same values stored in fp32
+        with tempfile.TemporaryDirectory(prefix="cputrain-lora-base-") as tmp:
+            base = str(Path(tmp) / "base")
+            shape = make_base(Path(base), arch, source, a.cache_dir, "bfloat16")
+            sides = ("bf16", "fp32")
+            results = {s: [] for s in sides}
+            for rep in range(runs):
+                for side in sides:
+                    r = run_cputrain(base, True, steps, warmup, seq_len, source, a.cache_dir, "fp32",
+                                     extra=(f"model.lora.base_dtype={side}",))
+                    results[side].append(r)
+                    print(f"run {rep + 1}/{runs} base {side}: {r['tokens_per_s']:,.0f} tokens/s, step peak "
+                          f"{r['step_peak_rss_gib']:.2f} GiB, losses {r['losses']}", file=sys.stderr)
+        tps = {s: med(v, "tokens_per_s") for s, v in results.items()}
+        peak = {s: med(v, "step_peak_rss_gib") for s, v in results.items()}
+        loss_diff = max(abs(x - y) for r16, r32 in zip(results["bf16"], results["fp32"])
+                        for x, y in zip(r16["losses"], r32["losses"]))
+        rows = "\n".join(
+            f"| `model.lora.base_dtype={s}` | {tps[s]:,.0f} | {spread([r['tokens_per_s'] for r in results[s]])} | "
+            f"{peak[s]:.2f} | {med(results[s], 'process_peak_rss_gib'):.2f} | {med(results[s], 'plan_peak_rss_gib'):.2f} "
+            f"({statistics.median(r['plan_error'] for r in results[s]):+.1%}) | {tps[s] / tps['fp32']:.2f}× |"
+            for s in sides)
+        blocks["base-dtype"] = f"""### A bf16-stored LoRA base under fp32 compute, ~300M Llama
+
+{machine_line()}
+
+`python benchmarks/lora.py --only base-dtype --steps {steps} --runs {runs}`: the ~300M base above
+({shape['parameters'] / 1e6:.1f}M parameters) saved in bf16, LoRA r={RANK} on the seven projections, `hardware.precision=fp32`,
+{steps} optimizer steps of {MICRO} × {ACCUM} micro-batches × {seq_len} tokens, the two sides alternated, median of {runs}
+fresh-process run(s). bf16: the frozen matrices stored in bf16, each converted to fp32 for its matmul
+(cputrain.kernels.upcast_linear); fp32: the same bf16 values stored in fp32.
+
+| run | tokens/s | range | step peak RSS (GiB) | process peak RSS (GiB) | plan peak (error) | tokens/s vs fp32-stored |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: |
+{rows}
+
+Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:.1e} (target ≤ 1e-5:
+{'met' if loss_diff <= 1e-5 else 'not met'}). Step peak RSS bf16 ÷ fp32: {peak['bf16'] / peak['fp32']:.2f}.
 """
 
     if "8b-layer" in parts:
