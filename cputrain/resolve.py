@@ -74,7 +74,7 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             cfg.model.compile = False
             why = ("LoRA: blocks with peft's adapter layers ran slower and larger compiled; measured on a 300M "
                    "Llama in bf16 on AMX: 497 tokens/s and 4.9 GiB eager vs 399 and 5.8 compiled; set "
-                   "model.compile=true to compile anyway")
+                   "model.compile=true to compile anyway (graph breaks are not the cause: benchmarks/lora_compile.py)")
         elif width is not None and width < 512:
             cfg.model.compile = False
             why = (f"a model {width} wide built from scratch: its steps are short, and compiling (tens of seconds "
