@@ -117,28 +117,40 @@ def run_train(args: list[str], log_path: Path) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
-def projection(run_dir: Path, mfu: float, seq_len: int) -> list[str]:
-    """Step time and tokens/s on AMX nodes, from the step's FLOPs at an assumed MFU of bf16 peak."""
+def config_step_flops(run_dir: Path, seq_len: int) -> float:
+    """Model FLOPs of one sequence of `seq_len` through the run's model, counted as its MFU counts
+    them (cputrain.metrics.flops: no recompute of checkpointed activations)."""
     from cputrain.config_file import load_config
     from cputrain.plan.build import make_plan
-    from cputrain.plan.instances import builtin_instances
-    from cputrain.plan.stop_window import ASSUMED_CLOCK_GHZ, instance_peak_flops, step_flops
+    from cputrain.plan.stop_window import step_flops
 
     cfg = load_config(str(run_dir / "config.yaml"))
-    shape = make_plan(cfg, 1).shape
-    flops = step_flops(shape, seq_len, 1, cfg.model.activation_checkpointing)
+    return step_flops(make_plan(cfg, 1).shape, seq_len, 1, activation_checkpointing=False)
+
+
+def projection(flops: float, mfu: float, peak_flops: float, seq_len: int, target_seq_len: int = 2048) -> list[str]:
+    """The config's step (seq 2048, `flops`) here and on AMX nodes, at an assumed MFU of their peak."""
+    from cputrain.plan.instances import builtin_instances
+    from cputrain.plan.stop_window import ASSUMED_CLOCK_GHZ, instance_peak_flops
+
+    lines = []
+    if seq_len != target_seq_len:
+        here_s = flops / (mfu * peak_flops)
+        lines += [f"This machine at seq {target_seq_len} (the config's; not run: {flops / 1e12:,.0f} TFLOP a step at "
+                  f"this run's MFU, {mfu:.1%} of {peak_flops / 1e9:,.0f} GFLOP/s): ~{here_s / 60:,.0f} min a step, "
+                  f"{target_seq_len / here_s:.2f} tokens/s.", ""]
     table = {i.name: i for i in builtin_instances()}
     rows = []
     for name, label in (("c7i.8xlarge", "c7i.8xlarge (16 cores)"), ("c7i.48xlarge", "96-core node (c7i.48xlarge)")):
         peak = instance_peak_flops(table[name], "bf16")
-        for assumed, why in ((mfu, "this run's MFU of the theoretical peak"), (0.60 * 0.5, "30%: 60% of a measured "
-                             "AMX matmul peak taken as half the theoretical")):
+        for assumed, why in ((mfu, "this run's MFU"), (0.30, "30%: 60% of a measured AMX matmul peak, taken as half "
+                                                               "the theoretical")):
             step_s = flops / (peak * assumed)
-            rows.append(f"| {label} | {peak / 1e12:.1f} | {why} ({assumed:.1%}) | {step_s:,.1f} | {seq_len / step_s:,.0f} |")
-    return [f"Projection (assumption: all {table['c7i.8xlarge'].physical_cores} or 96 cores at {ASSUMED_CLOCK_GHZ} GHz on "
-            f"AMX bf16, the step's {flops / 1e12:,.1f} TFLOP at the MFU named; not measured):", "",
-            "| node | bf16 peak (TFLOP/s) | MFU assumed | step (s) | tokens/s |", "| --- | ---: | --- | ---: | ---: |",
-            *rows]
+            rows.append(f"| {label} | {peak / 1e12:.1f} | {why} ({assumed:.1%}) | {step_s:,.1f} | {target_seq_len / step_s:,.0f} |")
+    return lines + [
+        f"Projection of the config's step (seq {target_seq_len}, {flops / 1e12:,.0f} TFLOP) to AMX nodes (assumption: "
+        f"every core at {ASSUMED_CLOCK_GHZ} GHz on AMX bf16, at the MFU named; not measured):", "",
+        "| node | bf16 peak (TFLOP/s) | MFU assumed | step (s) | tokens/s |", "| --- | ---: | --- | ---: | ---: |", *rows]
 
 
 def main() -> None:
@@ -177,6 +189,7 @@ def main() -> None:
         steps_rows = [r for r in rows if "tokens_per_s" in r]
         compared = compare_run(run_dir)[0]
         plan = json.loads((run_dir / "plan.json").read_text())
+        target_flops = config_step_flops(run_dir, 2048)  # reads the model folder's config.json: before it goes
     finally:
         if built_here and not a.keep_folder and not a.quick:
             shutil.rmtree(folder, ignore_errors=True)
@@ -190,12 +203,14 @@ def main() -> None:
     load_err = compared["plan_load_peak_gib"] / compared["measured_load_peak_gib"] - 1
     base_gib = plan["ranks"][0]["param_bytes"] / GIB
     losses = ", ".join(f"{r['loss']:.3f}" for r in steps_rows)
+    command = "python benchmarks/lora_8b.py" + (" --quick" if a.quick else "") + (
+        f" --seq-len {seq_len}" if seq_len != 2048 and not a.quick else "") + (f" --steps {steps}" if steps != 3 and not a.quick else "")
     lines = [
         "### Llama-3-8B LoRA on one machine",
         "",
         machine_line(),
         "",
-        f"`python benchmarks/lora_8b.py{' --quick' if a.quick else ''}`: {__doc__.split(chr(10) + chr(10))[2].strip()}",
+        f"`{command}`: {__doc__.split(chr(10) + chr(10))[2].strip()}",
         "",
         f"{summary['parameters']:,} parameters, {summary['trained_parameters']:,} trained; precision "
         f"{summary['precision']}, {summary['threads_per_rank']} threads, {steps} steps of {seq_len} tokens.",
@@ -214,7 +229,7 @@ def main() -> None:
         f"| process peak RSS (ru_maxrss) | {result['process_peak_rss_gib']:.2f} GiB |",
         f"| losses | {losses} |",
         "",
-        *projection(run_dir, mfu, seq_len),
+        *projection(target_flops, mfu, summary["peak_flops"], seq_len),
     ]
     markdown = "\n".join(lines)
     print(markdown)
