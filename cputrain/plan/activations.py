@@ -7,7 +7,8 @@ V vocabulary). Per Llama decoder block, counting what each op saves:
     RMSNorm ×2         2 × (2·t·h + t)      input and normalised output, 1/rms
     q, k, v, RoPE      t·h + 2·t·kv         rotated q and k, v (cos/sin are shared)
     GQA expand         2·t·h                k and v repeated to every head (when kv < h)
-    attention          t·h                  output (the CPU flash kernel keeps no t² matrix)
+    attention          t·h                  output (the CPU flash kernel keeps no t² matrix;
+                                            eager attention keeps b·heads·s² more: eager_attention_bytes)
     o_proj input       t·h                  the contiguous [t, h] copy
     SwiGLU MLP         4·t·i                gate, silu(gate), up, product
 
@@ -93,13 +94,23 @@ def upcast_copy_bytes(m: ModelShape, precision: str) -> int:
                default=0)
 
 
+def eager_attention_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_bytes: int) -> int:
+    """What transformers' eager attention keeps per block beyond the flash kernel: the attention
+    matrix (micro-batch × heads × seq × seq) as the fp32 softmax saves it, and under bf16 the bf16
+    copy the matmul with V saves (dropout at 0 passes it through)."""
+    return micro_batch * m.heads * seq_len * seq_len * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
+
+
 def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool,
-                     local_weight_params: int, lora_dropout: float = 0.0, chunked_loss: bool = False) -> ActivationBytes:
+                     local_weight_params: int, lora_dropout: float = 0.0, chunked_loss: bool = False,
+                     eager_attention: bool = False) -> ActivationBytes:
     tokens = micro_batch * seq_len
     matmul_bytes = 2 if precision == "bf16" else 4
     norms, matmul = _block_elements(m, tokens)
     adapters = adapter_bytes(m, tokens, matmul_bytes, lora_dropout)
     block = norms * 4 + matmul * matmul_bytes + max((v for u, v in adapters.items() if u != "root"), default=0)
+    if eager_attention:
+        block += eager_attention_bytes(m, micro_batch, seq_len, matmul_bytes)
     if checkpointing:
         # block inputs + one block recomputed; under fp32 compute the stream is fp32 whatever the base's dtype
         residual_bytes = m.residual_bytes if precision == "bf16" else 4

@@ -47,6 +47,7 @@ class PlanInputs:
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance (its default)
     lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
     chunked_loss: bool = False  # model.chunked_loss as resolved (resolve.chunked_loss_choice)
+    eager_attention: bool = False  # model.attn_implementation=eager: each block keeps its attention matrix
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
     # communication buffers already count.
     weights_cast = 0 if SHARDED[inp.strategy] else sum(p.numel for p in m.params if p.stored_bytes == FP32_BYTES)
     act = activation_bytes(m, inp.micro_batch, inp.seq_len, inp.precision, inp.activation_checkpointing,
-                           weights_cast, inp.lora_dropout, inp.chunked_loss)
+                           weights_cast, inp.lora_dropout, inp.chunked_loss, inp.eager_attention)
     # Fused AdamW updates each parameter in one kernel, with no temporary of a group's size.
     step_tmp = 0
     if inp.strategy == "zero3":

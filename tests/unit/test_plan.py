@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from cputrain.config_file import load_config
 from cputrain.errors import ConfigError, ModelError
@@ -439,3 +440,42 @@ def test_plan_and_k8s_refuse_a_world_size_that_train_would_refuse():
     with pytest.raises(ConfigError, match=r"global_batch_size \(8\) is not divisible by micro_batch_size × world size \(4 × 3\)"):
         make_plan(load_config(None, []), 3)
     assert make_plan(load_config(None, []), 2).inputs.world_size == 2
+
+
+def test_eager_attention_keeps_the_attention_matrix_the_plan_counts():
+    """transformers' eager attention saves one fp32 attention matrix per block beyond what sdpa's
+    flash kernel saves (measured through saved_tensors_hooks); the plan adds exactly that when the
+    run resolved model.attn_implementation=eager."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.plan.activations import eager_attention_bytes
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+
+    def saved(implementation):
+        config._attn_implementation = implementation
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return sum(storages.values())
+
+    per_block = 2 * 4 * 48 * 48 * 4  # micro-batch × heads × seq² × fp32
+    assert saved("eager") - saved("sdpa") == 2 * per_block
+    run = ["train.micro_batch_size=2", "train.global_batch_size=2", "data.seq_len=48", "hardware.precision=fp32"]
+    sdpa = make_plan(load_config(None, run), 1, vocab_size=256)
+    eager = make_plan(load_config(None, [*run, "model.attn_implementation=eager"]), 1, vocab_size=256)
+    m = sdpa.shape
+    assert eager_attention_bytes(m, 2, 48, 4) == 2 * m.heads * 48 * 48 * 4
+    assert eager.ranks[0].activation_bytes - sdpa.ranks[0].activation_bytes == m.layers * 2 * m.heads * 48 * 48 * 4
