@@ -14,6 +14,7 @@ import importlib.util
 import json
 
 import pytest
+import yaml
 
 from conftest import run_cli
 from cputrain.plan.compare import EXACT, RSS_TOLERANCE, compare_run, markdown_table
@@ -62,10 +63,13 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
     rows, table = _train_and_compare(overrides, ranks, tmp_path / "run", timeout=600)
 
     # `cputrain plan` on the same config, before any run, plans the same bytes (the vocabulary
-    # of the tokenizer the run trained is given as the model's config).
+    # of the tokenizer the run trained is given as the model's config, and the attention kernel
+    # the run timed: eager keeps an attention matrix per block that sdpa does not).
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
     vocab = written["model"]["vocab_size"]
-    proc = run_cli("plan", *overrides, f"model.tokenizer_vocab_size={vocab}", "--world-size", ranks, "--json")
+    attention = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["attn_implementation"]
+    proc = run_cli("plan", *overrides, f"model.tokenizer_vocab_size={vocab}", f"model.attn_implementation={attention}",
+                   "--world-size", ranks, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ranks"] == written["ranks"]
 
