@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -64,9 +65,7 @@ def build_folder(folder: Path, arch: dict, cache_dir: str, seed: int = 0) -> dic
     shards: list[dict] = [{}]
     sizes = [0]
     for name, shape in shapes.items():
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if sizes[-1] and sizes[-1] + 2 * numel > SHARD_BYTES:
             shards.append({})
             sizes.append(0)

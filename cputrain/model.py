@@ -89,6 +89,21 @@ def local_folder(name_or_path: str) -> Path:
         raise ModelError(f"model '{name_or_path}' is not a local folder and could not be fetched: {_first_line(exc)}") from None
 
 
+def safetensors_header(path: Path) -> dict:
+    """A safetensors file's JSON header (each tensor's dtype, shape and offsets, and
+    `__metadata__`); no weight is read. ValueError when the file is not one."""
+    import json
+
+    with open(path, "rb") as f:  # the format: u64 header length, the JSON header, the data
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > path.stat().st_size - 8:
+            raise ValueError(f"'{path}' is not a safetensors file: its header length runs past its end")
+        header = json.loads(f.read(header_len))
+    if not isinstance(header, dict):
+        raise ValueError(f"'{path}' is not a safetensors file: its header is not a JSON object")
+    return header
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -11,7 +11,6 @@ it is small, and the ops that use it are not linear layers.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -24,11 +23,16 @@ BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def files_are_bf16(folder: Path) -> bool:
-    """Every floating-point matrix in the folder's safetensors files is bf16 (headers only read)."""
+    """Every floating-point matrix in the folder's safetensors files is bf16 (headers only read;
+    False for a broken file, which loading then names)."""
+    from cputrain.model import safetensors_header
+
     dtypes = set()
     for path in sorted(Path(folder).glob("*.safetensors")):
-        with open(path, "rb") as f:  # the format: u64 header length, then a JSON header
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        try:
+            header = safetensors_header(path)
+        except (OSError, ValueError):
+            return False
         dtypes |= {entry["dtype"] for key, entry in header.items()
                    if key != "__metadata__" and len(entry.get("shape", ())) >= 2 and entry["dtype"].startswith(("F", "BF"))}
     return dtypes == {"BF16"}

@@ -13,7 +13,6 @@ and shapes are the run's own): each targeted linear keeps its weight frozen as
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -176,18 +175,14 @@ def weight_file_bytes(model_cfg: ModelConfig) -> dict[str, int] | None:
     files = sorted(folder.glob("*.safetensors")) if folder is not None else []
     if not files:
         return {"*": 2} if known_hub_config(model_cfg.name_or_path) is not None else None
+    from cputrain.model import safetensors_header
+
     out = {}
     for path in files:
         try:
-            with open(path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                if header_len > path.stat().st_size - 8:
-                    return None  # not a safetensors header: a corrupt file, which the loader names
-                header = json.loads(f.read(header_len))
+            header = safetensors_header(path)
         except (OSError, ValueError):
             return None  # the trainer names a broken file; the plan leaves the files out
-        if not isinstance(header, dict):
-            return None
         for key, entry in header.items():
             if key != "__metadata__" and isinstance(entry, dict):
                 out[key] = _SAFETENSORS_BYTES.get(entry.get("dtype"), 4)
@@ -278,8 +273,5 @@ def _files_are_bf16(model_cfg: ModelConfig) -> bool:
 
     folder = _folder_of(model_cfg.name_or_path) if model_cfg.name_or_path else None
     if folder is not None and any(folder.glob("*.safetensors")):
-        try:
-            return files_are_bf16(folder)
-        except (OSError, ValueError):
-            return False  # a broken file: the trainer names it
+        return files_are_bf16(folder)
     return known_hub_config(model_cfg.name_or_path) is not None

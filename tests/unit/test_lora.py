@@ -142,6 +142,25 @@ def test_bf16_stored_base_computes_as_the_fp32_stored_one(tmp_path, tie, chunked
         torch.testing.assert_close(adapters[torch.bfloat16][name], value, atol=1e-5, rtol=1e-5)
 
 
+def test_base_dtype_auto_reads_the_files_headers(tmp_path, tiny_model_dir):
+    """auto stores the base in bf16 under fp32 compute only where every matrix in the files is bf16;
+    a broken file reads as not bf16 (loading then names it, with no traceback here)."""
+    from conftest import make_tiny_model
+
+    from cputrain.lora.base_storage import base_dtype_choice, files_are_bf16
+
+    bf16_folder = make_tiny_model(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert files_are_bf16(bf16_folder) and not files_are_bf16(tiny_model_dir)
+    assert base_dtype_choice("auto", torch.float32, True)[0] == torch.bfloat16
+    assert base_dtype_choice("auto", torch.float32, False)[0] == torch.float32
+    assert base_dtype_choice("auto", torch.bfloat16, False)[0] == torch.bfloat16
+    assert base_dtype_choice("fp32", torch.float32, True)[0] == torch.float32
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert not files_are_bf16(broken)
+
+
 def test_flops_count_adapter_weight_gradients_only(tiny_model_dir):
     from cputrain.metrics.flops import flops_per_token
 

@@ -442,10 +442,12 @@ def test_plan_and_k8s_refuse_a_world_size_that_train_would_refuse():
     assert make_plan(load_config(None, []), 2).inputs.world_size == 2
 
 
-def test_eager_attention_keeps_the_attention_matrix_the_plan_counts():
-    """transformers' eager attention saves one fp32 attention matrix per block, which sdpa's flash
-    kernel does not (measured through saved_tensors_hooks); the plan adds exactly that when the
-    run resolved model.attn_implementation=eager."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eager_attention_keeps_the_attention_matrix_the_plan_counts(precision):
+    """transformers' eager attention saves one attention matrix per block (fp32 from the softmax,
+    and under bf16 autocast the bf16 copy the product with V saves), which sdpa's flash kernel
+    does not (measured through saved_tensors_hooks); the plan adds exactly that when the run
+    resolved model.attn_implementation=eager."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cputrain.plan.activations import eager_attention_bytes
@@ -465,16 +467,22 @@ def test_eager_attention_keeps_the_attention_matrix_the_plan_counts():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=ids, labels=ids).loss.backward()
         return sum(storages.values())
 
-    per_block = 2 * 4 * 48 * 48 * 4  # micro-batch × heads × seq² × fp32
+    element_bytes = 4 if precision == "fp32" else 4 + 2
+    per_block = 2 * 4 * 48 * 48 * element_bytes  # micro-batch × heads × seq² × bytes
     assert square_matrices_saved("eager") == 2 * per_block
     assert square_matrices_saved("sdpa") == 0
+    assert eager_attention_bytes(_tiny_shape(), 2, 48, 2 if precision == "bf16" else 4) == per_block
     run = ["train.micro_batch_size=2", "train.global_batch_size=2", "data.seq_len=48", "hardware.precision=fp32"]
     sdpa = make_plan(load_config(None, run), 1, vocab_size=256)
     eager = make_plan(load_config(None, [*run, "model.attn_implementation=eager"]), 1, vocab_size=256)
     m = sdpa.shape
-    assert eager_attention_bytes(m, 2, 48, 4) == 2 * m.heads * 48 * 48 * 4
     assert eager.ranks[0].activation_bytes - sdpa.ranks[0].activation_bytes == m.layers * 2 * m.heads * 48 * 48 * 4
+
+
+def _tiny_shape() -> ModelShape:
+    return ModelShape((), layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, tied_embeddings=True)
