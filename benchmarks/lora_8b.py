@@ -1,7 +1,8 @@
-"""Llama-3-8B LoRA fine-tuning on this machine, end to end: block lora_8b of docs/benchmarks.md.
+"""Llama-3-8B LoRA fine-tuning on this machine, end to end: block lora_8b-<precision> of docs/benchmarks.md.
 
     python benchmarks/lora_8b.py            # ~16 GB of disk for the model folder (deleted after), ~20 GiB
-                                            # of memory; a step of 2,048 tokens takes ~25 min on 2 AVX2 cores
+                                            # of memory; a step of 2,048 tokens: 5.5 min on 2 AVX512-BF16
+                                            # cores, ~35 min on 2 AVX2 cores (fp32)
     python benchmarks/lora_8b.py --quick    # 2 layers of the 8B shape, seq 256, 2 steps: checks the script
 
 The model folder has Llama-3-8B's exact config (32 layers, d 4,096, ffn 14,336, 32 heads / 8 KV
@@ -163,6 +164,9 @@ def main() -> None:
     a = ap.parse_args()
 
     from benchmarks.report import machine_line, write_block
+    import yaml
+
+    from cputrain.hardware import detect
     from cputrain.plan.compare import compare_run
 
     arch = {**LLAMA3_8B, "num_hidden_layers": 2} if a.quick else LLAMA3_8B
@@ -188,6 +192,7 @@ def main() -> None:
         steps_rows = [r for r in rows if "tokens_per_s" in r]
         compared = compare_run(run_dir)[0]
         plan = json.loads((run_dir / "plan.json").read_text())
+        run_config = yaml.safe_load((run_dir / "config.yaml").read_text())  # the resolved settings
         target_flops = config_step_flops(run_dir, 2048)  # reads the model folder's config.json: before it goes
     finally:
         if built_here and not a.keep_folder and not a.quick:
@@ -202,17 +207,21 @@ def main() -> None:
     load_err = compared["plan_load_peak_gib"] / compared["measured_load_peak_gib"] - 1
     base_gib = plan["ranks"][0]["param_bytes"] / GIB
     losses = ", ".join(f"{r['loss']:.3f}" for r in steps_rows)
+    allocator = run_config["hardware"]["allocator"]
+    flags = detect().flags
+    units = "AMX" if flags.get("amx_bf16") else "AVX512-BF16" if flags.get("avx512_bf16") else "no bf16 units"
     command = "python benchmarks/lora_8b.py" + (" --quick" if a.quick else "") + (
         f" --seq-len {seq_len}" if seq_len != 2048 and not a.quick else "") + (f" --steps {steps}" if steps != 3 and not a.quick else "")
     lines = [
-        "### Llama-3-8B LoRA on one machine",
+        f"### Llama-3-8B LoRA on one machine, {summary['precision']} ({units})",
         "",
         machine_line(),
         "",
         f"`{command}`: {__doc__.split(chr(10) + chr(10))[2].strip()}",
         "",
         f"{summary['parameters']:,} parameters, {summary['trained_parameters']:,} trained; precision "
-        f"{summary['precision']}, {summary['threads_per_rank']} threads, {steps} steps of {seq_len} tokens.",
+        f"{summary['precision']}, {summary['threads_per_rank']} threads, {steps} steps of {seq_len} tokens; attention "
+        f"{summary.get('attn_implementation')}, malloc {allocator}.",
         "",
         "| measure | value |",
         "| --- | ---: |",
@@ -233,7 +242,7 @@ def main() -> None:
     markdown = "\n".join(lines)
     print(markdown)
     if not a.quick:
-        write_block("lora_8b", markdown)
+        write_block(f"lora_8b-{summary['precision']}", markdown)  # one block per precision: both are published
         print("written to docs/benchmarks.md", file=sys.stderr)
 
 
