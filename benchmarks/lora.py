@@ -6,7 +6,7 @@ can be rerun alone with --only).
     python benchmarks/lora.py            # every part; the Trainer needs `scripts/install.sh bench` (accelerate);
                                          # estimated 40 min on 2 cores, under 12 GiB: run it alone
     python benchmarks/lora.py --quick    # tiny sizes, 3 steps, one run: checks the script only
-    python benchmarks/lora.py --only 300m|vs-peft|8b-layer|base-dtype
+    python benchmarks/lora.py --only 300m|vs-peft|8b-layer|base-dtype|compile-timed
 
 The base model: a ~300M-parameter Llama (1024 wide, 24 layers, ffn 2,816, 16 heads, 8 KV heads,
 untied 8,192-token head) with random weights, saved once as a Hugging Face folder (bf16
@@ -26,6 +26,8 @@ vs-peft  peft's `get_peft_model` + the HF Trainer (base loaded in bf16 like cput
          vs frozen bf16 weights with r=16 adapters injected by peft's `inject_adapter_in_model`.
 base-dtype  LoRA in fp32 on the base saved in bf16: model.lora.base_dtype=bf16 (stored in bf16,
          converted per matmul) vs fp32 (the same values stored in fp32); speed, memory, losses.
+compile-timed  LoRA with every decoder block compiled (model.compile=true) vs eager blocks
+         (model.compile=false, what `auto` picks for LoRA); speed, first step, memory.
 
 Each run is a fresh process; the configurations alternate within each of --runs repetitions and
 medians are reported. Tokens/s is the median of the per-step rates after the first --warmup
@@ -70,7 +72,7 @@ MICRO, ACCUM = 4, 2
 RANK, ALPHA = 16, 32.0
 LR, WARMUP_LR, SEED = 1e-4, 2, 1337
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PARTS = ("300m", "vs-peft", "8b-layer", "base-dtype")
+PARTS = ("300m", "vs-peft", "8b-layer", "base-dtype", "compile-timed")
 GIB = 2**30
 
 
@@ -116,23 +118,29 @@ def steady_median(rates: list[float], warmup: int) -> float:
 
 def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, source: str, cache_dir: str,
                  precision: str, extra: tuple[str, ...] = ()) -> dict:
+    overrides = [f"model.name_or_path={base}", f"data.cache_dir={cache_dir}", f"data.source={source}",
+                 f"data.seq_len={seq_len}", f"train.max_steps={steps}", f"train.global_batch_size={MICRO * ACCUM}",
+                 f"train.micro_batch_size={MICRO}", f"train.lr={LR}", f"train.warmup_steps={WARMUP_LR}",
+                 "train.log_every=1", f"train.eval_every={steps}", "train.eval_batches=1",
+                 f"train.checkpoint_every={steps}", "train.sample_tokens=0", f"hardware.precision={precision}",
+                 f"seed={SEED}"]
+    if lora:
+        overrides += ["model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
+                      "model.lora.dropout=0.0", f"model.lora.target_modules=[{','.join(TARGETS)}]"]
+    return train_and_read([*overrides, *extra], warmup, "LoRA" if lora else "full")
+
+
+def train_and_read(overrides: list[str], warmup: int, what: str) -> dict:
+    """`cputrain train <overrides>` in a fresh process and a temporary output folder; what its
+    metrics.jsonl, memory.json, summary.json and plan.json say."""
     from cputrain.plan.compare import compare_run
 
     with tempfile.TemporaryDirectory(prefix="cputrain-lora-bench-") as out:
         run = Path(out) / "run"
-        cmd = [sys.executable, "-m", "cputrain", "train", f"output_dir={run}", f"model.name_or_path={base}",
-               f"data.cache_dir={cache_dir}", f"data.source={source}", f"data.seq_len={seq_len}",
-               f"train.max_steps={steps}", f"train.global_batch_size={MICRO * ACCUM}",
-               f"train.micro_batch_size={MICRO}", f"train.lr={LR}", f"train.warmup_steps={WARMUP_LR}",
-               "train.log_every=1", f"train.eval_every={steps}", "train.eval_batches=1",
-               f"train.checkpoint_every={steps}", "train.sample_tokens=0", f"hardware.precision={precision}",
-               f"seed={SEED}"]
-        if lora:
-            cmd += ["model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
-                    "model.lora.dropout=0.0", f"model.lora.target_modules=[{','.join(TARGETS)}]"]
-        _, stderr, code, process_peak = run_measured(cmd + list(extra))
+        cmd = [sys.executable, "-m", "cputrain", "train", f"output_dir={run}", *overrides]
+        _, stderr, code, process_peak = run_measured(cmd)
         if code:
-            raise RuntimeError(f"cputrain ({'LoRA' if lora else 'full'}) failed:\n{stderr[-3000:]}")
+            raise RuntimeError(f"cputrain ({what}) failed:\n{stderr[-3000:]}")
         summary = json.loads((run / "summary.json").read_text())
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
@@ -141,11 +149,14 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
                     for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
         memory = json.loads((run / "memory.json").read_text())
     step_peak = next(p for p in memory["ranks"][0]["phases"] if p["phase"] == "training step peak")
+    first_step_s = next((r["step_time_s"] for r in rows if "step_time_s" in r), float("nan"))
     return {"tokens_per_s": steady_median(rates, warmup), "step_peak_rss_gib": step_peak["rss_gib"],
+            "first_step_s": first_step_s,
             "losses": [r["loss"] for r in rows if "loss" in r and "tokens_per_s" in r],
             "process_peak_rss_gib": process_peak, "parameters": summary["parameters"],
             "trained_parameters": summary["trained_parameters"], "mfu": summary["mfu"],
             "attn_implementation": summary.get("attn_implementation"), "compile": summary.get("compile"),
+            "precision": summary.get("precision"),
             "plan_peak_rss_gib": plan["plan_peak_rss_gib"], "plan_measured_peak_rss_gib": plan["measured_peak_rss_gib"],
             "plan_error": plan["rss_error"], "plan_bytes_exact": exact, "wall_s": summary["wall_time_s"]}
 
@@ -440,6 +451,39 @@ fresh-process run(s). bf16: the frozen matrices stored in bf16, each converted t
 
 Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:.1e} (target ≤ 1e-5:
 {'met' if loss_diff <= 1e-5 else 'not met'}). Step peak RSS bf16 ÷ fp32: {peak['bf16'] / peak['fp32']:.2f}.
+"""
+
+    if "compile-timed" in parts:
+        # model.compile for LoRA: `auto` leaves the blocks eager; this measures what compiling them does
+        with tempfile.TemporaryDirectory(prefix="cputrain-lora-base-") as tmp:
+            base = str(Path(tmp) / "base")
+            shape = make_base(Path(base), arch, source, a.cache_dir, "bfloat16" if bf16 else "float32")
+            sides = ("eager", "compiled")
+            results = {s: [] for s in sides}
+            for rep in range(runs):
+                for side in sides:
+                    r = run_cputrain(base, True, steps, warmup, seq_len, source, a.cache_dir, precision,
+                                     extra=(f"model.compile={side == 'compiled'}",))
+                    results[side].append(r)
+                    print(f"run {rep + 1}/{runs} LoRA {side}: {r['tokens_per_s']:,.0f} tokens/s, step peak "
+                          f"{r['step_peak_rss_gib']:.2f} GiB, first step {r['first_step_s']:.1f} s", file=sys.stderr)
+        tps = {s: med(v, "tokens_per_s") for s, v in results.items()}
+        rows = "\n".join(
+            f"| {'`model.compile=true`: every decoder block compiled' if s == 'compiled' else '`model.compile=false` (auto for LoRA)'} | "
+            f"{tps[s]:,.0f} | {spread([r['tokens_per_s'] for r in results[s]])} | {med(results[s], 'first_step_s'):.1f} | "
+            f"{med(results[s], 'step_peak_rss_gib'):.2f} | {tps[s] / tps['eager']:.2f}× |" for s in sides)
+        blocks["compile-timed"] = f"""### Compiled blocks with LoRA, timed, ~300M Llama
+
+{machine_line()}
+
+`python benchmarks/lora.py --only compile-timed --steps {steps} --runs {runs}`: the ~300M base above
+({shape['parameters'] / 1e6:.1f}M parameters, {'bf16' if bf16 else 'fp32'} safetensors), LoRA r={RANK} on the seven projections,
+{precision}, {steps} optimizer steps of {MICRO} × {ACCUM} micro-batches × {seq_len} tokens, tokens/s after the first
+{warmup} step(s) (the first step compiles), the two sides alternated, median of {runs} fresh-process run(s).
+
+| run | tokens/s | range | first step (s) | step peak RSS (GiB) | tokens/s vs eager |
+| --- | ---: | ---: | ---: | ---: | ---: |
+{rows}
 """
 
     if "8b-layer" in parts:

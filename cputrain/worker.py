@@ -54,7 +54,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     if res.config.hardware.allocator == "auto":  # what this process runs on (preloaded before it started)
         from cputrain.distributed.allocator import choose_allocator
 
-        choice = choose_allocator("auto")
+        choice = choose_allocator("auto", precision=res.config.hardware.precision)
         loaded = choice.library is not None and choice.library in os.environ.get("LD_PRELOAD", "")
         res = with_model_choice(res, "hardware.allocator", choice.name if loaded else "system",
                                 choice.reason if loaded or choice.library is None else

@@ -1,14 +1,20 @@
 """Which malloc the ranks run on: tcmalloc where installed, by measurement.
 
 glibc malloc returns freed blocks slowly and fragments under the many short-lived activation
-tensors of a training step. Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py,
-the same step preloaded with each, against glibc): tcmalloc 1.03× at the demo's shape, 1.00–1.02×
-at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92×, 0.95–1.00×, 0.97× (and 35% slower in
-one bf16 LoRA run). So
-`auto` preloads tcmalloc only; jemalloc is there for whoever measures it better on their machine
-(hardware.allocator=jemalloc). A library can only be preloaded into a process that has not
-started yet: the agent sets LD_PRELOAD for the ranks it starts, and a one-process `cputrain train`
-starts itself again with it (reexec_env) before anything is imported.
+tensors of a training step. Measured with `cputrain train`, each malloc preloaded in turn, tokens/s
+against glibc's:
+- fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py): tcmalloc 1.03× at the demo's shape,
+  1.00–1.02× at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92×, 0.95–1.00×, 0.97×;
+- bf16 on a 2-core AVX512-BF16 EPYC (benchmarks/allocator.py): tcmalloc 1.04× on the demo, 1.28×
+  fully fine-tuning ~100M, 1.12× with LoRA on ~300M; jemalloc 0.93×, 0.95×, 0.74×.
+So `auto` preloads tcmalloc, in both precisions and modes; jemalloc is there for whoever measures
+it better on their machine (hardware.allocator=jemalloc). tcmalloc's price is memory: it keeps
+freed blocks for reuse, and the bf16 step peaks were 1.19× glibc's at ~100M and 1.37× with LoRA
+(0.92× on the demo); hardware.allocator=system trades that speed back for memory.
+
+A library can only be preloaded into a process that has not started yet: the agent sets
+LD_PRELOAD for the ranks it starts, and a one-process `cputrain train` starts itself again with it
+(reexec_env) before anything is imported.
 """
 
 from __future__ import annotations
@@ -22,8 +28,19 @@ from dataclasses import dataclass
 # was measured; its minimal build (libtcmalloc-minimal4) is the same allocator without the profiler.
 _NAMES = {"tcmalloc": ("libtcmalloc.so*", "libtcmalloc_minimal.so*"), "jemalloc": ("libjemalloc.so*",)}
 _DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-MEASURED = ("measured in fp32 on a 2-core AVX2 EPYC against glibc: tcmalloc 1.03× at the demo's shape, 1.00–1.02× "
-            "at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92–1.00× (benchmarks/fp32_choices.py)")
+# What `auto` cites, per precision of the run (the module docstring has the figures' machines).
+MEASURED = {
+    "fp32": ("fp32 tokens/s against glibc on a 2-core AVX2 EPYC: tcmalloc 1.03× at the demo's shape, 1.00–1.02× "
+             "at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92–1.00× (benchmarks/fp32_choices.py)"),
+    "bf16": ("bf16 tokens/s against glibc on a 2-core AVX512-BF16 EPYC: tcmalloc 1.04× on the demo, 1.28× on ~100M, "
+             "1.12× with LoRA on ~300M, at up to 1.37× glibc's step peak; jemalloc 0.74–0.95× "
+             "(benchmarks/allocator.py)"),
+}
+
+
+def measured(precision: str | None) -> str:
+    """The measurement behind `auto` for a run of this precision (both, when it is not resolved yet)."""
+    return MEASURED.get(precision or "", "; ".join(MEASURED.values()))
 # Set in a process cputrain started again with the allocator preloaded: never start it a third time.
 REEXEC_MARK = "CPUTRAIN_ALLOCATOR_PRELOADED"
 
@@ -52,22 +69,25 @@ def find_allocator(name: str = "tcmalloc", dirs: list[str] | None = None) -> str
     return None
 
 
-def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] | None = None) -> AllocatorChoice:
-    """What to put in LD_PRELOAD for the ranks, and why (setting = hardware.allocator)."""
+def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] | None = None,
+                     precision: str | None = None) -> AllocatorChoice:
+    """What to put in LD_PRELOAD for the ranks, and why (setting = hardware.allocator; precision =
+    the run's hardware.precision, which picks the measurement the reason cites)."""
     env = os.environ if environ is None else environ
+    auto_why = measured(precision)
     if setting == "system":
         return AllocatorChoice("system", None, "hardware.allocator=system: glibc malloc")
     for name in _NAMES:
         already = [p for p in env.get("LD_PRELOAD", "").split(":") if name in os.path.basename(p)]
         if already and setting in ("auto", name):
-            why = MEASURED if setting == "auto" and name == "tcmalloc" else f"hardware.allocator={setting}"
+            why = auto_why if setting == "auto" and name == "tcmalloc" else f"hardware.allocator={setting}"
             return AllocatorChoice(name, already[0], f"{why}; in LD_PRELOAD")
     name = "tcmalloc" if setting == "auto" else setting
     lib = find_allocator(name, dirs)
     if lib is None:
         package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
-        return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {MEASURED}); glibc malloc")
-    why = MEASURED if setting == "auto" else f"hardware.allocator={setting}"
+        return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
+    why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")
 
 

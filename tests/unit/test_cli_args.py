@@ -51,9 +51,12 @@ def test_dry_run_plan_is_the_same_in_both_orders(tmp_path):
     before = run_cli("train", f"output_dir={out}", "train.micro_batch_size=3", "train.global_batch_size=6",
                      "--nproc-per-node", "2", "--dry-run", check=True)
     after = run_cli("train", "--nproc-per-node", "2", "--dry-run", f"output_dir={out}",
-                    "train.micro_batch_size=3", "train.global_batch_size=6", check=True)
+                    "train.micro_batch_size=3", "train.global_batch_size=6", "hardware.precision=fp32", check=True)
     for proc in (before, after):
         agent = next(line for line in proc.stdout.splitlines() if "agent: torchrun" in line)
         assert "--nproc-per-node=2" in agent and str(out) in agent
         assert "train.micro_batch_size=3 train.global_batch_size=6" in agent
     assert "rank 1 (local 1)" in after.stdout
+    # the malloc's reason cites the measurement of the run's precision (installed or not)
+    allocator = next(line for line in after.stdout.splitlines() if "allocator:" in line)
+    assert "fp32 tokens/s" in allocator and "bf16 tokens/s" not in allocator
