@@ -37,7 +37,36 @@ def _nearest_key(key: str) -> str | None:
     return match[0] if match else None
 
 
+# How pydantic names the members of a union type in an error's location (`bool | Literal["auto"]`
+# fails as 'model.compile.bool' and "model.compile.literal['auto']"), and how a user writes them.
+_UNION_MEMBERS = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
+                  "list[str]": "a list of names"}
+
+
+def _union_error(errors: list[dict]) -> str | None:
+    """One line for a value that fits no member of a union: the key without the member's name, and
+    what it may be; a member's own check (a number out of range) is said as it is."""
+    first = errors[0]
+    key_loc, member = first["loc"][:-1], str(first["loc"][-1])
+    same = [e for e in errors if e["loc"][:-1] == key_loc]
+    if not key_loc or len(same) < 2 or not (member in _UNION_MEMBERS or member.startswith("literal[")):
+        return None
+    key = ".".join(str(p) for p in key_loc)
+    own = next((e for e in same if e["type"] == "value_error"), None)
+    if own is not None:
+        return f"bad value for '{key}' ({first.get('input')!r}): {own['msg'].removeprefix('Value error, ')}"
+    allowed = []
+    for e in same:
+        tag = str(e["loc"][-1])
+        allowed.append(tag.removeprefix("literal[").removesuffix("]").replace("'", "") if tag.startswith("literal[")
+                       else _UNION_MEMBERS.get(tag, tag))
+    return f"bad value for '{key}' ({first.get('input')!r}): use {', or '.join(allowed)}"
+
+
 def _first_error(err: ValidationError) -> str:
+    union = _union_error(err.errors())
+    if union:
+        return union
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"])
     if e["type"] == "extra_forbidden":

@@ -72,6 +72,9 @@ def tiny(out, cache_dir, **extra) -> list[str]:
         ("hardware.threads=0", "hardware.threads"),
         ("train.keep_last=0", "'train.keep_last'"),
         ("seed=-1", "bad value for 'seed' (-1)"),  # numpy's generator refuses it: was a traceback mid-run
+        # a value no member of a union takes: the key as written, and what it may be (not 'model.compile.bool')
+        ("model.compile=abc", "bad value for 'model.compile' ('abc'): use true or false, or auto"),
+        ("model.activation_checkpointing=-1", "a number of decoder blocks ≥ 0"),
     ],
     ids=lambda v: v if "=" in v else "",
 )
