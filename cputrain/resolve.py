@@ -70,11 +70,17 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         if cfg.hardware.precision != "bf16" or not hw.has_fast_bf16:
             cfg.model.compile = False
             why = "fp32 or emulated bf16: compiled blocks were measured at 1.01× eager in fp32 (benchmarks/step_profile.py)"
-        elif cfg.model.lora.enabled:
+        elif cfg.model.lora.enabled and hw.flags.get("amx_bf16"):
             cfg.model.compile = False
-            why = ("LoRA: blocks with peft's adapter layers ran slower and larger compiled; measured on a 300M "
-                   "Llama in bf16 on AMX: 497 tokens/s and 4.9 GiB eager vs 399 and 5.8 compiled; set "
-                   "model.compile=true to compile anyway (graph breaks are not the cause: benchmarks/lora_compile.py)")
+            why = ("LoRA on AMX: blocks with peft's adapter layers ran slower and larger compiled; measured on a 300M "
+                   "Llama in bf16: 497 tokens/s and 4.9 GiB eager vs 399 and 5.8 compiled (on AVX512-BF16 without AMX "
+                   "the same shape ran 1.16× faster compiled); set model.compile=true to compile anyway (graph breaks "
+                   "are not the cause: benchmarks/lora_compile.py)")
+        elif cfg.model.lora.enabled:
+            cfg.model.compile = True
+            why = ("LoRA on AVX512-BF16 without AMX: compiled blocks with peft's adapter layers measured 1.16× eager's "
+                   "tokens/s at 0.81× its step peak on a 300M Llama in bf16 (249 vs 214 tokens/s, 4.57 vs 5.64 GiB; "
+                   "benchmarks/lora.py --only compile-timed); on AMX they measured slower, and stay off there")
         elif width is not None and width < 512:
             cfg.model.compile = False
             why = (f"a model {width} wide built from scratch: its steps are short, and compiling (tens of seconds "
@@ -174,7 +180,7 @@ def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vo
 
 def unresolved_keys(cfg: Config) -> list[str]:
     """Keys still "auto": none may be left when a model is built."""
-    keys = [*AUTO_KEYS, "model.attn_implementation", "model.chunked_loss"]
+    keys = [*AUTO_KEYS, "model.attn_implementation", "model.chunked_loss", "model.activation_checkpointing"]
     return [key for key in keys if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == "auto"]
 
 

@@ -124,6 +124,22 @@ def test_auto_precision_follows_bf16_hardware(flags, expected):
     assert reasons["hardware.precision"]  # the choice comes with its reason
 
 
+def test_auto_compile_for_lora_follows_what_was_measured_per_bf16_unit():
+    """Compiled LoRA blocks measured 0.80× eager on AMX and 1.16× on AVX512-BF16 without AMX
+    (benchmarks/lora.py --only compile-timed); fp32 never compiles by auto."""
+    lora = load_config(None, ["model.name_or_path=/models/base", "model.lora.enabled=true"])
+
+    def compiled(**flags):
+        res = resolve(lora, _facts(**flags), world_size=1, local_world_size=1)
+        return res.config.model.compile, dict((k, why) for k, _, why in res.reasons)["model.compile"]
+
+    on_amx, why = compiled(amx_bf16=True, amx_tile=True, avx512_bf16=True, avx512f=True)
+    assert on_amx is False and "497 tokens/s" in why
+    on_avx512_bf16, why = compiled(avx512_bf16=True, avx512f=True)
+    assert on_avx512_bf16 is True and "1.16×" in why
+    assert compiled(avx2=True, fma=True)[0] is False
+
+
 def test_forced_bf16_on_emulating_cpu_warns():
     cfg = load_config(None, ["hardware.precision=bf16"])
     with warnings.catch_warnings(record=True) as caught:
