@@ -6,7 +6,7 @@ can be rerun alone with --only).
     python benchmarks/lora.py            # every part; the Trainer needs `scripts/install.sh bench` (accelerate);
                                          # estimated 40 min on 2 cores, under 12 GiB: run it alone
     python benchmarks/lora.py --quick    # tiny sizes, 3 steps, one run: checks the script only
-    python benchmarks/lora.py --only 300m|vs-peft|8b-layer|base-dtype|compile-timed
+    python benchmarks/lora.py --only 300m|vs-peft|8b-layer|base-dtype|compile-timed|checkpointing
 
 The base model: a ~300M-parameter Llama (1024 wide, 24 layers, ffn 2,816, 16 heads, 8 KV heads,
 untied 8,192-token head) with random weights, saved once as a Hugging Face folder (bf16
@@ -27,7 +27,9 @@ vs-peft  peft's `get_peft_model` + the HF Trainer (base loaded in bf16 like cput
 base-dtype  LoRA in fp32 on the base saved in bf16: model.lora.base_dtype=bf16 (stored in bf16,
          converted per matmul) vs fp32 (the same values stored in fp32); speed, memory, losses.
 compile-timed  LoRA with every decoder block compiled (model.compile=true) vs eager blocks
-         (model.compile=false, what `auto` picks for LoRA); speed, first step, memory.
+         (model.compile=false); speed, first step, memory.
+checkpointing  LoRA at seq 2,048, micro-batch 1: every block checkpointed, half of them, none
+         (model.activation_checkpointing=true, N, false); speed, step peak against the plan.
 
 Each run is a fresh process; the configurations alternate within each of --runs repetitions and
 medians are reported. Tokens/s is the median of the per-step rates after the first --warmup
@@ -72,7 +74,7 @@ MICRO, ACCUM = 4, 2
 RANK, ALPHA = 16, 32.0
 LR, WARMUP_LR, SEED = 1e-4, 2, 1337
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PARTS = ("300m", "vs-peft", "8b-layer", "base-dtype", "compile-timed")
+PARTS = ("300m", "vs-peft", "8b-layer", "base-dtype", "compile-timed", "checkpointing")
 GIB = 2**30
 
 
@@ -469,7 +471,7 @@ Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:
                           f"{r['step_peak_rss_gib']:.2f} GiB, first step {r['first_step_s']:.1f} s", file=sys.stderr)
         tps = {s: med(v, "tokens_per_s") for s, v in results.items()}
         rows = "\n".join(
-            f"| {'`model.compile=true`: every decoder block compiled' if s == 'compiled' else '`model.compile=false` (auto for LoRA)'} | "
+            f"| {'`model.compile=true`: every decoder block compiled' if s == 'compiled' else '`model.compile=false`: eager blocks'} | "
             f"{tps[s]:,.0f} | {spread([r['tokens_per_s'] for r in results[s]])} | {med(results[s], 'first_step_s'):.1f} | "
             f"{med(results[s], 'step_peak_rss_gib'):.2f} | {tps[s] / tps['eager']:.2f}× |" for s in sides)
         blocks["compile-timed"] = f"""### Compiled blocks with LoRA, timed, ~300M Llama
@@ -482,6 +484,45 @@ Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:
 {warmup} step(s) (the first step compiles), the two sides alternated, median of {runs} fresh-process run(s).
 
 | run | tokens/s | range | first step (s) | step peak RSS (GiB) | tokens/s vs eager |
+| --- | ---: | ---: | ---: | ---: | ---: |
+{rows}
+"""
+
+    if "checkpointing" in parts:
+        # model.activation_checkpointing: what each block recomputed costs, and what keeping it costs in memory
+        ck_seq = 128 if a.quick else LAYER_SEQ_LEN
+        half = arch["num_hidden_layers"] // 2
+        sides = {"every block (true)": "true", f"the first {half} blocks ({half})": str(half), "none (false)": "false"}
+        with tempfile.TemporaryDirectory(prefix="cputrain-lora-base-") as tmp:
+            base = str(Path(tmp) / "base")
+            shape = make_base(Path(base), arch, source, a.cache_dir, "bfloat16" if bf16 else "float32")
+            results = {s: [] for s in sides}
+            for rep in range(runs):
+                for side, setting in sides.items():
+                    r = run_cputrain(base, True, steps, warmup, ck_seq, source, a.cache_dir, precision,
+                                     extra=(f"model.activation_checkpointing={setting}", "train.micro_batch_size=1",
+                                            "train.global_batch_size=2", "model.compile=false"))
+                    results[side].append(r)
+                    print(f"run {rep + 1}/{runs} LoRA checkpointing {side}: {r['tokens_per_s']:,.0f} tokens/s, step "
+                          f"peak {r['step_peak_rss_gib']:.2f} GiB (plan {r['plan_peak_rss_gib']:.2f})", file=sys.stderr)
+        tps = {s: med(v, "tokens_per_s") for s, v in results.items()}
+        every = next(iter(sides))
+        rows = "\n".join(
+            f"| {s} | {tps[s]:,.0f} | {spread([r['tokens_per_s'] for r in results[s]])} | "
+            f"{med(results[s], 'step_peak_rss_gib'):.2f} | {med(results[s], 'plan_peak_rss_gib'):.2f} "
+            f"({statistics.median(r['plan_error'] for r in results[s]):+.1%}) | {tps[s] / tps[every]:.2f}× |"
+            for s in sides)
+        blocks["checkpointing"] = f"""### Activation checkpointing with LoRA: blocks recomputed against memory, ~300M Llama
+
+{machine_line()}
+
+`python benchmarks/lora.py --only checkpointing --steps {steps} --runs {runs}`: the ~300M base above
+({shape['parameters'] / 1e6:.1f}M parameters, {arch['num_hidden_layers']} blocks), LoRA r={RANK} on the seven projections, {precision},
+{steps} optimizer steps of 2 micro-batches × 1 × {ck_seq} tokens, eager blocks, tokens/s after the first {warmup} step(s), the sides
+alternated, median of {runs} fresh-process run(s). `model.activation_checkpointing=auto` picks among these by the plan
+and the node's memory (cputrain.plan.checkpointing).
+
+| blocks checkpointed | tokens/s | range | step peak RSS (GiB) | plan peak (error) | tokens/s vs every block |
 | --- | ---: | ---: | ---: | ---: | ---: |
 {rows}
 """

@@ -127,14 +127,18 @@ class ModelConfig(Section):
     reference (plain matmuls + softmax), or auto: both are timed once, forward and backward, on
     this run's attention shape and dtype, and the faster is used (cached per machine and shape)."""
 
-    activation_checkpointing: bool = False
-    """Recompute each decoder block's activations in the backward pass: less memory, ~30% more compute."""
+    activation_checkpointing: bool | int | Literal["auto"] = False
+    """Recompute decoder blocks' activations in the backward pass: less memory, more compute (a
+    checkpointed block runs its forward twice: ~1.5× its FLOPs). true: every block; an integer N:
+    the first N blocks, the others keep their activations; auto: the fewest blocks with which the
+    memory plan fits this node (none where the whole run fits), by `cputrain.plan.checkpointing`."""
 
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
     time is logged); later ones faster. auto: on for bf16 on AMX or AVX512-BF16 hardware, where
     it was measured to pay, except for models built from scratch narrower than 512 and LoRA runs
-    (compiled blocks with peft's layers measured slower and larger)."""
+    on AMX (compiled blocks with peft's layers measured slower and larger there; faster and
+    smaller on AVX512-BF16 without AMX)."""
 
     chunked_loss: bool | Literal["auto"] = "auto"
     """Compute the head and its cross-entropy a block of tokens at a time, so the fp32 logits of
@@ -148,6 +152,14 @@ class ModelConfig(Section):
 
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _blocks_not_negative(cls, value):
+        if not isinstance(value, bool) and isinstance(value, int) and value < 0:
+            raise ValueError(f"model.activation_checkpointing is {value}; use true, false, auto or a number of "
+                             "decoder blocks ≥ 0")
+        return value
+
     @field_validator("arch", mode="before")
     @classmethod
     def _fill_arch(cls, value):
@@ -156,6 +168,16 @@ class ModelConfig(Section):
         if isinstance(value, dict) and value.get("model_type", DEFAULT_ARCH["model_type"]) == DEFAULT_ARCH["model_type"]:
             return {**DEFAULT_ARCH, **value}
         return value
+
+
+def checkpointed_blocks(setting: bool | int, layers: int) -> int:
+    """How many decoder blocks a resolved model.activation_checkpointing recomputes: the first ones,
+    whose backward runs last, after the other blocks' kept activations are freed."""
+    if setting == "auto":
+        raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.checkpointing)")
+    if isinstance(setting, bool):
+        return layers if setting else 0
+    return min(setting, layers)
 
 
 class DataConfig(Section):

@@ -12,6 +12,7 @@ import platform
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import psutil
 
@@ -172,6 +173,25 @@ def peak_flops(flags: dict[str, bool], cores: int, clock_ghz: float) -> tuple[di
     return peaks, formulas
 
 
+# A container's memory limit: cgroup v2, then v1. A Kubernetes pod sees the whole node in
+# /proc/meminfo but is killed at its limit, so what a rank may plan on is the smaller of the two.
+CGROUP_MEMORY_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit_bytes(files: tuple[str, ...] = CGROUP_MEMORY_FILES) -> int | None:
+    """This process's cgroup memory limit in bytes, or None where there is none ("max", v1's
+    page-rounded 2^63, or no cgroup file)."""
+    for path in files:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+        return None
+    return None
+
+
 @lru_cache(maxsize=1)
 def detect() -> HardwareFacts:
     import torch
@@ -188,7 +208,7 @@ def detect() -> HardwareFacts:
         cores=cores,
         sockets=len({c.socket for c in cores}),
         numa_nodes=len({c.numa_node for c in cores}),
-        memory_gib=psutil.virtual_memory().total / 2**30,
+        memory_gib=min(psutil.virtual_memory().total, memory_limit_bytes() or float("inf")) / 2**30,
         flags=flags,
         clock_ghz=clock,
         clock_source=clock_source,

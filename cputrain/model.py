@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cputrain.config import ModelConfig
+from cputrain.config import ModelConfig, checkpointed_blocks
 from cputrain.errors import ModelError, one_line
 
 log = logging.getLogger("cputrain")
@@ -273,9 +273,22 @@ def check_vocab(model_config, tokenizer) -> None:
         )
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
+def enable_activation_checkpointing(model: nn.Module, setting: bool | int = True) -> None:
+    """Checkpoint the model's blocks as model.activation_checkpointing says (resolved: true, false
+    or a number of blocks, the first ones). The others keep their activations: transformers checks
+    each block's own `gradient_checkpointing` flag at every call."""
+    if setting is False or setting == 0:
+        return
     # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x: the other name warns on every run
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if setting is not True:  # N blocks: any architecture with findable blocks (true needs none)
+        blocks = decoder_blocks(model)
+        for block in blocks[checkpointed_blocks(setting, len(blocks)):]:
+            block.gradient_checkpointing = False
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

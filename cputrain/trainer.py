@@ -109,8 +109,7 @@ class Trainer:
         self.hf_config = source.hf_config
         skeleton = models.build_skeleton(source, cfg.model)
         self.converter.convert(skeleton, source)  # LoRA: adapters in, the base frozen
-        if cfg.model.activation_checkpointing:
-            models.enable_activation_checkpointing(skeleton)
+        models.enable_activation_checkpointing(skeleton, cfg.model.activation_checkpointing)
         self.counts = models.parameter_counts(skeleton)
         if ranks.is_main:  # plan.json, and a warning now if this node cannot hold the plan
             from cputrain.plan.runtime import write_run_plan

@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
-from cputrain.model import SafetensorsReader, load_into  # noqa: E402
+from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
 from cputrain.optim import decay_groups  # noqa: E402
 from cputrain.distributed.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
@@ -118,8 +118,7 @@ class Zero3Strategy(Strategy):
                 trust_remote_code=self.ctx.cfg.model.trust_remote_code,
                 dtype=self.ctx.compute_dtype,
             )
-        if self.ctx.cfg.model.activation_checkpointing:
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(module, self.ctx.cfg.model.activation_checkpointing)
         return Zero3Model(module)
 
     def load_weights(self, model: Zero3Model, folder: Path | None) -> None:

@@ -16,7 +16,9 @@ and after the blocks: the final norm (2·t·h), the logits and their log-softmax
 one more t·V for the gradient of the logits in the backward. This is the same bookkeeping as
 Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022),
 redone for Llama's blocks. With activation checkpointing a block keeps only its input (t·h),
-and one block at a time is recomputed in full.
+and one block at a time is recomputed in full. With the first n of L blocks checkpointed, the
+L − n others keep all of theirs: their backward runs first and frees them before any
+checkpointed block is recomputed, so the peak is n inputs + max(L − n, 1) whole blocks.
 
 Under bf16 autocast the matmul outputs are bf16 (2 bytes) while norms and the softmax stay
 fp32; autocast also keeps a bf16 copy of every fp32 weight used in the forward for the backward.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cputrain.config import checkpointed_blocks
 from cputrain.plan.model_shape import ModelShape
 
 
@@ -101,7 +104,7 @@ def eager_attention_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_
     return micro_batch * m.heads * seq_len * seq_len * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
 
 
-def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool,
+def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool | int,
                      local_weight_params: int, lora_dropout: float = 0.0, chunked_loss: bool = False,
                      eager_attention: bool = False) -> ActivationBytes:
     tokens = micro_batch * seq_len
@@ -111,10 +114,12 @@ def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: s
     block = norms * 4 + matmul * matmul_bytes + max((v for u, v in adapters.items() if u != "root"), default=0)
     if eager_attention:
         block += eager_attention_bytes(m, micro_batch, seq_len, matmul_bytes)
-    if checkpointing:
-        # block inputs + one block recomputed; under fp32 compute the stream is fp32 whatever the base's dtype
+    checkpointed = checkpointed_blocks(checkpointing, m.layers)
+    if checkpointed:
+        # their inputs + the whole blocks kept or one recomputed; under fp32 compute the stream is fp32
+        # whatever the base's dtype
         residual_bytes = m.residual_bytes if precision == "bf16" else 4
-        blocks = m.layers * tokens * m.hidden * residual_bytes + block
+        blocks = checkpointed * tokens * m.hidden * residual_bytes + max(m.layers - checkpointed, 1) * block
     else:
         blocks = m.layers * block
     head = head_bytes(m, tokens, matmul_bytes, chunked_loss) + adapters.get("root", 0)  # an adapted head

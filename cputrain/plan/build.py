@@ -65,7 +65,8 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
     inputs = resolve_inputs(
         cfg.parallel.strategy, planned_precision(cfg), world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-        activation_checkpointing=cfg.model.activation_checkpointing,
+        # auto is decided by the run on its node's memory (plan.checkpointing); before it, the least memory
+        activation_checkpointing=True if cfg.model.activation_checkpointing == "auto" else cfg.model.activation_checkpointing,
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
         from_scratch=cfg.model.name_or_path is None,
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
@@ -81,6 +82,9 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
                      "plans another config.json")
     if cfg.hardware.precision == "auto":
         notes.append(f"hardware.precision=auto {precision_choice('auto', hw=None)[1]}")
+    if cfg.model.activation_checkpointing == "auto":
+        notes.append("model.activation_checkpointing=auto: planned with every block checkpointed (the least memory); "
+                     "a run checkpoints fewer blocks where its node holds more, and writes its plan.json with them")
     if inputs.offload_optimizer or inputs.offload_param:
         notes.append("offload moves state to host memory, which on a CPU node is the same RAM: "
                      "it does not lower the per-rank total")

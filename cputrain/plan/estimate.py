@@ -39,7 +39,7 @@ class PlanInputs:
     world_size: int
     micro_batch: int
     seq_len: int
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | int = False  # resolved: every block, none, or the first N
     offload_optimizer: bool = False
     offload_param: bool = False
     from_scratch: bool = True  # random init from model.arch; False: weights from a model folder

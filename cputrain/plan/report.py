@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from cputrain.config import checkpointed_blocks
 from cputrain.plan.build import Plan
 from cputrain.plan.fit import NODE_RESERVED_FRACTION, NODE_RESERVED_GIB, POD_HEADROOM
 
@@ -67,12 +68,18 @@ def _lora_line(plan: Plan) -> str | None:
             + (", each matrix converted to fp32 for its matmul" if stored == 2 and plan.inputs.precision == "fp32" else ""))
 
 
+def checkpointing_words(setting: bool | int, layers: int) -> str:
+    """model.activation_checkpointing as the plan's first lines say it."""
+    count = checkpointed_blocks(setting, layers)
+    return "on" if count == layers else "off" if count == 0 else f"on {count} of {layers} blocks"
+
+
 def table_lines(plan: Plan) -> list[str]:
     inp, m = plan.inputs, plan.shape
     lines = [
         f"model: {m.total_params:,} parameters, {m.layers} layers, hidden {m.hidden}, vocab {m.vocab}",
         f"strategy {inp.strategy}, precision {inp.precision}, world size {inp.world_size}, micro-batch "
-        f"{inp.micro_batch} × {inp.seq_len} tokens, activation checkpointing {'on' if inp.activation_checkpointing else 'off'}, "
+        f"{inp.micro_batch} × {inp.seq_len} tokens, activation checkpointing {checkpointing_words(inp.activation_checkpointing, m.layers)}, "
         f"head + loss {'chunked' if inp.chunked_loss else 'plain'} (model.chunked_loss)",
     ]
     lora = _lora_line(plan)
@@ -123,7 +130,7 @@ def compare_lines(full: Plan, lora: Plan) -> list[str]:
     a, b = full.inputs, lora.inputs
     lines = [f"model: {full.shape.total_params:,} parameters; strategy {a.strategy} / {b.strategy}, world size "
              f"{a.world_size} / {b.world_size}, precision {b.precision}, micro-batch {b.micro_batch} × {b.seq_len} "
-             f"tokens, activation checkpointing {'on' if b.activation_checkpointing else 'off'}"]
+             f"tokens, activation checkpointing {checkpointing_words(b.activation_checkpointing, lora.shape.layers)}"]
     summary = _lora_line(lora)
     if summary:
         lines.append(summary)

@@ -49,3 +49,20 @@ def test_report_lines_show_every_fact():
     text = "\n".join(report_lines(detect()))
     for word in ("physical", "socket", "NUMA", "GiB", "amx_bf16=", "avx2=", "torch", "gloo=", "peak fp32", "FLOP/cycle"):
         assert word in text, word
+
+
+def test_a_containers_memory_limit_is_what_a_rank_may_plan_on(tmp_path):
+    """A pod reads the node's memory in /proc/meminfo but is killed at its cgroup limit."""
+    from cputrain.hardware import memory_limit_bytes
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert memory_limit_bytes((str(v2), str(v1))) is None  # no cgroup files: no limit
+    v2.write_text("max\n")
+    assert memory_limit_bytes((str(v2), str(v1))) is None
+    v2.write_text(f"{28 * 2**30}\n")
+    assert memory_limit_bytes((str(v2), str(v1))) == 28 * 2**30
+    v2.unlink()
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "unlimited", page-rounded 2^63
+    assert memory_limit_bytes((str(v2), str(v1))) is None
+    v1.write_text(f"{12 * 2**30}\n")
+    assert memory_limit_bytes((str(v2), str(v1))) == 12 * 2**30

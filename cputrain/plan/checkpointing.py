@@ -1,0 +1,62 @@
+"""model.activation_checkpointing=auto: as few checkpointed blocks as the node's memory allows.
+
+A checkpointed block runs its forward again in the backward: for full fine-tuning about a third
+more compute for that block, for LoRA (no weight gradients of the frozen base) about a half. A
+block that keeps its activations costs memory instead: the plan's bytes of one whole block. The
+recipes turn checkpointing on for every block whatever the machine, so a Llama-3-8B LoRA step on a
+64 GiB node recomputes 33 TFLOP it had the memory to keep (plan: 37.3 GiB per rank without
+checkpointing at seq 2048, 17.6 GiB with it). auto asks the plan for the fewest checkpointed blocks
+(the first ones) with which each rank's peak fits its share of the node, with a margin for what
+the plan leaves out.
+"""
+
+from __future__ import annotations
+
+from cputrain.config import Config
+from cputrain.plan.build import make_plan
+
+GIB = 2**30
+# The share of a rank's memory the plan may fill: the plan is held to ±15% of measured peaks
+# (tests/e2e/test_plan_vs_measured.py), and a preloaded tcmalloc kept up to 1.37× glibc's step peak
+# on a 300M LoRA run (benchmarks/allocator.py) where the 8B run stayed within 3% of its plan.
+MEMORY_FRACTION = 0.8
+
+
+def _with_blocks(cfg: Config, blocks: bool | int) -> Config:
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"activation_checkpointing": blocks})})
+
+
+def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, memory_gib: float,
+                         vocab_size: int | None = None, memory_fraction: float = MEMORY_FRACTION) -> tuple[bool | int, str]:
+    """The resolved model.activation_checkpointing for this node (false, a number of blocks, or
+    true) and why, from the run's plan at each candidate."""
+    budget_gib = memory_gib * memory_fraction / local_world_size
+    where = f"{budget_gib:.1f} GiB per rank ({memory_fraction:.0%} of this node's {memory_gib:.1f} GiB ÷ " \
+            f"{local_world_size} rank(s))"
+    none = make_plan(_with_blocks(cfg, False), world_size, vocab_size=vocab_size)
+    shape = none.shape  # built once; the candidates differ only in their activations
+
+    def peak_gib(blocks: bool | int) -> float:
+        plan = none if blocks is False else make_plan(_with_blocks(cfg, blocks), world_size, shape=shape)
+        return plan.peak_rank.total_bytes / GIB
+
+    layers = shape.layers
+    if peak_gib(False) <= budget_gib:
+        return False, (f"the plan without it, {peak_gib(False):.1f} GiB per rank, fits {where}: no block runs its "
+                       "forward twice")
+    # Peaks fall as blocks are added up to all but the last (checkpointing the last block as well
+    # keeps one more input and saves nothing: its recompute would follow its forward at once).
+    most = max(layers - 1, 1)
+    if peak_gib(most) > budget_gib:
+        return True, (f"even with every block checkpointed the plan, {peak_gib(True):.1f} GiB per rank, is over "
+                      f"{where}: every block (`cputrain plan` shows what fits)")
+    low, high = 1, most  # the fewest blocks that fit lies in [low, high]
+    while low < high:
+        mid = (low + high) // 2
+        if peak_gib(mid) <= budget_gib:
+            high = mid
+        else:
+            low = mid + 1
+    return low, (f"the first {low} of {layers} blocks: the fewest with which the plan, {peak_gib(low):.1f} GiB per "
+                 f"rank, fits {where}; without checkpointing {peak_gib(False):.1f} GiB, with every block "
+                 f"{peak_gib(True):.1f} GiB")

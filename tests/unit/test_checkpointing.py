@@ -1,0 +1,148 @@
+"""model.activation_checkpointing as a number of blocks, and `auto` by the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from cputrain.config import checkpointed_blocks
+from cputrain.config_file import load_config
+from cputrain.errors import ConfigError
+
+LAYERS = 4
+
+
+def _tiny_llama(seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).train()
+
+
+def _step(model, setting):
+    """One forward + backward with `setting` checkpointed blocks: the loss, the gradients, how
+    often each block's forward ran, and the bytes autograd saved outside the checkpoints."""
+    import torch
+
+    from cputrain import model as models
+
+    models.enable_activation_checkpointing(model, setting)
+    calls = [0] * LAYERS
+    for i, block in enumerate(models.decoder_blocks(model)):
+        # on a module inside the block: transformers checkpoints the block's forward, not its __call__ (hooks)
+        block.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes() if t.requires_grad or t.grad_fn is not None else 0)
+        return t
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, calls, sum(saved)
+
+
+def test_the_first_n_blocks_are_recomputed_and_the_step_is_the_same():
+    """2 of 4 blocks: those two run their forward again in the backward, the other two once; loss
+    and every gradient equal to the step without checkpointing and with every block."""
+    import torch
+
+    results = {s: _step(_tiny_llama(), s) for s in (False, 2, True)}
+    assert results[False][2] == [1, 1, 1, 1]
+    assert results[2][2] == [2, 2, 1, 1]
+    assert results[True][2] == [2, 2, 2, 2]
+    loss0, grads0, *_ = results[False]
+    for setting in (2, True):
+        loss, grads, *_ = results[setting]
+        assert loss == pytest.approx(loss0, abs=1e-6)
+        for name, g in grads0.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_blocks_left_out_keep_their_activations_as_the_plan_counts_them():
+    """What autograd saves outside the checkpoints grows by one whole block per block left out,
+    the per-block term the plan adds for each of them."""
+    saved = {n: _step(_tiny_llama(), n)[3] for n in (0, 1, 2, 3, 4)}
+    per_block = (saved[0] - saved[4]) / LAYERS
+    assert per_block > 0
+    for n in (1, 2, 3):
+        assert saved[n] - saved[4] == pytest.approx((LAYERS - n) * per_block, rel=1e-6)
+
+
+def test_the_plan_keeps_n_inputs_and_the_other_blocks_whole():
+    from cputrain.plan.activations import activation_bytes
+    from cputrain.plan.model_shape import ModelShape
+
+    m = ModelShape((), layers=8, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=100, tied_embeddings=False)
+
+    def saved(setting):
+        return activation_bytes(m, 2, 32, "fp32", setting, local_weight_params=0).saved_bytes
+
+    none, every = saved(False), saved(True)
+    block_input = 2 * 32 * 64 * 4  # tokens × hidden, fp32 under fp32 compute
+    block = saved(6) - saved(7) + block_input  # (6 inputs + 2 blocks) − (7 inputs + 1 block) + 1 input
+    head = none - 8 * block
+    assert block > 10 * block_input
+    for n in range(1, 8):
+        assert saved(n) == head + n * block_input + (8 - n) * block
+    assert every == head + 8 * block_input + block  # every block: one recomputed at a time
+    assert saved(8) == every and saved(0) == none and saved(99) == every
+
+
+def _plan_config(*extra):
+    return load_config(None, ["model.arch.hidden_size=64", "model.arch.intermediate_size=128",
+                              "model.arch.num_hidden_layers=6", "model.arch.num_attention_heads=4",
+                              "model.arch.num_key_value_heads=2", "model.tokenizer_vocab_size=512",
+                              "data.seq_len=512", "train.micro_batch_size=8", "train.global_batch_size=8",
+                              "hardware.precision=fp32", *extra])
+
+
+def test_auto_takes_the_fewest_blocks_that_fit_the_node():
+    from cputrain.plan.build import make_plan
+    from cputrain.plan.checkpointing import MEMORY_FRACTION, checkpointing_choice
+
+    cfg = _plan_config("model.activation_checkpointing=auto")
+
+    def peak_gib(setting):
+        c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"activation_checkpointing": setting})})
+        return make_plan(c, 1).peak_rank.total_bytes / 2**30
+
+    peaks = {n: peak_gib(n) for n in range(7)}
+    assert all(peaks[n] > peaks[n + 1] for n in range(5))  # each block checkpointed saves memory up to the last
+    # a node that holds the run without checkpointing
+    blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=peaks[0] / MEMORY_FRACTION * 1.01)
+    assert blocks is False and "no block runs its forward twice" in why
+    # between: the fewest blocks whose plan fits, named with the budget
+    for n in (1, 3, 5):
+        memory = (peaks[n] + peaks[n - 1]) / 2 / MEMORY_FRACTION  # fits with n, not with n − 1
+        blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=memory)
+        assert blocks == n and f"the first {n} of 6 blocks" in why
+    # two ranks on the node: each has half of it
+    memory = (peaks[3] + peaks[2]) / 2 / MEMORY_FRACTION
+    assert checkpointing_choice(cfg, 1, 2, memory_gib=2 * memory)[0] == checkpointing_choice(cfg, 1, 1, memory)[0] == 3
+    # nothing fits: every block, and the run's memory warning follows
+    blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=peaks[6] * 0.5)
+    assert blocks is True and "every block" in why
+
+
+def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
+    with pytest.raises(ConfigError, match="model.activation_checkpointing is -1"):
+        load_config(None, ["model.activation_checkpointing=-1"])
+    assert load_config(None, ["model.activation_checkpointing=3"]).model.activation_checkpointing == 3
+    with pytest.raises(ValueError, match="resolved by the run"):
+        checkpointed_blocks("auto", 4)
+    assert [checkpointed_blocks(s, 4) for s in (False, True, 0, 2, 9)] == [0, 4, 0, 2, 4]
+
+
+def test_cputrain_plan_plans_auto_as_every_block_and_says_so():
+    from cputrain.plan.build import make_plan
+
+    auto = make_plan(_plan_config("model.activation_checkpointing=auto"), 1)
+    every = make_plan(_plan_config("model.activation_checkpointing=true"), 1)
+    assert auto.ranks == every.ranks
+    assert any("model.activation_checkpointing=auto" in note for note in auto.notes)
