@@ -136,7 +136,8 @@ class ModelConfig(Section):
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
     time is logged); later ones faster. auto: on for bf16 on AMX or AVX512-BF16 hardware, where
-    it was measured to pay, except for models built from scratch narrower than 512 and LoRA runs
+    it was measured to pay, except for models narrower than 512 (built from scratch or read from a
+    local folder) and LoRA runs
     on AMX (compiled blocks with peft's layers measured slower and larger there; faster and
     smaller on AVX512-BF16 without AMX)."""
 

@@ -66,10 +66,14 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         res.note("hardware.threads", per_rank, why)  # logged at start as one line, and kept in config.yaml
 
     if cfg.model.compile == "auto":
-        width = cfg.model.arch.get("hidden_size", 0) if cfg.model.name_or_path is None else None
+        width = model_width(cfg)
         if cfg.hardware.precision != "bf16" or not hw.has_fast_bf16:
             cfg.model.compile = False
             why = "fp32 or emulated bf16: compiled blocks were measured at 1.01× eager in fp32 (benchmarks/step_profile.py)"
+        elif width is not None and width < 512:
+            cfg.model.compile = False
+            why = (f"a model {width} wide: its steps are short, and compiling (tens of seconds on the first run) "
+                   "would not be paid back; set model.compile=true to compile anyway")
         elif cfg.model.lora.enabled and hw.flags.get("amx_bf16"):
             cfg.model.compile = False
             why = ("LoRA on AMX: blocks with peft's adapter layers ran slower and larger compiled; measured on a 300M "
@@ -81,10 +85,6 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             why = ("LoRA on AVX512-BF16 without AMX: compiled blocks with peft's adapter layers measured 1.16× eager's "
                    "tokens/s at 0.81× its step peak on a 300M Llama in bf16 (249 vs 214 tokens/s, 4.57 vs 5.64 GiB; "
                    "benchmarks/lora.py --only compile-timed); on AMX they measured slower, and stay off there")
-        elif width is not None and width < 512:
-            cfg.model.compile = False
-            why = (f"a model {width} wide built from scratch: its steps are short, and compiling (tens of seconds "
-                   "on the first run) would not be paid back; set model.compile=true to compile anyway")
         else:
             cfg.model.compile = True
             why = ("bf16 on AMX/AVX512-BF16: inductor fuses the norms, rotary and SiLU that run between the "
@@ -111,6 +111,20 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         raise ConfigError(error)
     res.config = ResolvedConfig.model_validate(cfg.model_dump())
     return res
+
+
+def model_width(cfg: Config) -> int | None:
+    """The model's hidden size where it is known before loading: the arch of a model built from
+    scratch, or a local folder's config.json (a hub id's is not read here)."""
+    if cfg.model.name_or_path is None:
+        return cfg.model.arch.get("hidden_size", 0)
+    config_json = os.path.join(cfg.model.name_or_path, "config.json")
+    try:
+        with open(config_json) as f:
+            width = json.load(f).get("hidden_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return width if isinstance(width, int) else None
 
 
 def precision_choice(setting: str, hw: HardwareFacts | None) -> tuple[str, str]:

@@ -140,6 +140,21 @@ def test_auto_compile_for_lora_follows_what_was_measured_per_bf16_unit():
     assert compiled(avx2=True, fma=True)[0] is False
 
 
+def test_auto_compile_leaves_narrow_models_eager_whether_built_or_read(tmp_path):
+    """The width rule reads a local folder's config.json too: a tiny pretrained model's short
+    steps would not pay back the compile either."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    for extra in ([], ["model.lora.enabled=true"]):
+        cfg = load_config(None, [f"model.name_or_path={tmp_path}", *extra])
+        res = resolve(cfg, _facts(avx512_bf16=True, avx512f=True), world_size=1, local_world_size=1)
+        assert res.config.model.compile is False
+        assert "a model 64 wide" in dict((k, why) for k, _, why in res.reasons)["model.compile"]
+    scratch = load_config(None, ["model.arch.hidden_size=256"])
+    assert resolve(scratch, _facts(amx_bf16=True), world_size=1, local_world_size=1).config.model.compile is False
+
+
 def test_forced_bf16_on_emulating_cpu_warns():
     cfg = load_config(None, ["hardware.precision=bf16"])
     with warnings.catch_warnings(record=True) as caught:
