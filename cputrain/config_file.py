@@ -47,6 +47,8 @@ def _union_error(errors: list[dict]) -> str | None:
     """One line for a value that fits no member of a union: the key without the member's name, and
     what it may be; a member's own check (a number out of range) is said as it is."""
     first = errors[0]
+    if not first["loc"]:  # a check across keys (the batch sizes): no key to name
+        return None
     key_loc, member = first["loc"][:-1], str(first["loc"][-1])
     same = [e for e in errors if e["loc"][:-1] == key_loc]
     if not key_loc or len(same) < 2 or not (member in _UNION_MEMBERS or member.startswith("literal[")):
