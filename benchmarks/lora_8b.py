@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--folder", default=None, help="model folder to build (or reuse, if it has config.json)")
     ap.add_argument("--keep-folder", action="store_true", help="keep the ~16 GB folder afterwards")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override on top of the config's (repeatable); the block's name carries it")
     a = ap.parse_args()
 
     from benchmarks.report import machine_line, write_block
@@ -184,7 +186,7 @@ def main() -> None:
                  "data.format=chat", f"data.seq_len={seq_len}", f"data.cache_dir={a.cache_dir}",
                  f"train.max_steps={steps}", "train.global_batch_size=1", "train.micro_batch_size=1",
                  "train.warmup_steps=1", "train.log_every=1", f"train.eval_every={10 * steps}", "train.eval_batches=1",
-                 f"train.checkpoint_every={steps}", "train.sample_tokens=0"]
+                 f"train.checkpoint_every={steps}", "train.sample_tokens=0", *a.set]
     try:
         result = run_train([str(REPO / "configs" / "llama3-8b-lora.yaml"), *overrides], run_dir.parent / "lora-8b.log")
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -210,7 +212,7 @@ def main() -> None:
     allocator = run_config["hardware"]["allocator"]
     flags = detect().flags
     units = "AMX" if flags.get("amx_bf16") else "AVX512-BF16" if flags.get("avx512_bf16") else "no bf16 units"
-    command = "python benchmarks/lora_8b.py" + (" --quick" if a.quick else "") + (
+    command = "python benchmarks/lora_8b.py" + "".join(f" --set {o}" for o in a.set) + (" --quick" if a.quick else "") + (
         f" --seq-len {seq_len}" if seq_len != 2048 and not a.quick else "") + (f" --steps {steps}" if steps != 3 and not a.quick else "")
     lines = [
         f"### Llama-3-8B LoRA on one machine, {summary['precision']} ({units})",
@@ -221,7 +223,8 @@ def main() -> None:
         "",
         f"{summary['parameters']:,} parameters, {summary['trained_parameters']:,} trained; precision "
         f"{summary['precision']}, {summary['threads_per_rank']} threads, {steps} steps of {seq_len} tokens; attention "
-        f"{summary.get('attn_implementation')}, malloc {allocator}.",
+        f"{summary.get('attn_implementation')}, malloc {allocator}, compile {run_config['model']['compile']}, blocks "
+        f"checkpointed: {run_config['model']['activation_checkpointing']}.",
         "",
         "| measure | value |",
         "| --- | ---: |",
@@ -242,7 +245,8 @@ def main() -> None:
     markdown = "\n".join(lines)
     print(markdown)
     if not a.quick:
-        write_block(f"lora_8b-{summary['precision']}", markdown)  # one block per precision: both are published
+        # one block per precision (both are published), and per set of overrides
+        write_block(f"lora_8b-{summary['precision']}" + "".join(f"-{o}" for o in a.set), markdown)
         print("written to docs/benchmarks.md", file=sys.stderr)
 
 
