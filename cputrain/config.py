@@ -137,9 +137,8 @@ class ModelConfig(Section):
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
     time is logged); later ones faster. auto: on for bf16 on AMX or AVX512-BF16 hardware, where
     it was measured to pay, except for models narrower than 512 (built from scratch or read from a
-    local folder) and LoRA runs
-    on AMX (compiled blocks with peft's layers measured slower and larger there; faster and
-    smaller on AVX512-BF16 without AMX)."""
+    local folder) and LoRA runs on AMX (compiled blocks with peft's layers measured slower and
+    larger there; faster and smaller on AVX512-BF16 without AMX)."""
 
     chunked_loss: bool | Literal["auto"] = "auto"
     """Compute the head and its cross-entropy a block of tokens at a time, so the fp32 logits of

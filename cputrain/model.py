@@ -277,7 +277,7 @@ def enable_activation_checkpointing(model: nn.Module, setting: bool | int = True
     """Checkpoint the model's blocks as model.activation_checkpointing says (resolved: true, false
     or a number of blocks, the first ones). The others keep their activations: transformers checks
     each block's own `gradient_checkpointing` flag at every call."""
-    if setting is False or setting == 0:
+    if not setting:  # false or 0
         return
     # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
     kwargs = {"use_reentrant": False}

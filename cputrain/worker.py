@@ -43,17 +43,16 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
     if res.config.model.attn_implementation == "auto":
         res = with_attention(res, *attention_for_run(res.config, ranks))
-    if "auto" in (res.config.model.chunked_loss, res.config.model.activation_checkpointing):
+    now = res.config  # not `cfg`: that name is the unresolved config this function was given
+    if "auto" in (now.model.chunked_loss, now.model.activation_checkpointing):  # both need the vocabulary
         from cputrain import model as models
 
-        now = res.config  # not `cfg`: that name is the unresolved config this function was given
         vocab = models.resolve_source(now.model, vocab_size=now.model.tokenizer_vocab_size).hf_config.vocab_size
-    if res.config.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
-        now = res.config
+    if now.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
         chunked, why = chunked_loss_choice("auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len,
                                            vocab)
         res = with_model_choice(res, "model.chunked_loss", chunked, why)
-    if res.config.model.activation_checkpointing == "auto":  # by the plan on this node's memory: same on every rank
+    if now.model.activation_checkpointing == "auto":  # by the plan on this node's memory: same on every rank
         from cputrain.plan.checkpointing import checkpointing_choice
 
         blocks, why = checkpointing_choice(res.config, ranks.world_size, ranks.local_world_size, hw.memory_gib, vocab)

@@ -41,6 +41,8 @@ MEASURED = {
 def measured(precision: str | None) -> str:
     """The measurement behind `auto` for a run of this precision (both, when it is not resolved yet)."""
     return MEASURED.get(precision or "", "; ".join(MEASURED.values()))
+
+
 # Set in a process cputrain started again with the allocator preloaded: never start it a third time.
 REEXEC_MARK = "CPUTRAIN_ALLOCATOR_PRELOADED"
 

@@ -12,7 +12,7 @@ the plan leaves out.
 
 from __future__ import annotations
 
-from cputrain.config import Config
+from cputrain.config import Config, checkpointed_blocks
 from cputrain.plan.build import make_plan
 
 GIB = 2**30
@@ -33,12 +33,14 @@ def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, me
     budget_gib = memory_gib * memory_fraction / local_world_size
     where = f"{budget_gib:.1f} GiB per rank ({memory_fraction:.0%} of this node's {memory_gib:.1f} GiB ÷ " \
             f"{local_world_size} rank(s))"
-    none = make_plan(_with_blocks(cfg, False), world_size, vocab_size=vocab_size)
-    shape = none.shape  # built once; the candidates differ only in their activations
+    shape = make_plan(_with_blocks(cfg, False), world_size, vocab_size=vocab_size).shape  # built once
+    peaks: dict[int, float] = {}  # GiB per rank by blocks checkpointed (true counts as all of them)
 
     def peak_gib(blocks: bool | int) -> float:
-        plan = none if blocks is False else make_plan(_with_blocks(cfg, blocks), world_size, shape=shape)
-        return plan.peak_rank.total_bytes / GIB
+        count = checkpointed_blocks(blocks, shape.layers)
+        if count not in peaks:
+            peaks[count] = make_plan(_with_blocks(cfg, count), world_size, shape=shape).peak_rank.total_bytes / GIB
+        return peaks[count]
 
     layers = shape.layers
     if peak_gib(False) <= budget_gib:
