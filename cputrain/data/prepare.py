@@ -322,16 +322,24 @@ def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSp
                        data_cfg.seq_len, data_cfg.truncation)
 
 
+class _NotBuilt(Exception):
+    """A cache entry (tokenizer or tokens) that the looking-up pass of prepare() would have to build."""
+
+
+def _not_built():
+    raise _NotBuilt
+
+
 def packed_data(data_cfg: DataConfig, data_fingerprint: str, seed: int, tokenizer, num_proc: int,
-                spec: ExampleSpec | None = None):
+                spec: ExampleSpec | None = None, may_build: bool = True):
     """The cache entry for this data, tokenizer and cut: built once by one writer, then opened
-    (packed text, or examples with their masks)."""
+    (packed text, or examples with their masks). Without `may_build`, a missing entry raises _NotBuilt."""
     key = packing.cache_key(data_fingerprint, data_cfg, seed, tokenizer, spec.key() if spec else None)
     final = Path(data_cfg.cache_dir) / "packed" / key
     partial = final.with_name(f"{key}.partial")
+    make = (lambda: build(data_cfg, seed, tokenizer, num_proc, partial, final, spec)) if may_build else _not_built
     built = cache_lock.build_once(
-        final.with_name(f"{key}.lock"), lambda: (final / "stats.json").exists(),
-        lambda: build(data_cfg, seed, tokenizer, num_proc, partial, final, spec),
+        final.with_name(f"{key}.lock"), lambda: (final / "stats.json").exists(), make,
         f"tokenizing {data_cfg.source}", data_cfg.lock_stale_s, lambda: _partial_progress(partial))
     if not built:
         log.info("data: cached %s %s", "packed tokens" if spec is None else "examples", final)
@@ -354,23 +362,33 @@ def prepare(cfg, tokenizer=None, isolate: bool = True):
     `cfg` is resolved (data.num_proc is a number). A tokenizer is trained, once, only for a model
     built from scratch; the corpus is opened only by the process that builds something. With
     `isolate`, whatever must be built is built in a spawned process, so the corpus reader
-    (datasets, pyarrow) and what it allocated never stay in a training rank's memory.
+    (datasets, pyarrow) and what it allocated never stay in a training rank's memory; where the
+    caches are already there (a resumed run, a second rank, a prepared job), nothing is spawned:
+    starting a process that imports the data stack costs seconds and finds nothing to do.
     """
+    if isolate:
+        try:
+            return _open(cfg, tokenizer, may_build=False)
+        except _NotBuilt:
+            from concurrent.futures import ProcessPoolExecutor
+
+            # Not a multiprocessing.Pool: its workers are daemons, which may not start the tokenizing pool.
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as builder:
+                builder.submit(_build_caches, cfg, tokenizer).result()
+    return _open(cfg, tokenizer, may_build=True)
+
+
+def _open(cfg, tokenizer, may_build: bool):
     from cputrain.data import tokenizer as tokenizers
 
-    if isolate:
-        from concurrent.futures import ProcessPoolExecutor
-
-        # Not a multiprocessing.Pool: its workers are daemons, which may not start the tokenizing pool.
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as builder:
-            builder.submit(_build_caches, cfg, tokenizer).result()
     fp = sources.fingerprint(cfg.data)
     data_format = sources.record_format(cfg.data)
     if tokenizer is None:
-        tokenizer = tokenizers.get_tokenizer(cfg.model, cfg.data, fp, lambda: sources.open_corpus(cfg.data))
+        corpus_fn = (lambda: sources.open_corpus(cfg.data)) if may_build else _not_built
+        tokenizer = tokenizers.get_tokenizer(cfg.model, cfg.data, fp, corpus_fn)
     num_proc = cfg.data.num_proc if isinstance(cfg.data.num_proc, int) else 1
     spec = None if data_format == "text" else example_spec(cfg.data, data_format, tokenizer)
-    return tokenizer, packed_data(cfg.data, fp, cfg.seed, tokenizer, num_proc, spec)
+    return tokenizer, packed_data(cfg.data, fp, cfg.seed, tokenizer, num_proc, spec, may_build)
 
 
 def rows_of(data, split: str):

@@ -301,3 +301,44 @@ def test_tokenizer_sample_is_bounded_and_spread_over_the_corpus(tmp_path):
     assert ids[0] < 200 and ids[-1] > 19_000  # blocks from the start to the end, not the first 500 records
     whole = tokenizers.CorpusSample(corpus, max_chars=10**9)
     assert len(list(whole)) == 20_000  # a budget larger than the corpus reads all of it, in order
+
+
+def test_prepare_spawns_a_builder_only_when_a_cache_is_missing(tok, tmp_path, monkeypatch):
+    """A warm cache (a resumed run, every rank after the first) is opened in the calling process:
+    no process that imports the data stack is started for nothing. A missing entry is still built
+    in a spawned process, never in the caller."""
+    from concurrent import futures
+    from types import SimpleNamespace
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 9}) + "\n" for i in range(40)))
+    cfg = SimpleNamespace(data=DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=16,
+                                          num_proc=1),
+                          model=ModelConfig(), seed=0)
+    spawned = []
+
+    class Builder:  # stands for the spawned process: builds in this one, counts the spawns
+        def __init__(self, *args, **kwargs):
+            spawned.append(kwargs.get("mp_context"))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            fn(*args)
+            done = futures.Future()
+            done.set_result(None)
+            return done
+
+    monkeypatch.setattr(futures, "ProcessPoolExecutor", Builder)
+    _, first = prepare.prepare(cfg, tok)
+    assert len(spawned) == 1 and spawned[0].get_start_method() == "spawn"
+    _, again = prepare.prepare(cfg, tok)
+    assert len(spawned) == 1, "a warm cache started a builder process"
+    assert np.array_equal(np.asarray(again.train), np.asarray(first.train))
+    cfg.seed = 1  # another cut of the same data: a new entry, built in a spawned process again
+    prepare.prepare(cfg, tok)
+    assert len(spawned) == 2
