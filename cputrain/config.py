@@ -30,7 +30,10 @@ DEFAULT_ARCH: dict[str, Any] = {
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan=False: no float setting means anything at inf or nan (train.lr=inf used to train
+    # one step and export non-finite weights)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 def _positive_or_auto(section: Section, dotted: str):

@@ -194,3 +194,34 @@ def test_chunked_loss_auto_follows_precision_and_the_logits_size():
     assert llama3 is True and "1,002 MiB" in why
     assert chunked_loss_choice(True, "fp32", 16, 16) == (True, "")
     assert chunked_loss_choice(False, "bf16", 2048, 128_256) == (False, "")
+
+
+def _float_keys(model=Config, prefix=""):
+    """Every dotted key whose value may be a float, found from the config's own types."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        kinds = typing.get_args(field.annotation) or (field.annotation,)
+        for kind in kinds:
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                yield from _float_keys(kind, f"{prefix}{name}.")
+        if float in kinds:
+            yield f"{prefix}{name}"
+
+
+FLOAT_KEYS = sorted(_float_keys())
+
+
+def test_every_float_key_is_found():
+    assert {"train.lr", "train.beta1", "train.grad_clip", "model.lora.alpha", "data.val_fraction"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_no_float_setting_takes_a_non_finite_value(key, value):
+    """train.lr=inf used to train a step and export non-finite weights with exit 0."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={value}"])
+    assert f"'{key}'" in str(err.value) and "finite" in str(err.value), str(err.value)
