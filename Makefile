@@ -1,13 +1,14 @@
 # Two commands set up a fresh machine that has python3 and pip:
 #   make demo   install, then train the built-in demo (about 2½ minutes on 2 AVX2 cores, less with AVX-512)
-#   make test   install with the test tools, then run the test suite
+#   make test   install with the test tools, then run the test suite (what CI runs; its budget: README, Tests)
+#   make test-fast  the tests that start no training process or agent (a developer's loop, ≤ 3 minutes)
 #   make demo-sft  the demo, then supervised fine-tuning of its model on chat data (configs/demo-sft.yaml)
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
 EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer
 
-.PHONY: demo demo-sft test install install-test
+.PHONY: demo demo-sft test test-fast install install-test
 
 install:
 	bash scripts/install.sh
@@ -24,4 +25,12 @@ demo-sft: install
 	$(VENV)/bin/cputrain generate runs/demo-sft --chat 'What is The "assert" statement in Python?' --temperature 0
 
 test: install-test
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
+
+# Installs only when the venv lacks the test tools or the project's install files changed.
+$(VENV)/.installed-test: pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(EXTRAS_TEST)
+	touch $@
+
+test-fast: $(VENV)/.installed-test
+	$(VENV)/bin/python -m pytest -q -m "not slow" --durations=10

@@ -1,21 +1,116 @@
-"""Shared fixtures: tiny models built from a config, tokenizers trained here, the CLI as a subprocess.
+"""Shared fixtures: tiny models built from a config, tokenizers trained here, the CLI as a
+subprocess or in this process, runs trained once per session.
 
 No test reaches a model hub: a "pretrained" model is a LlamaConfig saved with save_pretrained,
 and its tokenizer a BPE trained with `tokenizers` on Python's own documentation.
+
+Tiers. A test in tests/e2e or tests/distributed is `slow` by its folder; a test elsewhere that
+starts a training process (or an agent) must be marked `slow` itself, and `run_cli` fails it if it
+is not, so `make test-fast` (`-m "not slow"`) never waits for a training run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+TESTS = Path(__file__).resolve().parent
+SLOW_FOLDERS = ("e2e", "distributed")  # every test there starts training processes
+
+
+# The full suite's budget on the slowest machine kind CI gets, a 2-core AVX2-only CPU (README, Tests).
+BUDGET_S = 30 * 60
+WARN_AFTER_S = 45 * 60  # half of CI's 90 minutes: said at the end of the run, not a failure
+CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return f"{model}, {os.cpu_count()} CPUs, " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
+
+
+def pytest_report_header(config):
+    return f"cpu: {_cpu()}"
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    elapsed_s = time.monotonic() - config.stash.get(_STARTED, time.monotonic())
+    terminalreporter.write_line(f"suite wall time: {elapsed_s:.0f} s on {_cpu()} "
+                                f"(budget: {BUDGET_S // 60} min on a 2-core AVX2-only CPU)")
+    if elapsed_s > WARN_AFTER_S:
+        terminalreporter.write_line(
+            f"warning: the suite took {elapsed_s / 60:.0f} min, past {WARN_AFTER_S // 60} of CI's 90; its budget is "
+            f"{BUDGET_S // 60} min on a 2-core AVX2-only CPU (README, Tests): make the new tests cheaper", yellow=True)
+
+
+_STARTED = pytest.StashKey[float]()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
+
+_TIER = {"slow": True}  # the running test's tier, read by run_cli
+
+
+@pytest.fixture(autouse=True)
+def _tier_of_this_test(request):
+    _TIER["slow"] = request.node.get_closest_marker("slow") is not None
+    yield
+    _TIER["slow"] = True
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_shared(request):
+    """Under pytest-xdist, a test marked `alone` runs while no other worker runs a test; every other
+    test shares the machine. A readers-writer lock on a file of this run (flock: released by the
+    kernel if a worker dies), with a turnstile so a waiting `alone` test is not starved by the
+    other worker's next tests."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:  # one process: nothing runs beside this test
+        yield
+        return
+    import fcntl
+
+    alone = request.node.get_closest_marker("alone") is not None
+    folder = Path(tempfile.gettempdir())
+    with open(folder / f"cputrain-tests-{run_id}.turnstile", "w") as turnstile, \
+            open(folder / f"cputrain-tests-{run_id}.lock", "w") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
+
+
+def _starts_training(args) -> bool:
+    words = [str(a) for a in args]
+    return bool(words) and words[0] == "train" and not {"--dry-run", "--help-config", "-h", "--help"} & set(words)
+
 
 # The smallest model that still has every part of a Llama (GQA, RoPE, SwiGLU, tied embeddings).
 TINY_ARCH = [
@@ -52,6 +147,9 @@ def tiny_overrides(out_dir, cache_dir, **extra) -> list[str]:
         # auto times both kernels in every run and may pick either: runs compared loss by loss
         # must run the same one (tests/e2e/test_bf16_parity.py exercises auto)
         "model.attn_implementation": "sdpa",
+        # auto would start a one-process run a second time with tcmalloc preloaded where it is
+        # installed (tests/unit/test_placement.py tests that re-exec)
+        "hardware.allocator": "system",
     }
     base.update(extra)
     return TINY_ARCH + [f"{k}={v}" for k, v in base.items()]
@@ -68,6 +166,8 @@ def cli_env(**extra) -> dict:
 
 def run_cli(*args, cwd=None, env=None, timeout=600, check=False) -> subprocess.CompletedProcess:
     """`python -m cputrain ARGS` in a fresh process, as a user would run it."""
+    if not _TIER["slow"] and _starts_training(args):
+        pytest.fail("this test starts a training process: mark it @pytest.mark.slow (or move it to tests/e2e)")
     proc = subprocess.run(
         [sys.executable, "-m", "cputrain", *map(str, args)],
         cwd=cwd or REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
@@ -77,17 +177,108 @@ def run_cli(*args, cwd=None, env=None, timeout=600, check=False) -> subprocess.C
     return proc
 
 
+class _ReachedWork(AssertionError):
+    pass
+
+
+def _no_work(*_args, **_kwargs):
+    raise _ReachedWork("the command was not refused before work: it reached the worker or the agent "
+                       "(test it with run_cli, in its own process)")
+
+
+@contextlib.contextmanager
+def _process_state(env: dict | None, cwd):
+    """os.environ, the working folder and the logging set-up as they were, after the call."""
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    loggers = {name: (lg.handlers[:], lg.level, lg.propagate)
+               for name in ("cputrain", "py.warnings") for lg in [logging.getLogger(name)]}
+    saved_format, capturing = warnings.formatwarning, logging._warnings_showwarning is not None
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for name, (handlers, level, propagate) in loggers.items():
+            lg = logging.getLogger(name)
+            lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+        warnings.formatwarning = saved_format
+        logging.captureWarnings(capturing)
+
+
+def run_cli_here(*args, env: dict | None = None, cwd=None, check: bool = False) -> subprocess.CompletedProcess:
+    """The command's entry function (`cputrain.cli.main`) in this process, its stdout, stderr
+    and exit code captured as run_cli returns them: for what is refused before any work (config
+    keys and values, flags, model-folder and run-folder checks, k8s and plan options). A `train`
+    that gets past the checks fails the test instead of training here. `env`: variables to set
+    (the launchers' rank variables are unset, as run_cli's environment has them)."""
+    from unittest import mock
+
+    from cputrain import cli
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with _process_state(env, cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            mock.patch("cputrain.worker.run_worker", _no_work), mock.patch("cputrain.launch.run_agent", _no_work):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    if check and code != 0:
+        raise AssertionError(f"cputrain {' '.join(argv)} failed ({code}):\n{err.getvalue()[-4000:]}")
+    return subprocess.CompletedProcess(["cputrain", *argv], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One data/tokenizer cache for the whole session: tokenizers are trained once."""
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, cache_dir):
+    """`trained_run(dest, **overrides)` puts at `dest` a copy of the tiny run with these overrides
+    (on top of tiny_overrides; `nproc_per_node=N` starts N ranks), trained once per session and
+    returns the CompletedProcess of that training. Reference runs that several tests compare
+    against are trained once, not once per file."""
+    trained: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def copy_of(dest: Path, nproc_per_node: int = 1, **overrides) -> subprocess.CompletedProcess:
+        key = (nproc_per_node, tuple(sorted((k, str(v)) for k, v in overrides.items())))
+        if key not in trained:
+            out = tmp_path_factory.mktemp("trained") / "run"
+            flags = ["--nproc-per-node", str(nproc_per_node)] if nproc_per_node > 1 else []
+            proc = run_cli("train", *tiny_overrides(out, cache_dir, **overrides), *flags, check=True)
+            trained[key] = (out, proc)
+        src, proc = trained[key]
+        shutil.copytree(src, dest)
+        return proc
+
+    return copy_of
+
+
+_TOKENIZERS: dict[int, Path] = {}  # vocab size → a tokenizer trained once per process
+_TOKENIZER_HOME = tempfile.TemporaryDirectory(prefix="cputrain-tests-tokenizers-")
+
+
 def _train_tokenizer(folder: Path, vocab_size: int = 512):
+    """The BPE of `vocab_size` tokens on Python's documentation, trained once per process and
+    saved again at `folder`."""
+    from transformers import AutoTokenizer
+
     from cputrain.data.sources import _pydoc_documents
     from cputrain.data.tokenizer import train_bpe
 
-    return train_bpe(_pydoc_documents()[:400], vocab_size, folder)
+    if vocab_size not in _TOKENIZERS:
+        _TOKENIZERS[vocab_size] = Path(_TOKENIZER_HOME.name) / str(vocab_size)
+        train_bpe(_pydoc_documents()[:400], vocab_size, _TOKENIZERS[vocab_size])
+    shutil.copytree(_TOKENIZERS[vocab_size], folder, dirs_exist_ok=True)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def make_tiny_model(folder: Path, vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0,
@@ -113,8 +304,27 @@ def make_tiny_model(folder: Path, vocab_size: int = 512, hidden: int = 64, layer
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_model(tmp_path_factory):
+    """`tiny_model(**shape)`: the folder of make_tiny_model(…, **shape), built once per session and
+    shape. Shared: copy it before changing a file in it."""
+    built: dict[tuple, Path] = {}
+
+    def folder_of(**shape) -> Path:
+        import inspect
+
+        bound = inspect.signature(make_tiny_model).bind(None, **shape)
+        bound.apply_defaults()  # tiny_model(hidden=64) is tiny_model()
+        key = tuple((k, str(v)) for k, v in bound.arguments.items() if k != "folder")
+        if key not in built:
+            built[key] = make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model", **shape)
+        return built[key]
+
+    return folder_of
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model) -> Path:
+    return tiny_model()
 
 
 @pytest.fixture

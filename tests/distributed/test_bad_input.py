@@ -1,4 +1,8 @@
-"""Bad launch input fails fast with one clear line and a non-zero exit, leaving no process behind."""
+"""Bad launch input fails fast with one clear line and a non-zero exit, leaving no process behind.
+
+Flags and rank variables refused before any rank starts are asserted in this process
+(`run_cli_here`: the test fails if the command reaches the worker or the agent); one of them also
+runs as its own process."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import cli_env, run_cli, tiny_overrides
+from conftest import cli_env, run_cli, run_cli_here, tiny_overrides
 from dist_helpers import assert_no_survivors, free_port
 
 pytestmark = pytest.mark.slow
@@ -42,15 +46,15 @@ def test_port_in_use(tmp_path, cache_dir):
 
 
 def test_world_size_must_divide_global_batch(tmp_path, cache_dir):
-    proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir), "--nproc-per-node", "3", timeout=120)
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", cache_dir), "--nproc-per-node", "3")
     assert proc.returncode == 2
     assert "global_batch_size (8) is not divisible" in _error_line(proc)
     assert not (tmp_path / "run").exists()
 
 
 def test_node_rank_out_of_range(tmp_path, cache_dir):
-    proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir), "--nnodes", "2", "--node-rank", "2",
-                   "--rdzv-endpoint", "127.0.0.1:29400", timeout=120)
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", cache_dir), "--nnodes", "2", "--node-rank", "2",
+                        "--rdzv-endpoint", "127.0.0.1:29400")
     assert proc.returncode == 2
     assert "--node-rank 2 is out of range for --nnodes 2" in _error_line(proc)
 
@@ -71,16 +75,17 @@ def test_checkpoint_of_another_model_fails_on_every_rank(tmp_path, cache_dir):
 # --- rank variables no launcher set: one line in seconds (was a silent hang) --------------------
 
 
-@pytest.mark.parametrize("variables, expected", [
+@pytest.mark.parametrize("variables, expected, own_process", [
     ({"WORLD_SIZE": 2}, ["WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not",
-                         "unset WORLD_SIZE", "--nproc-per-node"]),
-    ({"WORLD_SIZE": 2, "RANK": 1}, ["RANK=1, WORLD_SIZE=2 are set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"]),
-    ({"RANK": 1}, ["RANK=1 is set", "one process can only be rank 0", "unset RANK"]),
+                         "unset WORLD_SIZE", "--nproc-per-node"], True),
+    ({"WORLD_SIZE": 2, "RANK": 1}, ["RANK=1, WORLD_SIZE=2 are set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"],
+     False),
+    ({"RANK": 1}, ["RANK=1 is set", "one process can only be rank 0", "unset RANK"], False),
 ], ids=["world-size", "world-size-and-rank", "rank"])
-def test_leftover_rank_variables(tmp_path, variables, expected):
+def test_leftover_rank_variables(tmp_path, variables, expected, own_process):
     started = time.monotonic()
-    proc = run_cli("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache"), env=cli_env(**variables),
-                   timeout=120)
+    args = ("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache"))
+    proc = run_cli(*args, env=cli_env(**variables), timeout=120) if own_process else run_cli_here(*args, env=variables)
     assert time.monotonic() - started < 60
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _error_line(proc)
@@ -92,10 +97,10 @@ def test_leftover_rank_variables(tmp_path, variables, expected):
 
 def test_rank_started_by_hand_with_no_rank_0_fails_in_seconds(tmp_path):
     port = free_port()  # nothing listens there
-    env = cli_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    env = dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     started = time.monotonic()
-    proc = run_cli("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"launch.rdzv_timeout_s": 3}),
-                   env=env, timeout=120)
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"launch.rdzv_timeout_s": 3}),
+                        env=env)
     assert time.monotonic() - started < 60
     assert proc.returncode == 2
     line = _error_line(proc)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_model
 from dist_helpers import free_port
 
 pytestmark = pytest.mark.slow
@@ -64,8 +63,8 @@ def _run(folders) -> dict:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    same = make_tiny_model(tmp_path_factory.mktemp("base"))
+def folders(tmp_path_factory, tiny_model_dir):
+    same = tiny_model_dir
     other = tmp_path_factory.mktemp("copy") / "base"
     shutil.copytree(same, other)
     weights = load_file(str(other / "model.safetensors"))

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_tiny_model, run_cli, tiny_overrides
+from conftest import run_cli, tiny_overrides
 from dist_helpers import assert_no_survivors, losses
 
 pytestmark = pytest.mark.slow
@@ -25,9 +25,9 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tiny_model):
     # bf16 files, as Llama-3 publishes them: under fp32 compute the base is stored in bf16 (model.lora.base_dtype=auto)
-    return make_tiny_model(tmp_path_factory.mktemp("lora-dist-base") / "base", tie=False, dtype=torch.bfloat16)
+    return tiny_model(tie=False, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")

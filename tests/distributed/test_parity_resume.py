@@ -23,9 +23,10 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("single")
-    run_cli("train", *tiny_overrides(out, cache_dir, **COMMON), check=True)
+def reference(tmp_path_factory, trained_run):
+    """One rank, trained once per session (test_parity_resume.py and test_zero3.py compare with the same run)."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    trained_run(out, **COMMON)
     return out
 
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import make_tiny_model, run_cli, sft_overrides, tiny_overrides
+from conftest import run_cli, sft_overrides, tiny_overrides
 from dist_helpers import assert_no_survivors, losses
 
 pytestmark = pytest.mark.slow
@@ -21,8 +21,8 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("sft-dist-base") / "base", tie=False)
+def base(tiny_model):
+    return tiny_model(tie=False)
 
 
 def _lora(out, cache_dir, chat_file, base, **extra):

@@ -1,5 +1,10 @@
 """Bad input: one line on stderr naming the problem, exit code 2, no traceback unless --debug,
-and nothing already on disk changed: an earlier run's folder keeps every byte and mtime."""
+and nothing already on disk changed: an earlier run's folder keeps every byte and mtime.
+
+What is refused before any work (config keys and values, the run folder, the model folder's
+files) is asserted in this process through the command's entry function (`run_cli_here`, which
+fails the test if the command gets as far as the worker); one case of each kind also runs as its
+own process, where exit code, stderr and the absence of a traceback are the process's."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from conftest import run_cli, run_cli_here, tiny_overrides
 
 
 def snapshot(folder) -> dict:
@@ -22,12 +27,14 @@ def snapshot(folder) -> dict:
 
 
 @pytest.fixture(scope="module")
-def existing_run(tmp_path_factory, cache_dir):
+def existing_run(tmp_path_factory, trained_run):
     """A finished run whose folder must survive every bad command pointed at it."""
     out = tmp_path_factory.mktemp("bad") / "run"
-    run_cli("train", *tiny_overrides(out, cache_dir, **{"train.max_steps": 4, "train.checkpoint_every": 2,
-                                                         "train.eval_every": 2}), check=True)
+    trained_run(out, **EXISTING)
     return out
+
+
+EXISTING = {"train.max_steps": 4, "train.checkpoint_every": 2, "train.eval_every": 2}
 
 
 @pytest.fixture
@@ -80,8 +87,17 @@ def tiny(out, cache_dir, **extra) -> list[str]:
 )
 def test_bad_keys_and_values(existing_run, cache_dir, override, expected):
     before = snapshot(existing_run)
-    proc = run_cli("train", *tiny(existing_run, cache_dir), override)
+    proc = run_cli_here("train", *tiny(existing_run, cache_dir), override)
     assert_refused(proc, expected)
+    assert snapshot(existing_run) == before
+
+
+def test_bad_key_as_its_own_process(existing_run, cache_dir):
+    """The process boundary: exit code 2, one line, no traceback, the run folder untouched."""
+    before = snapshot(existing_run)
+    proc = run_cli("train", *tiny(existing_run, cache_dir), "train.max_step=5")
+    assert_refused(proc, "unknown config key 'train.max_step'; did you mean 'train.max_steps'?")
+    assert proc.stdout == ""
     assert snapshot(existing_run) == before
 
 
@@ -89,15 +105,15 @@ def test_malformed_yaml(existing_run, tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text(f"output_dir: {existing_run}\ntrain:\n  max_steps: 5\n   lr: 0.1\n")
     before = snapshot(existing_run)
-    assert_refused(run_cli("train", config), "malformed YAML", "broken.yaml", "line 4")
-    assert_refused(run_cli("train", tmp_path / "absent.yaml"), "not found")
+    assert_refused(run_cli_here("train", config), "malformed YAML", "broken.yaml", "line 4")
+    assert_refused(run_cli_here("train", tmp_path / "absent.yaml"), "not found")
     assert snapshot(existing_run) == before
 
 
 def test_unknown_key_in_yaml_file(existing_run, tmp_path):
     config = tmp_path / "typo.yaml"
     config.write_text(f"output_dir: {existing_run}\ntrain:\n  learning_rate: 0.1\n")
-    assert_refused(run_cli("train", config), "unknown config key 'train.learning_rate'")
+    assert_refused(run_cli_here("train", config), "unknown config key 'train.learning_rate'")
 
 
 # --- a run folder of another run -------------------------------------------------------------
@@ -159,6 +175,11 @@ CASES = {
 }
 
 
+# Found by the worker, once it loads the model or reads the data: these run as processes.
+FOUND_IN_THE_WORKER = {"missing-model", "vocab-mismatch", "missing-data", "empty-data", "no-usable-text",
+                       "wrong-text-field"}
+
+
 def _write(path, text):
     path.write_text(text)
     return path
@@ -169,7 +190,8 @@ def test_bad_model_or_data(case, fresh_dir, tmp_path, cache_dir, tiny_model_dir,
     make_args, expected = CASES[case]
     args = make_args(tmp_path, tiny_model_dir, big_tokenizer)
     before = snapshot(fresh_dir)
-    proc = run_cli("train", *tiny(fresh_dir, cache_dir), *args)
+    run = run_cli if case in FOUND_IN_THE_WORKER else run_cli_here
+    proc = run("train", *tiny(fresh_dir, cache_dir), *args)
     assert_refused(proc, *expected)
     after = snapshot(fresh_dir)
     assert {k: after.get(k) for k in before} == before  # the user's file is untouched
@@ -184,19 +206,19 @@ def test_debug_shows_the_traceback(fresh_dir, cache_dir, tmp_path):
 
 def test_generate_and_eval_of_a_missing_model(tmp_path):
     for command in ("generate", "eval"):
-        assert_refused(run_cli(command, tmp_path / "nothing"), "neither a run folder nor a model folder")
-    assert_refused(run_cli("generate", tmp_path, "--max-new-tokens", "0"), "--max-new-tokens")
+        assert_refused(run_cli_here(command, tmp_path / "nothing"), "neither a run folder nor a model folder")
+    assert_refused(run_cli_here("generate", tmp_path, "--max-new-tokens", "0"), "--max-new-tokens")
 
 
 def test_output_dir_that_is_a_file(tmp_path, cache_dir):
     target = tmp_path / "results"
     target.write_text("keep me\n")
-    assert_refused(run_cli("train", *tiny(target, cache_dir)), "is a file, not a folder")
+    assert_refused(run_cli_here("train", *tiny(target, cache_dir)), "is a file, not a folder")
     assert target.read_text() == "keep me\n"
 
 
 def test_eval_needs_at_least_one_sequence(existing_run):
-    assert_refused(run_cli("eval", existing_run, "--max-sequences", "0"), "--max-sequences")
+    assert_refused(run_cli_here("eval", existing_run, "--max-sequences", "0"), "--max-sequences")
 
 
 # --- checked before any work: nothing tokenized, no model built, nothing written -------------
@@ -211,7 +233,7 @@ def test_empty_output_dir_is_refused(tmp_path, cache_dir):
     """`output_dir=` used to spread the whole run folder over the current directory."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    proc = run_cli("train", *tiny(tmp_path / "unused", tmp_path / "cache"), "output_dir=", cwd=cwd)
+    proc = run_cli_here("train", *tiny(tmp_path / "unused", tmp_path / "cache"), "output_dir=", cwd=cwd)
     assert_refused(proc, "output_dir is empty", "output_dir=runs/my-run")
     assert not any(cwd.iterdir())
     assert_no_work(tmp_path / "cache")
@@ -221,7 +243,7 @@ def test_empty_output_dir_is_refused(tmp_path, cache_dir):
 def test_output_dir_that_cannot_be_written(tmp_path, target):
     """A pseudo file system refuses the folder: one line, before tokenizing (was a traceback after it)."""
     cache = tmp_path / "cache"
-    proc = run_cli("train", *tiny(target, cache))
+    proc = run_cli_here("train", *tiny(target, cache))
     assert_refused(proc, f"output_dir '{target}' cannot be created or written", "writable file system")
     assert_no_work(cache)
 
@@ -237,7 +259,7 @@ def test_cache_dir_that_cannot_be_written(tmp_path):
                              capture_output=True).returncode == 0
     try:
         for cache in ([read_only / "cache"] if mounted else []) + [Path("/proc/cputrain-test/cache")]:
-            proc = run_cli("train", *tiny(tmp_path / "run", cache))
+            proc = run_cli_here("train", *tiny(tmp_path / "run", cache))
             assert_refused(proc, f"data.cache_dir '{cache}' cannot be created or written", "writable data.cache_dir")
             assert not (tmp_path / "run").exists()
     finally:
@@ -260,7 +282,7 @@ def test_output_dir_check_leaves_nothing_behind(tmp_path):
 ], ids=["not-an-integer", "a-float", "heads-do-not-divide"])
 def test_bad_arch_is_reported_whole_before_the_data(tmp_path, override, expected):
     cache = tmp_path / "cache"
-    line = assert_refused(run_cli("train", *tiny(tmp_path / "run", cache), override),
+    line = assert_refused(run_cli_here("train", *tiny(tmp_path / "run", cache), override),
                           "model.arch does not make a valid llama config", expected)
     assert not line.endswith(":")
     assert_no_work(cache)
@@ -270,11 +292,11 @@ def test_bad_arch_is_reported_whole_before_the_data(tmp_path, override, expected
 def test_seq_len_longer_than_the_models_positions(tmp_path, tiny_model_dir):
     cache = tmp_path / "cache"
     # the tiny arch has 128 positions
-    assert_refused(run_cli("train", *tiny(tmp_path / "run", cache, **{"data.seq_len": 256})),
+    assert_refused(run_cli_here("train", *tiny(tmp_path / "run", cache, **{"data.seq_len": 256})),
                    "data.seq_len (256) is longer than the model's max_position_embeddings (128)",
                    "raise model.arch.max_position_embeddings to 256", "data.seq_len=128")
     # a model folder's config.json says 256
-    assert_refused(run_cli("train", *tiny(tmp_path / "run", cache, **{"data.seq_len": 512}),
+    assert_refused(run_cli_here("train", *tiny(tmp_path / "run", cache, **{"data.seq_len": 512}),
                            f"model.name_or_path={tiny_model_dir}"),
                    "max_position_embeddings (256)", "data.seq_len=256")
     assert_no_work(cache)
@@ -297,7 +319,7 @@ def test_model_weights_that_cannot_load_are_refused_before_tokenizing(tmp_path, 
         fields["intermediate_size"] *= 2
         (broken / "config.json").write_text(json.dumps(fields))
         expected = ("have shape", "the weights do not belong to this model config")
-    assert_refused(run_cli("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}",
+    assert_refused(run_cli_here("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}",
                            *extra), *expected)
     assert_no_work(tmp_path / "cache")
 
@@ -308,7 +330,7 @@ def test_model_folder_config_without_hidden_size(tmp_path, tiny_model_dir):
     fields = json.loads((broken / "config.json").read_text())
     del fields["hidden_size"]
     (broken / "config.json").write_text(json.dumps(fields))
-    assert_refused(run_cli("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}"),
+    assert_refused(run_cli_here("train", *tiny(tmp_path / "run", tmp_path / "cache"), f"model.name_or_path={broken}"),
                    "config.json' lacks hidden_size", "hidden_size=4096")
     assert_no_work(tmp_path / "cache")
 

@@ -30,8 +30,8 @@ def _files(folder) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("lora-base") / "base")
+def base(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

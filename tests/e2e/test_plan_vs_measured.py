@@ -16,7 +16,7 @@ import json
 import pytest
 import yaml
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_here
 from cputrain.plan.compare import EXACT, RSS_TOLERANCE, compare_run, markdown_table
 
 SIZES = {
@@ -68,8 +68,8 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
     written = json.loads((tmp_path / "run" / "plan.json").read_text())
     vocab = written["model"]["vocab_size"]
     attention = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["attn_implementation"]
-    proc = run_cli("plan", *overrides, f"model.tokenizer_vocab_size={vocab}", f"model.attn_implementation={attention}",
-                   "--world-size", ranks, "--json")
+    proc = run_cli_here("plan", *overrides, f"model.tokenizer_vocab_size={vocab}",
+                        f"model.attn_implementation={attention}", "--world-size", ranks, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ranks"] == written["ranks"]
 
@@ -87,17 +87,8 @@ LORA_CASES = [(s, st, n, prec) for s in LORA_BASES for st, n, prec in LORA_LAYOU
 
 
 @pytest.fixture(scope="module")
-def lora_base(tmp_path_factory):
-    from conftest import make_tiny_model
-
-    made = {}
-
-    def folder(size: str):
-        if size not in made:
-            made[size] = make_tiny_model(tmp_path_factory.mktemp(f"base-{size}"), **LORA_BASES[size])
-        return made[size]
-
-    return folder
+def lora_base(tiny_model):
+    return lambda size: tiny_model(**LORA_BASES[size])
 
 
 @pytest.mark.slow
@@ -119,7 +110,7 @@ def test_lora_plan_matches_memory_json(size, strategy, ranks, precision, tmp_pat
     # `cputrain plan` on the same config, before any run, adds the same adapters and plans the same bytes
     # (given the attention kernel the run timed).
     attention = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["attn_implementation"]
-    proc = run_cli("plan", *overrides, f"model.attn_implementation={attention}", "--world-size", ranks, "--json")
+    proc = run_cli_here("plan", *overrides, f"model.attn_implementation={attention}", "--world-size", ranks, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ranks"] == written["ranks"]
 

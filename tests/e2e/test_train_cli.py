@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import cli_env, run_cli, tiny_overrides
+from conftest import cli_env, run_cli, run_cli_here, tiny_overrides
 
 METRIC_FIELDS = {"step", "loss", "lr", "tokens_per_s", "mfu", "rss_gib"}
 SUMMARY_FIELDS = {"final_loss", "val_loss", "tokens_per_s", "mfu", "peak_rss_gib", "wall_time_s"}
@@ -124,7 +124,7 @@ def test_a_finished_run_is_not_retrained(tiny_run, cache_dir):
 
 @pytest.mark.parametrize("args", [[], ["train"], ["doctor"], ["generate"], ["eval"]], ids=lambda a: a[0] if a else "top")
 def test_help_at_every_level(args):
-    proc = run_cli(*args, "--help", check=True)
+    proc = run_cli_here(*args, "--help", check=True)
     assert proc.stdout.startswith("usage: cputrain")
     words = {"train": "key=value", "doctor": "--json", "generate": "--prompt", "eval": "--split"}
     if args:
@@ -135,7 +135,7 @@ def test_help_at_every_level(args):
 
 
 def test_help_config_lists_every_key():
-    proc = run_cli("train", "--help-config", check=True)
+    proc = run_cli_here("train", "--help-config", check=True)
     for key in ("train.max_steps", "data.seq_len", "hardware.precision", "model.trust_remote_code"):
         assert key in proc.stdout
 

@@ -7,7 +7,7 @@ import pytest
 from cputrain.errors import UserError
 from cputrain.k8s.checks import quantity_value
 
-from conftest import cli_env, run_cli
+from conftest import run_cli, run_cli_here
 
 from .rendering import ARCH, render_case
 
@@ -53,12 +53,13 @@ def test_world_size_that_fits_no_instance(tmp_path):
     # table whose only instance has 2 GiB.
     table = tmp_path / "tiny.yaml"
     table.write_text("- {name: t3.small, vcpus: 2, memory_gib: 2, amx: false}\n")
-    proc = run_cli("plan", *ARCH, "parallel.strategy=ddp", "--world-size", "2", "--instances-file", table)
+    proc = run_cli_here("plan", *ARCH, "parallel.strategy=ddp", "--world-size", "2", "--instances-file", table)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("cputrain: error: world size 2:") and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_cli_errors_are_one_line():
+    """As its own process: the exit code and stderr are the command's."""
     proc = run_cli("k8s", *ARCH, "--name", "ok", "--nnodes", "2", "--nproc-per-node", "1")
     assert proc.returncode == 2
     assert proc.stderr.strip() == proc.stderr.strip().splitlines()[0] and "--image is required" in proc.stderr
@@ -66,9 +67,9 @@ def test_cli_errors_are_one_line():
 
 def test_no_secret_value_is_ever_written(tmp_path):
     secret_value = "hf_sEcReT_value_0123456789"
-    env = cli_env(HF_TOKEN=secret_value, WANDB_API_KEY=secret_value)
+    env = dict(HF_TOKEN=secret_value, WANDB_API_KEY=secret_value)
     out = tmp_path / "manifests"
-    proc = run_cli("k8s", *ARCH, "parallel.strategy=fsdp", "--name", "sec", "--image", "img:1", "--nnodes", "2",
+    proc = run_cli_here("k8s", *ARCH, "parallel.strategy=fsdp", "--name", "sec", "--image", "img:1", "--nnodes", "2",
                    "--nproc-per-node", "2", "--hf-token-secret", "hf-token", "--secret-env", "WANDB_API_KEY=wandb:key",
                    "--kind", "job", "--output", out, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -78,8 +79,8 @@ def test_no_secret_value_is_ever_written(tmp_path):
     assert secret_value not in text
     assert "secretKeyRef" in text and "name: hf-token" in text and "name: wandb" in text
     # a value in place of a reference is refused
-    proc = run_cli("k8s", *ARCH, "--name", "sec", "--image", "img:1", "--nnodes", "1", "--nproc-per-node", "1",
-                   "--secret-env", f"HF_TOKEN={secret_value}")
+    proc = run_cli_here("k8s", *ARCH, "--name", "sec", "--image", "img:1", "--nnodes", "1", "--nproc-per-node", "1",
+                        "--secret-env", f"HF_TOKEN={secret_value}")
     assert proc.returncode == 2 and "SECRET_NAME:KEY" in proc.stderr
     assert secret_value not in proc.stdout
 
@@ -109,7 +110,7 @@ def test_model_config_that_is_not_a_json_object(tmp_path, command):
                                            '"vocab_size": 100, "intermediate_size": 128}')
     extra = ["--name", "x", "--image", "img:1", "--nnodes", "1", "--nproc-per-node", "1"] if command == "k8s" else ["--world-size", "1"]
     for config, expected in ((not_object, "holds a JSON list, not an object"), (no_hidden, "lacks hidden_size")):
-        proc = run_cli(command, *ARCH, "--model-config", config, *extra)
+        proc = run_cli_here(command, *ARCH, "--model-config", config, *extra)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr

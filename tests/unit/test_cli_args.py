@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cputrain.cli import build_parser, parse_command_line
-from conftest import run_cli
+from conftest import run_cli_here
 
 
 def parse(*words):
@@ -46,12 +46,12 @@ def test_stray_word_for_a_command_without_overrides_is_refused(capsys):
 
 
 def test_dry_run_plan_is_the_same_in_both_orders(tmp_path):
-    """Through the real command: the agent's worker command carries the overrides either way."""
+    """Through the command's entry function: the agent's worker command carries the overrides either way."""
     out = tmp_path / "run"
-    before = run_cli("train", f"output_dir={out}", "train.micro_batch_size=3", "train.global_batch_size=6",
-                     "--nproc-per-node", "2", "--dry-run", check=True)
-    after = run_cli("train", "--nproc-per-node", "2", "--dry-run", f"output_dir={out}",
-                    "train.micro_batch_size=3", "train.global_batch_size=6", "hardware.precision=fp32", check=True)
+    before = run_cli_here("train", f"output_dir={out}", "train.micro_batch_size=3", "train.global_batch_size=6",
+                          "--nproc-per-node", "2", "--dry-run", check=True)
+    after = run_cli_here("train", "--nproc-per-node", "2", "--dry-run", f"output_dir={out}",
+                         "train.micro_batch_size=3", "train.global_batch_size=6", "hardware.precision=fp32", check=True)
     for proc in (before, after):
         agent = next(line for line in proc.stdout.splitlines() if "agent: torchrun" in line)
         assert "--nproc-per-node=2" in agent and str(out) in agent

@@ -95,17 +95,15 @@ def test_starts_as_the_base_and_trains_only_the_adapters(tiny_model_dir):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "own-head"])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked-loss", "plain-head"])
-def test_bf16_stored_base_computes_as_the_fp32_stored_one(tmp_path, tie, chunked):
+def test_bf16_stored_base_computes_as_the_fp32_stored_one(tiny_model, tie, chunked):
     """model.lora.base_dtype=bf16 under fp32 compute, on bf16 files: the same losses and adapter
     updates as the base stored in fp32 (the fp32 copy of bf16 values is exact), with the frozen
     matrices in bf16 and no fp32 copy of one kept for the backward."""
-    from conftest import make_tiny_model
-
     from cputrain.config import TrainConfig
     from cputrain.kernels.chunked_loss import install_chunked_loss
     from cputrain.optim import build_adamw
 
-    folder = make_tiny_model(tmp_path / "bf16-files", tie=tie, dtype=torch.bfloat16)
+    folder = tiny_model(tie=tie, dtype=torch.bfloat16)
     # 21 tokens: no activation has a frozen matrix's shape (the hook below tells them apart by shape)
     ids = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(0))
     losses, adapters = {}, {}
@@ -142,14 +140,12 @@ def test_bf16_stored_base_computes_as_the_fp32_stored_one(tmp_path, tie, chunked
         torch.testing.assert_close(adapters[torch.bfloat16][name], value, atol=1e-5, rtol=1e-5)
 
 
-def test_base_dtype_auto_reads_the_files_headers(tmp_path, tiny_model_dir):
+def test_base_dtype_auto_reads_the_files_headers(tmp_path, tiny_model, tiny_model_dir):
     """auto stores the base in bf16 under fp32 compute only where every matrix in the files is bf16;
     a broken file reads as not bf16 (loading then names it, with no traceback here)."""
-    from conftest import make_tiny_model
-
     from cputrain.lora.base_storage import base_dtype_choice, files_are_bf16
 
-    bf16_folder = make_tiny_model(tmp_path / "bf16", dtype=torch.bfloat16)
+    bf16_folder = tiny_model(dtype=torch.bfloat16)
     assert files_are_bf16(bf16_folder) and not files_are_bf16(tiny_model_dir)
     assert base_dtype_choice("auto", torch.float32, True)[0] == torch.bfloat16
     assert base_dtype_choice("auto", torch.float32, False)[0] == torch.float32
