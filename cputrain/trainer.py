@@ -50,6 +50,7 @@ class StepOutcome:
     stepped: bool  # False: a non-finite loss or gradient norm on some rank; the weights were left alone
     stop_signal: str | None  # a stop was asked for (on any rank): finish here with a checkpoint
     save_due: bool  # train.checkpoint_every_s has passed on rank 0's clock
+    weights_finite: bool = True  # False: the update left a trained weight at inf or nan (on some rank)
 
 
 class Trainer:
@@ -66,7 +67,8 @@ class Trainer:
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
         self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
-        self.bad_steps_in_row = 0  # steps skipped for a non-finite loss or gradient norm, in a row
+        self.bad_steps_in_row = 0  # steps skipped for a non-finite loss or gradient norm (or that broke a weight), in a row
+        self.broke_weights_at: int | None = None  # the step whose update left non-finite weights
         self.skipped_steps = 0  # all such steps of this session
         self.last_finite = (None, None)  # (step, loss) of the newest step that updated the weights
         self.exported = False  # model/ written by this session (the worker then plots and samples)
@@ -208,36 +210,62 @@ class Trainer:
                                                          float(self.stop_request.requested), float(time_due)])
         grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
                                                 loss_finite=bad_losses == 0)
+        # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
+        # lr): read once after the update (docs/benchmarks.md, block weights-check: the cost per step).
+        weights_finite = True
+        if stepped:
+            (bad_weights,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
+            weights_finite = bad_weights == 0
         self.schedule.step()
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
-                           (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0)
+                           (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
+                           weights_finite)
 
     def _guard(self, outcome: StepOutcome) -> None:
-        """A step that could not update the weights (non-finite loss or gradient norm) is counted;
-        train.max_bad_steps of them in a row stop the run, before any checkpoint or export."""
-        if outcome.stepped:
+        """A step that could not update the weights (non-finite loss or gradient norm), or whose
+        update left a weight non-finite, is a bad step; train.max_bad_steps of them in a row stop
+        the run, before any checkpoint or export. A healthy step confirms the checkpoints saved
+        before it (rotation may then remove older ones)."""
+        if outcome.stepped and outcome.weights_finite:
             self.bad_steps_in_row = 0
             self.last_finite = (self.step, outcome.loss)
+            self.checkpoints.confirm()
             return
         self.bad_steps_in_row += 1
-        self.skipped_steps += 1
         limit = self.cfg.train.max_bad_steps if self.strategy.can_skip_step else 1
+        if outcome.stepped:  # applied: the weights cannot be had back, and every later loss is nan
+            self.broke_weights_at = self.step
+            what = (f"loss {outcome.loss:.4f} and gradient norm {outcome.grad_norm:.4g} were finite but the update "
+                    "left non-finite weights")
+        else:
+            self.skipped_steps += 1
+            what = (f"loss {outcome.loss}, gradient norm {outcome.grad_norm}: not finite, "
+                    + ("optimizer step skipped" if self.strategy.can_skip_step else "zero3 cannot skip it"))
         if self.ranks.is_main:
-            log.warning("step %d: loss %s, gradient norm %s: not finite, %s (%d in a row, the run stops at %d)",
-                        self.step, outcome.loss, outcome.grad_norm,
-                        "optimizer step skipped" if self.strategy.can_skip_step else "zero3 cannot skip it",
-                        self.bad_steps_in_row, limit)
+            log.warning("step %d: %s (%d in a row, the run stops at %d; no checkpoint is written until a healthy step)",
+                        self.step, what, self.bad_steps_in_row, limit)
         if self.bad_steps_in_row < limit:
             return
+        self._diverged(f"the loss or gradient norm was not finite for {self.bad_steps_in_row} step(s) in a row, up "
+                       f"to step {self.step}")
+
+    def _diverged(self, what: str) -> None:
+        """Stop with exit 3: the saves no healthy step followed are set aside as step-N.diverged,
+        so the re-run resumes from the newest healthy checkpoint."""
         step, loss = self.last_finite
+        moved = self.checkpoints.set_aside_diverged()
         newest = self.run.newest_complete()
+        if self.broke_weights_at is not None:
+            updated = f"the update of step {self.broke_weights_at} left non-finite weights, and "
+        else:
+            updated = "no weight was updated by them, and " if self.strategy.can_skip_step else ""
+        aside = f"; set aside, never loaded: {', '.join(m.rsplit('/', 1)[-1] for m in moved)}" if moved else ""
         raise Diverged(
-            f"training diverged: the loss or gradient norm was not finite for {self.bad_steps_in_row} step(s) in a "
-            f"row, up to step {self.step} (last finite loss: "
+            f"training diverged: {what} (last finite loss: "
             + (f"{loss:.4f} at step {step}" if step is not None else "none in this session")
-            + f"); {'no weight was updated by them, and ' if self.strategy.can_skip_step else ''}nothing was saved "
-            f"from them ({'newest checkpoint: ' + self.run.step_path(newest) if newest is not None else 'no checkpoint'}). "
+            + f"); {updated}nothing was saved from them "
+            f"({'newest checkpoint: ' + self.run.step_path(newest) if newest is not None else 'no checkpoint'}{aside}). "
             f"Try a lower train.lr (now {self.cfg.train.lr:g}), more train.warmup_steps (now "
             f"{self.cfg.train.warmup_steps}) or train.grad_clip > 0, then re-run to resume"
         )
@@ -282,19 +310,35 @@ class Trainer:
                     row = metrics.with_validation(row, self.step, self.evaluate())
                 metrics.publish(row)
                 self._guard(outcome)  # after the row is written: the step that stops the run is on record
+                saved = False
                 if (outcome.stop_signal or outcome.save_due
                         or self.checkpoints.should_save(self.step, self.total_steps, stop_at)):
-                    self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
-                    metrics.exclude_pause()
+                    saved = self._save_unless_in_a_bad_streak()
                 if outcome.stop_signal:
-                    raise Stopped(f"stopped by {outcome.stop_signal} at step {self.step}/{self.total_steps}; checkpoint "
-                                  f"saved ({self.run.step_path(self.step)}); re-run the same command to resume")
+                    newest = self.run.newest_complete()
+                    where = (f"checkpoint saved ({self.run.step_path(self.step)})" if saved else
+                             "no checkpoint written inside a streak of bad steps (newest: "
+                             f"{self.run.step_path(newest) if newest is not None else 'none'})")
+                    raise Stopped(f"stopped by {outcome.stop_signal} at step {self.step}/{self.total_steps}; {where}; "
+                                  "re-run the same command to resume")
         finally:
             self.stop_request.uninstall()
         metrics.stop()
         self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
                          rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
         return self._finish()
+
+    def _save_unless_in_a_bad_streak(self) -> bool:
+        """Save the step, unless it is inside a streak of bad steps: its weights are then not known
+        to be healthy, and a save would rotate out a checkpoint that is."""
+        if self.bad_steps_in_row:
+            if self.ranks.is_main:
+                log.warning("step %d: checkpoint not written: %d bad step(s) in a row; the newest checkpoint is kept",
+                            self.step, self.bad_steps_in_row)
+            return False
+        self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+        self.metrics.exclude_pause()
+        return True
 
     def _validation_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -307,6 +351,11 @@ class Trainer:
                         "data.max_documents to validate", len(self.train_rows), self.cfg.data.val_fraction)
 
     def _finish(self) -> dict:
+        # The export (and a run counted as finished) holds finite weights only.
+        (bad_weights,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
+        if bad_weights:
+            self._diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is exported")
+        self.checkpoints.confirm()
         summary = self.metrics.summary(self.step)
         summary["skipped_steps"] = self.skipped_steps  # non-finite steps that updated nothing (train.max_bad_steps)
         self.phases.write(self.run, self.ranks)

@@ -44,6 +44,12 @@ def ignored_settings(strategy: "Strategy", cfg: Config) -> list[str]:
     return lines
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No inf or nan in any of `tensors`: one fused max-|x| per tensor (nan and inf propagate)."""
+    tensors = [t for t in tensors if t.numel()]
+    return not tensors or bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all())
+
+
 @dataclass
 class StrategyContext:
     """What a strategy is built from. The compute dtype is read from here, never from the
@@ -125,6 +131,13 @@ class Strategy:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm, stepped
+
+    def weights_finite(self, model: nn.Module) -> bool:
+        """Whether every trained parameter this rank holds (its shard, where sharded) is finite. A
+        step whose loss and gradient norm are finite can still leave weights at inf or nan (a far
+        too high lr). One fused max-|x| per parameter list (nan and inf propagate through it): a
+        read of the trained weights, no copy of them."""
+        return all_finite([p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad])
 
     # --- state ---------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer) -> CheckpointState:

@@ -36,7 +36,7 @@ from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
 from cputrain.optim import decay_groups  # noqa: E402
 from cputrain.distributed.allocator import pin_mmap_threshold  # noqa: E402
-from cputrain.parallel.base import Strategy, StrategyContext  # noqa: E402
+from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
 from cputrain.resolve import grad_accum_steps  # noqa: E402
 
 log = logging.getLogger("cputrain")
@@ -197,6 +197,12 @@ class Zero3Strategy(Strategy):
     # --- state ---------------------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module, optimizer) -> DeepSpeedState:
         return DeepSpeedState(self.engine)
+
+    def weights_finite(self, model: Zero3Model) -> bool:
+        """This rank's partitions (ds_tensor) of the trained parameters: module.parameters() are
+        empty placeholders between forwards."""
+        return all_finite([p.ds_tensor for p in model.module.parameters()
+                           if p.requires_grad and getattr(p, "ds_tensor", None) is not None])
 
     def tensors_held(self, model: Zero3Model) -> tuple[list, list, list]:
         """(parameter, gradient, master) tensors this rank holds, where DeepSpeed keeps them:

@@ -32,9 +32,17 @@ log = logging.getLogger("cputrain")
 
 
 class Checkpoints:
+    """Rotation keeps the last train.keep_last step folders, and never removes the newest one known
+    to be healthy (`healthy_step`) for one that is not yet: a step's loss is computed before its
+    update, so the weights saved at step N are known good only once a later step's loss is finite
+    (confirm()). A run that diverges right after a save sets that save aside as step-N.diverged
+    (diverged_saves()), and the re-run resumes from the healthy one."""
+
     def __init__(self, run: RunFolder, cfg: Config, ranks: RankEnv):
         self.run, self.cfg, self.ranks = run, cfg, ranks
         self.last_save_s = time.monotonic()  # the session's start counts as a save for checkpoint_every_s
+        self.healthy_step: int | None = None  # the newest checkpoint known to hold healthy weights
+        self.unconfirmed: list[int] = []  # saved in this session, not yet followed by a healthy step
 
     def time_due(self) -> bool:
         """train.checkpoint_every_s has passed since the last save, on this rank's clock (the
@@ -103,8 +111,30 @@ class Checkpoints:
             with self.run.fs.open(f"{tmp}/trainer_state.json", "w") as f:  # written last
                 f.write(json.dumps(state, indent=1, default=str))
             self.run.commit(step)
-            self.run.prune(self.cfg.train.keep_last)
+            self.run.prune(self.cfg.train.keep_last, keep=self.healthy_step)
+        self.unconfirmed.append(step)
         pg.barrier()
+
+    def confirm(self) -> None:
+        """A healthy step (finite loss, finite weights) followed the saves of this session: they hold
+        healthy weights, and rotation may now remove what they replace. Cheap when nothing is
+        waiting: called after every healthy step."""
+        if not self.unconfirmed:
+            return
+        self.healthy_step, self.unconfirmed = self.unconfirmed[-1], []
+        if self.ranks.is_main:
+            self.run.prune(self.cfg.train.keep_last, keep=self.healthy_step)
+
+    def set_aside_diverged(self) -> list[str]:
+        """The run diverged: the saves of this session that no healthy step followed are renamed
+        step-N.diverged (kept, never loaded), so the re-run resumes from the newest healthy one."""
+        moved = []
+        if self.ranks.is_main:
+            moved = [self.run.set_aside(step, "diverged") for step in self.unconfirmed
+                     if step in self.run.complete_steps()]
+        self.unconfirmed = []
+        pg.barrier()
+        return moved
 
     def newest_intact(self) -> int | None:
         """The newest complete checkpoint that is whole (checkpoint_check). Rank 0 checks; each
@@ -155,6 +185,7 @@ class Checkpoints:
             rng = torch.load(io.BytesIO(self.run.fs.cat_file(rng_file)), weights_only=True)
             torch.set_rng_state(rng["torch"])
             random.setstate(_unflatten(rng["python"]))
+        self.healthy_step = int(state["step"])  # an earlier session's: never set aside by this one
         return int(state["step"])
 
     def _apply_peak_lr(self, schedule, step: int) -> None:

@@ -58,10 +58,10 @@ class RunFolder:
             self.fs.rm(final, recursive=True)
         self.fs.mv(tmp, final, recursive=True)
 
-    def set_aside(self, step: int) -> str:
-        """Rename a damaged step folder to step-N.damaged (…damaged-2, … if taken): never loaded,
+    def set_aside(self, step: int, why: str = "damaged") -> str:
+        """Rename a step folder to step-N.damaged (or .diverged; …-2, … if taken): never loaded,
         never pruned, kept for whoever wants to look at it. Returns the new path."""
-        base = self.step_path(step) + ".damaged"
+        base = self.step_path(step) + f".{why}"
         target, n = base, 1
         while self.fs.exists(target):
             n += 1
@@ -69,9 +69,11 @@ class RunFolder:
         self.fs.mv(self.step_path(step), target, recursive=True)
         return target
 
-    def prune(self, keep_last: int) -> None:
+    def prune(self, keep_last: int, keep: int | None = None) -> None:
+        """Remove all but the last `keep_last` complete step folders, and never step `keep`."""
         for step in self.complete_steps()[:-keep_last]:
-            self.fs.rm(self.step_path(step), recursive=True)
+            if step != keep:
+                self.fs.rm(self.step_path(step), recursive=True)
         # Leftovers of a save that was killed mid-write are never loaded; tidy them away.
         if self.fs.exists(self.checkpoints):
             for entry in self.fs.ls(self.checkpoints, detail=False):

@@ -77,7 +77,8 @@ def test_a_diverging_loss_stops_with_one_line_and_keeps_the_finite_checkpoints(t
     stop = max(rows)
     assert bad[-2:] == [stop - 1, stop]  # it stopped at the second bad step in a row
     assert not (out / "model").exists()
-    checkpoints = sorted((out / "checkpoints").iterdir())
+    # what a re-run may load (a save that no healthy step followed is set aside as step-N.diverged)
+    checkpoints = sorted(p for p in (out / "checkpoints").iterdir() if "." not in p.name)
     assert checkpoints, "the finite checkpoint was deleted"
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -89,6 +90,44 @@ def test_a_diverging_loss_stops_with_one_line_and_keeps_the_finite_checkpoints(t
         assert tensors and all(torch.isfinite(t).all() for t in tensors), f"{folder.name} holds non-finite values"
     summary_line = [line for line in proc.stderr.splitlines() if "not finite" in line and "skipped" in line]
     assert summary_line, "each skipped step is reported"
+
+
+def test_a_blown_up_update_never_costs_the_last_good_checkpoint(tmp_path, cache_dir, trained_run):
+    """Resumed with train.lr=1e10 and keep_last=1: step 5's loss is finite and its update blows the
+    weights up, step 6's loss is not. The save at step 5 is set aside as step-000005.diverged (no
+    healthy step followed it), none is written inside the streak, and step 4, the last good one,
+    is never rotated out: the re-run with a sane lr resumes from it. (Before, the save at step 6
+    held step 5's weights and rotated step 4 out.)"""
+    out = tmp_path / "run"
+    common = {"train.max_steps": 8, "train.checkpoint_every": 2, "train.keep_last": 1, "train.eval_every": 100}
+    trained_run(out, **common, **{"train.stop_at_step": 4})
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{
+        **common, "train.lr": 1e10, "train.checkpoint_every": 1, "train.max_bad_steps": 2}))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cputrain: error: training diverged:") and "step-000004" in last, last
+    assert "set aside, never loaded: step-000005.diverged" in last, last
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000005.diverged"]
+    assert "checkpoint not written: 1 bad step(s) in a row" in proc.stderr
+
+    again = run_cli("train", *tiny_overrides(out, cache_dir, **common), check=True)
+    assert "(step 4)" in again.stderr
+    assert all(math.isfinite(loss) for loss in _losses(out).values())
+
+
+def test_an_update_that_leaves_inf_weights_is_a_bad_step_and_nothing_is_exported(tmp_path, cache_dir):
+    """lr=1e39 (finite as a setting, inf as an fp32 update): step 1's loss and gradient norm are
+    finite, its weights are not. No checkpoint holds them and no model/ is exported (before: exit 0
+    and an export whose every weight was non-finite)."""
+    out = tmp_path / "run"
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{
+        "train.lr": 1e39, "train.warmup_steps": 0, "train.max_steps": 2, "train.checkpoint_every": 1}))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "step 1: loss" in proc.stderr and "the update left non-finite weights" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "the update of step 1 left non-finite weights" in last and "nothing is exported" in last, last
+    assert not (out / "model").exists()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
 
 
 def _tensors(tree):
@@ -144,16 +183,19 @@ def _damage(folder, how: str) -> None:
 DAMAGE = ["truncated shard", "missing shard", "missing .metadata", "empty .metadata", "empty trainer_state.json"]
 
 
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(tmp_path, cache_dir):
+TWELVE = {"train.max_steps": 12, "train.checkpoint_every": 5, "train.eval_every": 100}
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(tmp_path, cache_dir, trained_run):
     """Each kind of damage: one line naming the folder and what is wrong, the folder kept as
     step-N.damaged, and the run resumed from the previous checkpoint with the losses of a run
     never damaged."""
-    common = {"train.max_steps": 12, "train.checkpoint_every": 5, "train.eval_every": 100}
+    common = TWELVE
     straight = tmp_path / "straight"
     run_cli("train", *tiny_overrides(straight, cache_dir, **common), check=True)
     reference = _losses(straight)
     first = tmp_path / "first"  # checkpoints at steps 5 and 10, the schedule of 12 steps
-    run_cli("train", *tiny_overrides(first, cache_dir, **common, **{"train.stop_at_step": 10}), check=True)
+    trained_run(first, **common, **{"train.stop_at_step": 10})
     import shutil
 
     for how in DAMAGE:
@@ -170,13 +212,12 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(t
         assert all(losses[s] == reference[s] for s in range(6, 13)), how
 
 
-def test_no_intact_checkpoint_left_is_one_line_and_exit_2(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    common = {"train.max_steps": 10, "train.checkpoint_every": 5, "train.eval_every": 100}
-    run_cli("train", *tiny_overrides(out, cache_dir, **common), check=True)
+def test_no_intact_checkpoint_left_is_one_line_and_exit_2(tmp_path, cache_dir, trained_run):
+    out = tmp_path / "run"  # checkpoints at steps 5 and 10 (the run the test above damages one of)
+    trained_run(out, **TWELVE, **{"train.stop_at_step": 10})
     _damage(out / "checkpoints" / "step-000005", "missing .metadata")
     _damage(out / "checkpoints" / "step-000010", "truncated shard")
-    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{**common, "train.max_steps": 12}))
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **TWELVE))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("cputrain: error: no intact checkpoint is left") and "step 10 (state/" in last, last

@@ -1,0 +1,121 @@
+"""What the per-step weights check costs: the trainer reads every trained parameter once after
+each optimizer step (Strategy.weights_finite: one fused max-|x| per parameter list) so that an
+update that leaves inf or nan in the weights is a bad step, never a checkpoint or an export.
+Writes block weights-check of docs/benchmarks.md.
+
+    python benchmarks/weights_check.py            # demo shape and ~100M, fp32 and bf16 where the CPU has it
+    python benchmarks/weights_check.py --quick    # the demo shape only, fewer repetitions
+
+The step is the trainer's: forward with labels and backward over micro-batches (bf16 under one
+autocast region, as cputrain runs it), clip, AdamW; the check runs on the same model right after.
+Both are timed in one process, alternated, median of the repetitions: the ratio check ÷ step is
+the share of a step the check costs (target ≤ 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.report import machine_line, write_block  # noqa: E402
+
+SHAPES = {
+    # the demo's model (configs/demo.yaml's arch, cputrain's default)
+    "demo (~5M)": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=True, seq_len=256, micro_batch=4),
+    "~100M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False, seq_len=512, micro_batch=4),
+}
+
+
+def measure(shape: dict, precision: str, repeats: int) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.config import TrainConfig
+    from cputrain.optim import build_adamw
+    from cputrain.parallel.base import all_finite
+
+    torch.manual_seed(0)
+    arch = {k: v for k, v in shape.items() if k not in ("seq_len", "micro_batch")}
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=shape["seq_len"], **arch))
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = build_adamw(model, TrainConfig(lr=1e-4))
+    ids = torch.randint(0, arch["vocab_size"], (shape["micro_batch"], shape["seq_len"]))
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
+
+    def step() -> None:
+        with autocast:
+            for _ in range(2):  # two micro-batches, as an accumulating step
+                model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def check() -> bool:
+        return all_finite([p for p in model.parameters() if p.requires_grad])
+
+    step()  # warm-up: allocator, AdamW state
+    step_s, check_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        assert check()
+        check_s.append(time.perf_counter() - t0)
+    step_med, check_med = statistics.median(step_s), statistics.median(check_s)
+    return {"params": params, "step_s": step_med, "check_s": check_med, "share": check_med / step_med}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the demo shape only, 3 repetitions")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    import torch
+
+    from cputrain.hardware import detect
+
+    hw = detect()
+    torch.set_num_threads(hw.physical_cores)
+    precisions = ["fp32"] + (["bf16"] if hw.flags.get("amx_bf16") or hw.flags.get("avx512_bf16") else [])
+    shapes = {k: v for k, v in SHAPES.items() if not args.quick or k.startswith("demo")}
+    repeats = 3 if args.quick else args.repeats
+    rows = []
+    for name, shape in shapes.items():
+        for precision in precisions:
+            r = measure(shape, precision, repeats)
+            rows.append(f"| {name} | {r['params'] / 1e6:.1f}M | {precision} | {r['step_s'] * 1e3:,.1f} | "
+                        f"{r['check_s'] * 1e3:.2f} | {100 * r['share']:.2f}% |")
+            print(rows[-1], flush=True)
+    if args.quick:
+        return
+    write_block("weights-check", "\n".join([
+        "## The per-step weights check",
+        "",
+        machine_line(),
+        "",
+        f"`python benchmarks/weights_check.py`: a training step (2 micro-batches, clip, AdamW; bf16 under one "
+        f"autocast region) and the check the trainer runs after it (`Strategy.weights_finite`: a fused max-|x| "
+        f"over the trained parameters), alternated in one process, median of {repeats}; "
+        f"{hw.physical_cores} threads. Target: ≤ 1% of a step.",
+        "",
+        "| model | parameters | precision | step (ms) | check (ms) | check ÷ step |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+        *rows,
+        "",
+        "On several ranks the check adds one all-reduce of one number per step (each rank reads its own shard).",
+    ]))
+
+
+if __name__ == "__main__":
+    main()
