@@ -158,3 +158,19 @@ def test_cputrain_plan_plans_auto_as_every_block_and_says_so():
     every = make_plan(_plan_config("model.activation_checkpointing=true"), 1)
     assert auto.ranks == every.ranks
     assert any("model.activation_checkpointing=auto" in note for note in auto.notes)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_weights_check_finds_any_non_finite_value(bad):
+    import torch
+
+    from cputrain.parallel.base import all_finite
+
+    tensors = [torch.randn(7, 5), torch.randn(3), torch.empty(0)]
+    assert all_finite(tensors) and all_finite([])
+    for i in (0, 1):
+        broken = [t.clone() for t in tensors]
+        broken[i].view(-1)[-1] = bad
+        assert not all_finite(broken)
+    # +inf in one tensor and -inf in another: their sum is nan, still found
+    assert not all_finite([torch.tensor([float("inf")]), torch.tensor([float("-inf")])])
