@@ -22,7 +22,7 @@ from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.distributed.stop_request import StopRequest
-from cputrain.errors import ConfigError, Diverged, Stopped
+from cputrain.errors import ConfigError, Diverged, Stopped, one_line
 from cputrain.evaluation import summed_loss
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_loss import install_chunked_loss
@@ -288,10 +288,41 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary."""
+        """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary.
+        However the steps end (finished, stopped, diverged, failed), rank 0 writes summary.json
+        with the ending's status, reason and exit code, for a pipeline to read."""
         if self.step >= self.total_steps:
             log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
             return read_summary(self.run) or {}
+        try:
+            return self._fit()
+        except BaseException as err:
+            self._write_ending(err)
+            raise
+
+    def _write_ending(self, err: BaseException) -> None:
+        """summary.json of a run that did not finish: the figures so far, and why it ended."""
+        if not self.ranks.is_main or self.metrics is None:
+            return
+        if isinstance(err, Stopped):
+            status = "stopped"
+        elif isinstance(err, Diverged):
+            status = "diverged"
+        elif isinstance(err, KeyboardInterrupt):
+            status = "interrupted"
+        else:
+            status = "failed"
+        exit_code = getattr(err, "exit_code", 130 if isinstance(err, KeyboardInterrupt) else 1)
+        try:
+            self.metrics.stop()
+            summary = self.metrics.summary(self.step)
+            summary.update(skipped_steps=self.skipped_steps, status=status, exit_code=exit_code,
+                           reason=one_line(err) if str(err) else type(err).__name__)
+            write_summary(self.run, summary)
+        except Exception as exc:  # the ending's own error is what the user must see
+            log.warning("summary.json was not written (%s)", one_line(exc))
+
+    def _fit(self) -> dict:
         self._warn_if_no_validation()
         # stop_at_step ends this session early; the schedule still runs to total_steps.
         stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
@@ -358,6 +389,7 @@ class Trainer:
         self.checkpoints.confirm()
         summary = self.metrics.summary(self.step)
         summary["skipped_steps"] = self.skipped_steps  # non-finite steps that updated nothing (train.max_bad_steps)
+        summary.update(status="finished", exit_code=0, reason=None)
         self.phases.write(self.run, self.ranks)
         self.checkpoints.export(self.strategy, self._write_model)
         self.exported = True

@@ -47,6 +47,9 @@ def test_sigterm_saves_a_checkpoint_at_the_reached_step_and_resume_equals_a_stra
     assert last == (f"cputrain: stopped by SIGTERM at step {reached}/150; checkpoint saved "
                     f"({stopped}/checkpoints/step-{reached:06d}); re-run the same command to resume"), last
     assert (stopped / "checkpoints" / f"step-{reached:06d}" / "trainer_state.json").is_file()
+    ending = json.loads((stopped / "summary.json").read_text())  # a pipeline reads why it ended
+    assert (ending["status"], ending["exit_code"], ending["final_step"]) == ("stopped", 75, reached)
+    assert "cputrain: " + ending["reason"] == last
     assert not (stopped / "run.lock").exists()
     assert not (stopped / "model").exists()  # a stopped run is not a finished one
 
@@ -70,6 +73,8 @@ def test_a_diverging_loss_stops_with_one_line_and_keeps_the_finite_checkpoints(t
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("cputrain: error: training diverged:") and "train.lr" in last, last
+    ending = json.loads((out / "summary.json").read_text())
+    assert (ending["status"], ending["exit_code"]) == ("diverged", 3) and "cputrain: error: " + ending["reason"] == last
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     bad = [s for s, r in rows.items()
            if any(r.get(k) is None or not math.isfinite(r[k]) for k in ("loss", "grad_norm"))]

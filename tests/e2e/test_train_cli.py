@@ -64,6 +64,7 @@ def test_metrics_and_summary(tiny_run):
     assert SUMMARY_FIELDS <= set(summary)
     assert summary["val_loss"] == pytest.approx(vals[-1]) and summary["final_loss"] == pytest.approx(train_rows[-1]["loss"])
     assert summary["peak_rss_gib"] > 0 and summary["wall_time_s"] > 0
+    assert (summary["status"], summary["exit_code"], summary["reason"]) == ("finished", 0, None)
     # The end-of-run table goes to the log.
     assert "useful tokens/s" in proc.stderr + proc.stdout and "MFU" in proc.stderr + proc.stdout
 
