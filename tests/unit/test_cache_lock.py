@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from cputrain.data.cache_lock import WriterLock, build_once
 from cputrain.locks import heartbeat_lock
 from cputrain.locks.heartbeat_lock import machine
@@ -85,6 +87,7 @@ def test_without_boot_id_and_pid_namespace_a_host_name_is_not_a_machine(tmp_path
     taker.release()
 
 
+@pytest.mark.alone  # a heartbeat every 0.05-0.1 s, judged within 0.3-0.4 s: no other test beside it
 def test_heartbeat_keeps_a_live_holder(tmp_path):
     path = tmp_path / "x.lock"
     holder = WriterLock(path, stale_after_s=0.4)  # beats every 0.1 s

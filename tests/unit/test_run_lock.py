@@ -131,6 +131,7 @@ def test_a_live_pid_with_no_start_time_on_record_counts_while_it_beats(tmp_path)
         _lock(run).acquire()
 
 
+@pytest.mark.alone  # a heartbeat every 0.05-0.1 s, judged within 0.3-0.4 s: no other test beside it
 def test_heartbeat_refreshes_and_a_taken_over_run_stops(tmp_path):
     run = tmp_path / "run"
     lock = _lock(run, heartbeat_s=0.05)
