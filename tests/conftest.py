@@ -160,6 +160,10 @@ def cli_env(**extra) -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # Two tests share the 2 cores: OpenMP threads that spin while they wait (libgomp's default)
+        # would take turns burning each other's time slices. Passive waiting changes no result.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
