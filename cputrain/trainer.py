@@ -212,15 +212,17 @@ class Trainer:
                                                 loss_finite=bad_losses == 0)
         # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
         # lr): read once after the update (docs/benchmarks.md, block weights-check: the cost per step).
-        weights_finite = True
-        if stepped:
-            (bad_weights,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
-            weights_finite = bad_weights == 0
+        weights_finite = self._weights_finite_on_every_rank() if stepped else True
         self.schedule.step()
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
                            weights_finite)
+
+    def _weights_finite_on_every_rank(self) -> bool:
+        """Each rank reads the trained weights it holds; one all-reduce of one number on several ranks."""
+        (bad_ranks,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
+        return bad_ranks == 0
 
     def _guard(self, outcome: StepOutcome) -> None:
         """A step that could not update the weights (non-finite loss or gradient norm), or whose
@@ -229,6 +231,7 @@ class Trainer:
         before it (rotation may then remove older ones)."""
         if outcome.stepped and outcome.weights_finite:
             self.bad_steps_in_row = 0
+            self.broke_weights_at = None
             self.last_finite = (self.step, outcome.loss)
             self.checkpoints.confirm()
             return
@@ -383,8 +386,7 @@ class Trainer:
 
     def _finish(self) -> dict:
         # The export (and a run counted as finished) holds finite weights only.
-        (bad_weights,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
-        if bad_weights:
+        if not self._weights_finite_on_every_rank():
             self._diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is exported")
         self.checkpoints.confirm()
         summary = self.metrics.summary(self.step)

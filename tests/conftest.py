@@ -35,17 +35,15 @@ SLOW_FOLDERS = ("e2e", "distributed")  # every test there starts training proces
 # The full suite's budget on the slowest machine kind CI gets, a 2-core AVX2-only CPU (README, Tests).
 BUDGET_S = 30 * 60
 WARN_AFTER_S = 45 * 60  # half of CI's 90 minutes: said at the end of the run, not a failure
-CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 
 def _cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    return f"{model}, {os.cpu_count()} CPUs, " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
+    """The machine in one line, from cputrain's own detection (the flags `cputrain doctor` prints)."""
+    from cputrain.hardware import detect
+
+    hw = detect()
+    return f"{hw.cpu_model}, {hw.physical_cores} cores, " + " ".join(
+        f"{flag}={'yes' if on else 'no'}" for flag, on in hw.flags.items())
 
 
 def pytest_report_header(config):

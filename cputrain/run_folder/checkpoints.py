@@ -36,7 +36,7 @@ class Checkpoints:
     to be healthy (`healthy_step`) for one that is not yet: a step's loss is computed before its
     update, so the weights saved at step N are known good only once a later step's loss is finite
     (confirm()). A run that diverges right after a save sets that save aside as step-N.diverged
-    (diverged_saves()), and the re-run resumes from the healthy one."""
+    (set_aside_diverged()), and the re-run resumes from the healthy one."""
 
     def __init__(self, run: RunFolder, cfg: Config, ranks: RankEnv):
         self.run, self.cfg, self.ranks = run, cfg, ranks
