@@ -3,7 +3,8 @@
 A trained tokenizer is cached under data.cache_dir by the data's fingerprint, vocabulary size
 and sample size, so only the first run pays for training it, and one process trains it while
 the others wait (cache_lock). It is trained on a bounded sample of the corpus: evenly spaced
-blocks of documents up to data.tokenizer_sample_mb, so its cost does not grow with the corpus.
+blocks of documents up to data.tokenizer_sample_mb, so its cost does not grow with the corpus,
+given to the trainer in pieces, so its memory does not grow with the longest document.
 """
 
 from __future__ import annotations
@@ -78,6 +79,35 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 
 
 SAMPLE_BLOCK_ROWS = 100  # documents read together: few Arrow slices, spread over the whole corpus
+# The BPE trainer is given text in pieces of at most this many characters. It pre-tokenizes each
+# string it is given whole, at tens of bytes per character: one 52 MB document (a one-line file)
+# took the process to 5.5 GB. Pieces are cut at whitespace, where the byte-level pre-tokenizer
+# splits anyway, so the words it counts are the same as from the document whole.
+SAMPLE_PIECE_CHARS = 64_000
+_CUT_SEARCH_CHARS = 1_000  # how far back a cut looks for whitespace before cutting inside a word
+
+
+def _cut(doc: str, at: int) -> int:
+    """The position of the last whitespace at or before `at` (close by), else `at` itself."""
+    if at <= 0 or at >= len(doc):
+        return max(0, min(at, len(doc)))
+    for pos in range(at, max(0, at - _CUT_SEARCH_CHARS), -1):
+        if doc[pos].isspace():
+            return pos
+    return at
+
+
+def document_pieces(doc: str, max_chars: int, piece_chars: int = SAMPLE_PIECE_CHARS) -> Iterator[str]:
+    """`doc` in pieces of about `piece_chars`, cut at whitespace, at most about `max_chars` in all.
+
+    A document longer than `max_chars` is sampled within itself: evenly spaced pieces, so a
+    corpus that is one huge document gives the tokenizer its beginning, middle and end."""
+    n_pieces = -(-len(doc) // piece_chars)
+    wanted = min(n_pieces, max(1, max_chars // piece_chars))
+    for piece in np.unique(np.linspace(0, n_pieces - 1, wanted).astype(np.int64)):
+        text = doc[_cut(doc, int(piece) * piece_chars):_cut(doc, (int(piece) + 1) * piece_chars)]
+        if text:
+            yield text
 
 
 class CorpusSample:
@@ -93,17 +123,22 @@ class CorpusSample:
         corpus = self.corpus
         head = list(self.iter_texts(corpus, rows=range(min(corpus.rows, 1000))))
         mean_chars = max(1.0, sum(map(len, head)) / max(1, len(head)))
+        del head
         share = min(1.0, self.max_chars / (mean_chars * corpus.rows))  # of the corpus's blocks to read
         n_blocks = -(-corpus.rows // SAMPLE_BLOCK_ROWS)
         blocks = np.unique(np.linspace(0, n_blocks - 1, max(1, int(np.ceil(n_blocks * share)))).astype(np.int64))
         for block in blocks:
             start = int(block) * SAMPLE_BLOCK_ROWS
             for doc in self.iter_texts(corpus, rows=range(start, min(start + SAMPLE_BLOCK_ROWS, corpus.rows))):
-                if self.chars and self.chars + len(doc) > self.max_chars:
+                left_chars = self.max_chars - self.chars
+                if self.chars and left_chars < min(len(doc), SAMPLE_PIECE_CHARS):
                     return
                 self.documents += 1
-                self.chars += len(doc)
-                yield doc
+                for piece in document_pieces(doc, left_chars):
+                    self.chars += len(piece)
+                    yield piece
+                if len(doc) > left_chars:  # sampled within itself: the budget is spent
+                    return
 
 
 def get_tokenizer(model_cfg, data_cfg, fingerprint: str, corpus_fn):

@@ -303,6 +303,29 @@ def test_tokenizer_sample_is_bounded_and_spread_over_the_corpus(tmp_path):
     assert len(list(whole)) == 20_000  # a budget larger than the corpus reads all of it, in order
 
 
+def test_one_huge_document_reaches_the_tokenizer_trainer_in_bounded_pieces(tmp_path):
+    """A one-line file is one document. The BPE trainer pre-tokenizes every string it is given
+    whole (a 52 MB line took `prepare` to 5.5 GB); the sample gives it pieces cut at whitespace,
+    evenly spaced through the document when it is larger than the sample's budget."""
+    words = [f"w{i:07d}" for i in range(400_000)]  # 3.2 MB on one line, each word findable
+    path = tmp_path / "one-line.txt"
+    path.write_text(" ".join(words))
+    corpus = sources.open_corpus(DataConfig(source=str(path), cache_dir=str(tmp_path / "cache")))
+    assert corpus.rows == 1
+    budget = 640_000  # a fifth of the document
+    sample = tokenizers.CorpusSample(corpus, max_chars=budget)
+    pieces = list(sample)
+    assert sample.documents == 1 and len(pieces) == budget // tokenizers.SAMPLE_PIECE_CHARS
+    assert max(map(len, pieces)) <= tokenizers.SAMPLE_PIECE_CHARS * 1.02  # a cut moves to the nearest space
+    assert sample.chars == sum(map(len, pieces)) <= budget * 1.02
+    for piece in pieces:  # cut between words: every word in a piece is whole
+        assert all(len(word) == 8 for word in piece.split())
+    seen = sorted(int(word[1:]) for piece in pieces for word in piece.split())
+    assert seen[0] < 10_000 and seen[-1] > 390_000 and 150_000 < seen[len(seen) // 2] < 250_000
+    whole = tokenizers.CorpusSample(corpus, max_chars=10**9)
+    assert "".join(whole) == path.read_text()  # within the budget: the whole document, in order
+
+
 def test_prepare_spawns_a_builder_only_when_a_cache_is_missing(tok, tmp_path, monkeypatch):
     """A warm cache (a resumed run, every rank after the first) is opened in the calling process:
     no process that imports the data stack is started for nothing. A missing entry is still built
