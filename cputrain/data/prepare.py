@@ -32,8 +32,9 @@ from cputrain.config import DataConfig
 from cputrain.data import cache_lock, packing, sources, tokenize_chunk, tokenize_examples
 from cputrain.data.tokenize_chunk import portable_tokenizer, tokenize_rows
 from cputrain.data.examples import ExampleData, open_examples
+from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, start_tokenizing_worker, stop_on_signal
 from cputrain.data.tokenize_examples import ExampleSpec
-from cputrain.errors import DataError
+from cputrain.errors import DataError, Stopped
 from cputrain.data.tree_memory import TreeMemory
 
 log = logging.getLogger("cputrain")
@@ -121,7 +122,8 @@ def _chunks(corpus, worker: _Worker, rows_done: int, held_out: np.ndarray, num_p
     # spawn, not fork: the parent may already hold gloo and OpenMP threads, which a fork copies
     # half-alive. Workers open the Arrow files themselves; only row numbers travel.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(num_proc, initializer=worker.init, initargs=(files, None, *worker.init_args)) as pool:
+    with ctx.Pool(num_proc, initializer=start_tokenizing_worker,
+                  initargs=(os.getpid(), worker.init, files, None, *worker.init_args)) as pool:  # left by terminate()
         pending: deque = deque()
         todo = iter(bounds)
         while True:
@@ -187,14 +189,21 @@ def build(data_cfg: DataConfig, seed: int, tokenizer, num_proc: int, partial: Pa
             log.info("data: tokenizing %d records of %s with %d process(es) into %s", corpus.rows, data_cfg.source,
                      num_proc, partial)
             last_commit, last_log = time.perf_counter(), [time.perf_counter()]
-            for chunk in _chunks(corpus, worker, rows0, held_out, num_proc):
-                for name, array in chunk.parts.items():
-                    outs[name].write(array.tobytes())
-                progress.add(chunk)
-                _report(bar, progress, corpus.rows, t0, rows0, tokens0, last_log)
-                if time.perf_counter() - last_commit >= COMMIT_EVERY_S:
-                    progress.commit(outs.values())
-                    last_commit = time.perf_counter()
+            # closed (its pool terminated) before the files, however the loop ends
+            chunks = files.enter_context(contextlib.closing(_chunks(corpus, worker, rows0, held_out, num_proc)))
+            try:
+                for chunk in chunks:
+                    for name, array in chunk.parts.items():
+                        outs[name].write(array.tobytes())
+                    progress.add(chunk)
+                    _report(bar, progress, corpus.rows, t0, rows0, tokens0, last_log)
+                    if time.perf_counter() - last_commit >= COMMIT_EVERY_S:
+                        progress.commit(outs.values())
+                        last_commit = time.perf_counter()
+            except Stopped:
+                # Every chunk counted is whole in the files (bytes past it are cut off on resume).
+                progress.commit(outs.values())
+                raise
             progress.commit(outs.values())
         make_stats = _stats if spec is None else _example_stats
         stats = make_stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, time.perf_counter() - t0,
@@ -348,11 +357,86 @@ def packed_data(data_cfg: DataConfig, data_fingerprint: str, seed: int, tokenize
     return open_examples(final, data_cfg.packing)
 
 
-def _build_caches(cfg, tokenizer) -> None:
+class _BuilderTraceback(Exception):
+    """The traceback of an unexpected error in the builder process, chained to it in this one."""
+
+
+def _build_caches(cfg, tokenizer, send, parent_pid: int) -> None:
+    """The builder process: builds what is missing, then sends None or the error that stopped it."""
+    die_with_parent(parent_pid)
     from cputrain.log import setup_logging
 
     setup_logging(int(os.environ.get("RANK", "0")))
-    prepare(cfg, tokenizer, isolate=False)
+    try:
+        with stop_on_signal(ignore_after_first=True):
+            prepare(cfg, tokenizer, isolate=False)
+    except PreparationStopped as stop:  # read only if the signal reached this process alone
+        send.send((PreparationStopped(stop.signal_name, _stopped_line(cfg, stop.signal_name)), ""))
+        return
+    except BaseException as exc:  # a UserError for its line, or a bug for its traceback
+        import pickle
+        import traceback
+
+        text = "".join(traceback.format_exception(exc))
+        try:
+            pickle.dumps(exc)
+        except Exception:
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        send.send((exc, text))
+        return
+    send.send(None)
+
+
+STOP_WAIT_S = 60.0  # for the builder to commit, end its pool and release the lock before it is killed
+
+
+def _stop_builder(builder) -> None:
+    """SIGTERM to the builder; wait while it cleans up; then no process under it is left alive."""
+    import psutil
+
+    try:
+        under = psutil.Process(builder.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        under = []
+    builder.terminate()
+    builder.join(STOP_WAIT_S)
+    if builder.is_alive():
+        builder.kill()
+        builder.join()
+    for proc in under:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(under, timeout=10)
+
+
+def _build_in_a_child(cfg, tokenizer) -> None:
+    # A plain spawned Process, not a pool's: pool processes are daemons, which may not start the
+    # tokenizing pool; and this one must be stopped (and waited for) when a signal comes.
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    builder = ctx.Process(target=_build_caches, args=(cfg, tokenizer, send, os.getpid()), name="cputrain-prepare")
+    builder.start()
+    send.close()
+    try:
+        with stop_on_signal():
+            outcome = receive.recv()
+            builder.join()
+    except PreparationStopped as stop:
+        _stop_builder(builder)  # a second signal here acts at once; the builder dies with this process
+        raise PreparationStopped(stop.signal_name, _stopped_line(cfg, stop.signal_name)) from None
+    except EOFError:  # ended without a word: killed (the OOM killer?) or crashed
+        builder.join()
+        raise DataError(f"the data preparation process ended with exit code {builder.exitcode} before it "
+                        "finished (killed from outside, or out of memory?); what reached the disk is kept: "
+                        "run the same command again to resume") from None
+    if outcome is not None:
+        error, text = outcome
+        raise error from _BuilderTraceback(text)
+
+
+def _stopped_line(cfg, signal_name: str) -> str:
+    return (f"stopped by {signal_name} while preparing the data of {cfg.data.source}; what was tokenized is kept "
+            f"in data.cache_dir '{cfg.data.cache_dir}': run the same command again to resume")
 
 
 def prepare(cfg, tokenizer=None, isolate: bool = True):
@@ -370,11 +454,7 @@ def prepare(cfg, tokenizer=None, isolate: bool = True):
         try:
             return _open(cfg, tokenizer, may_build=False)
         except _NotBuilt:
-            from concurrent.futures import ProcessPoolExecutor
-
-            # Not a multiprocessing.Pool: its workers are daemons, which may not start the tokenizing pool.
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as builder:
-                builder.submit(_build_caches, cfg, tokenizer).result()
+            _build_in_a_child(cfg, tokenizer)
     return _open(cfg, tokenizer, may_build=True)
 
 

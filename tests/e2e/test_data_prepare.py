@@ -73,21 +73,46 @@ def test_peak_memory_is_flat_with_corpus_size(tmp_path, tokenizer_dir, kind):
     assert peaks[24] < 2.0, peaks
 
 
-def test_killed_preparation_resumes_where_it_stopped(tmp_path, tokenizer_dir):
-    corpus = write_jsonl(tmp_path / "c.jsonl", 40 * 10**6)
+def _start_and_wait_for_progress(args, cache: Path, beyond_rows: int, **popen):
+    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list((cache / "packed").glob("*.partial/progress.json")) if (cache / "packed").exists() else []
+        if found and json.loads(found[0].read_text())["rows_done"] > beyond_rows:
+            return proc, json.loads(found[0].read_text())
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"preparation committed no progress past record {beyond_rows}: {proc.communicate()[1][-2000:]}")
+
+
+def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, tokenizer_dir):
+    """SIGTERM to the command (what `kill`, a Job's deletion or a pod's stop sends; the workers
+    get nothing): one line, exit 75, the partial cache and its progress kept, the lock released
+    and no process of the preparation left. Then a SIGKILL to every process, as a node loss
+    would. Each resume goes on from what reached the disk, and the result is the same bytes as a
+    preparation that was never interrupted."""
+    import psutil
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", 24 * 10**6)
     cache = tmp_path / "cache"
     args = [sys.executable, "-m", "cputrain", "prepare", f"data.source={corpus}", f"data.cache_dir={cache}",
             f"model.tokenizer={tokenizer_dir}", "data.seq_len=64", "data.num_proc=2"]
-    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline, progress = time.monotonic() + 180, None
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = list((cache / "packed").glob("*.partial/progress.json")) if (cache / "packed").exists() else []
-        if found and json.loads(found[0].read_text())["rows_done"] > 0:
-            progress = json.loads(found[0].read_text())
-            break
-        time.sleep(0.2)
-    assert progress is not None, "preparation never committed progress"
+    proc, progress = _start_and_wait_for_progress(args, cache, 0)
+    under = psutil.Process(proc.pid).children(recursive=True)
+    assert len(under) >= 3, under  # the builder and its 2 tokenizing workers
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith("cputrain: stopped by SIGTERM while preparing the data of ")
+    assert "Traceback" not in stderr, stderr[-2000:]
+    gone, alive = psutil.wait_procs(under, timeout=5)
+    assert not alive, f"outlived the command: {alive}"
+    assert not list((cache / "packed").glob("*.lock")), "the lock was not released"
+    stopped_at = json.loads(next((cache / "packed").glob("*.partial/progress.json")).read_text())["rows_done"]
+    assert stopped_at >= progress["rows_done"] > 0
+
+    proc, progress = _start_and_wait_for_progress(args, cache, stopped_at, start_new_session=True)
     os.killpg(proc.pid, signal.SIGKILL)  # the parent and its workers, as a node loss would
     proc.wait()
     assert not any(p.suffix == "" for p in (cache / "packed").iterdir()), "a half-built cache looks complete"
@@ -97,7 +122,7 @@ def test_killed_preparation_resumes_where_it_stopped(tmp_path, tokenizer_dir):
     again = prepare(corpus, cache, tokenizer_dir, "data.num_proc=2", timeout=240, check=True)
     assert "resuming an interrupted preparation" in again.stderr
     resumed = stats_of(cache)
-    assert resumed["resumed_at_record"] >= progress["rows_done"] > 0
+    assert resumed["resumed_at_record"] >= progress["rows_done"] > stopped_at
 
     clean = tmp_path / "clean"
     prepare(corpus, clean, tokenizer_dir, "data.num_proc=1", check=True)
