@@ -197,26 +197,28 @@ class DataConfig(Section):
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/Hugging Face records (data.format=text)."""
 
-    format: Literal["text", "chat", "prompt_completion", "auto"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "auto"] = "text"
     """What a record is. text: raw text, every token trained (pretraining). chat: a list of
-    {role, content} messages (roles system, user, assistant) in data.messages_field, rendered with
-    the chat template. prompt_completion: a prompt and its answer (data.prompt_field,
-    data.completion_field). auto: chat if the first record has data.messages_field, else
-    prompt_completion if it has both of those fields, else text; the choice is logged."""
+    {role, content} messages (roles system, user, assistant, tool; content text or a list of text
+    parts; assistant tool_calls) in data.messages_field, rendered with the chat template.
+    prompt_completion: a prompt and its answer (data.prompt_field, data.completion_field). alpaca:
+    instruction, optional input, output, the prompt written as Stanford Alpaca's. auto: chat if the
+    first record has data.messages_field, else prompt_completion if it has both of those fields,
+    else alpaca if it has instruction and output, else text; the choice is logged."""
 
     messages_field: str = "messages"
     """Field holding a conversation's messages (data.format=chat)."""
 
     prompt_field: str = "prompt"
-    """Field holding the prompt (data.format=prompt_completion); `instruction` reads Alpaca files."""
+    """Field holding the prompt (data.format=prompt_completion)."""
 
     completion_field: str = "completion"
-    """Field holding the answer (data.format=prompt_completion); `output` reads Alpaca files."""
+    """Field holding the answer (data.format=prompt_completion)."""
 
     train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss: assistant (the assistant turns of a chat, each with the token that
     ends it), completion (the answer of a prompt/completion record, with EOS), or all. auto:
-    assistant for chat, completion for prompt_completion; text trains on all tokens."""
+    assistant for chat, completion for prompt_completion and alpaca; text trains on all tokens."""
 
     chat_template: str | None = None
     """A Jinja file that replaces the tokenizer's chat template. Empty: the tokenizer's own, or
@@ -265,12 +267,13 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _format_fits(self):
-        fits = {"chat": ("auto", "assistant", "all"), "prompt_completion": ("auto", "completion", "all"),
+        answer = ("auto", "completion", "all")
+        fits = {"chat": ("auto", "assistant", "all"), "prompt_completion": answer, "alpaca": answer,
                 "text": ("auto", "all")}
         if self.format in fits and self.train_on not in fits[self.format]:
             raise ValueError(f"data.train_on={self.train_on} does not apply to data.format={self.format}; "
                              f"choose one of {', '.join(fits[self.format])}")
-        if self.format in ("chat", "prompt_completion") and self.source.lower().endswith(".txt"):
+        if self.format in ("chat", "prompt_completion", "alpaca") and self.source.lower().endswith(".txt"):
             raise ValueError(f"data.format={self.format} needs records with fields (.jsonl, .parquet or hf:), "
                              f"but '{self.source}' is plain text; use data.format=text or convert it to .jsonl")
         return self

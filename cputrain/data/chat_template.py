@@ -25,9 +25,20 @@ from pathlib import Path
 from cputrain.errors import DataError, one_line
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# Tool calls (an assistant turn's `tool_calls`) are written as Qwen2.5 and Hermes write them, one
+# `<tool_call>{"name": …, "arguments": …}</tool_call>` per call after the turn's text; a tool's
+# result is a turn of role `tool`. A conversation without tools renders exactly as plain ChatML.
 BUILTIN_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -42,7 +53,31 @@ MARKED_CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def renders_tools(template: str) -> bool:
+    """Whether a template writes tool calls: the templates that do (Llama 3.1, Qwen2.5, Mistral, the
+    built-in one) all read the messages' `tool_calls`; one that does not would drop them silently."""
+    return "tool_calls" in template
+
+
+def content_text(content) -> str | None:
+    """A message's content as text: a string, or the OpenAI form, a list of parts, whose text parts
+    are joined with newlines (as vLLM does). None when a part is not text (an image, audio)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            return None
+    return "\n".join(texts)
 
 
 def template_of(tokenizer, template_file: str | None) -> str:

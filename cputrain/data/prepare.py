@@ -267,6 +267,14 @@ def _stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wal
 
 def _example_stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_proc, wall_s, rows0, tokens0) -> dict:
     train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
+    if progress["non_text_parts"]:
+        log.warning("data: %d conversation(s) of %s have content parts that are not text (images, audio) and were "
+                    "left out (stats.json: skipped_non_text_parts)", progress["non_text_parts"], data_cfg.source)
+    if progress["tools_unsupported"]:
+        log.warning("data: %d conversation(s) of %s have tool calls or tool results, which the chat template does "
+                    "not write; they were left out (stats.json: skipped_tools_unsupported). Set data.chat_template "
+                    "to a template that writes `tool_calls` (the built-in one does) to train on them",
+                    progress["tools_unsupported"], data_cfg.source)
     if progress["train_examples"] == 0:
         raise DataError(
             f"no training example in '{data_cfg.source}': {progress['no_answer']} record(s) had no assistant turn and "
@@ -281,6 +289,8 @@ def _example_stats(data_cfg, seed, corpus, progress, n_val_records, dtype, num_p
         "train_examples": progress["train_examples"],
         "val_examples": progress["val_examples"],
         "skipped_no_answer": progress["no_answer"],  # conversations with no assistant turn: nothing to learn
+        "skipped_non_text_parts": progress["non_text_parts"],  # content with an image or audio part
+        "skipped_tools_unsupported": progress["tools_unsupported"],  # tool calls the template cannot write
         "dropped_long": progress["dropped_long"],
         "truncated": progress["truncated"],
         "validation_rule": VALIDATION_RULE,
@@ -312,7 +322,10 @@ def _partial_progress(partial: Path) -> str:
 
 
 def spec_fields(spec: ExampleSpec) -> tuple[str, ...]:
-    return (spec.messages_field,) if spec.format == "chat" else (spec.prompt_field, spec.completion_field)
+    """The fields every record must have (an Alpaca record's `input` may be missing)."""
+    if spec.format == "chat":
+        return (spec.messages_field,)
+    return tokenize_examples.ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field, spec.completion_field)
 
 
 def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSpec:

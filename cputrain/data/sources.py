@@ -261,7 +261,8 @@ def _text_field(cfg: DataConfig) -> str:
     if cfg.source == "builtin:pydoc" or _plain_text_files(cfg):
         return "text"
     fmt = record_format(cfg)
-    return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field}.get(fmt, cfg.text_field)
+    return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field, "alpaca": "output"}.get(
+        fmt, cfg.text_field)
 
 
 def _plain_text_files(cfg: DataConfig) -> bool:
@@ -305,9 +306,11 @@ def record_format(cfg: DataConfig) -> str:
         fmt, why = "chat", f"the first record has '{cfg.messages_field}'"
     elif cfg.prompt_field in fields and cfg.completion_field in fields:
         fmt, why = "prompt_completion", f"the first record has '{cfg.prompt_field}' and '{cfg.completion_field}'"
+    elif "instruction" in fields and "output" in fields:
+        fmt, why = "alpaca", "the first record has 'instruction' and 'output'"
     else:
         fmt, why = "text", f"the first record has neither '{cfg.messages_field}' nor '{cfg.prompt_field}' + " \
-                           f"'{cfg.completion_field}'"
+                           f"'{cfg.completion_field}' nor Alpaca's 'instruction' + 'output'"
     if (cfg.source, fmt) not in _said:  # every rank and every call of a process decides: said once
         _said.add((cfg.source, fmt))
         log.info("auto: data.format = %s (%s)", fmt, why)
@@ -321,7 +324,10 @@ def clean(text) -> str | None:
     """A record's text as trained on: stripped; None for blanks and non-strings (they are left out).
     A conversation (a list of messages) reads as its messages' contents, for training a tokenizer."""
     if isinstance(text, list):
-        text = "\n".join(m["content"] for m in text if isinstance(m, dict) and isinstance(m.get("content"), str))
+        from cputrain.data.chat_template import content_text
+
+        contents = (content_text(m.get("content")) for m in text if isinstance(m, dict))
+        text = "\n".join(c for c in contents if c)
     if not isinstance(text, str):
         return None
     return text.strip() or None

@@ -1,9 +1,14 @@
-"""What one tokenizing process does for chat and prompt/completion records: records [start, stop)
-→ token ids, a trained-token mask and example lengths, for the train and validation splits.
+"""What one tokenizing process does for chat, prompt/completion and Alpaca records: records
+[start, stop) → token ids, a trained-token mask and example lengths, for the train and validation splits.
 
 A chat record is rendered with the chat template and its assistant turns found as character
 spans of the rendering (cputrain.data.chat_template); a token is trained when it starts inside
-one. A prompt/completion record is the tokens of prompt + completion (with the tokenizer's BOS, if it
+one. Content given as a list of parts (OpenAI's form) is its text parts joined; a conversation
+with a part that is not text (an image) is skipped and counted. Tool calls (an assistant turn's
+`tool_calls`, then `tool` turns with the results) are rendered by a template that writes them,
+the calls trained as assistant turns and the results not; under a template that cannot write
+them, the conversation is skipped and counted. An Alpaca record (instruction, optional input,
+output) is a prompt/completion record whose prompt is Stanford Alpaca's. A prompt/completion record is the tokens of prompt + completion (with the tokenizer's BOS, if it
 adds one), then EOS; the completion and EOS are trained, from where the prompt's own tokens end. The token that ends
 each trained answer is trained: without it the model never learns to stop.
 Like tokenize_chunk, a worker opens the Arrow files itself and needs no torch.
@@ -16,7 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cputrain.data.chat_template import ROLES, assistant_spans
+import json
+
+from cputrain.data.chat_template import ROLES, assistant_spans, content_text, renders_tools
 from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow
 from cputrain.errors import DataError
 
@@ -28,7 +35,7 @@ class ExampleSpec:
     """How records become examples: everything that changes the tokens or the mask (the cache key
     hashes it)."""
 
-    format: str  # chat | prompt_completion
+    format: str  # chat | prompt_completion | alpaca
     messages_field: str
     prompt_field: str
     completion_field: str
@@ -44,7 +51,23 @@ class ExampleSpec:
 
 # the counters a chunk reports, summed into stats.json
 COUNTERS = ("train_examples", "val_examples", "no_answer", "dropped_long", "truncated", "trained_tokens",
-            "val_trained_tokens", "text_chars")
+            "val_trained_tokens", "text_chars", "non_text_parts", "tools_unsupported")
+
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py), as torchtune's and
+# axolotl's alpaca formats write them: the model learns the answer after "### Response:".
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                 "context. Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
+                          "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+ALPACA_FIELDS = ("instruction", "output")  # and "input", which may be missing or empty
+
+
+class _Skipped(Exception):
+    """A record left out and counted under this counter's name."""
+
+    def __init__(self, counter: str):
+        self.counter = counter
 
 
 @dataclass
@@ -68,26 +91,59 @@ def _record_error(row: int, what: str) -> DataError:
     return DataError(f"record {row + 1}: {what}")
 
 
-def _messages(value, row: int, name: str) -> list[dict]:
+def _tool_calls(calls, row: int) -> list[dict]:
+    """An assistant turn's tool calls as chat templates read them: {type, function: {name, arguments}},
+    with arguments as a mapping (OpenAI's files give a JSON string; templates write it with tojson)."""
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _record_error(row, f"a tool call needs a function with a name (got {str(call)[:80]})")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: kept as the text it is
+        out.append({**{k: v for k, v in call.items() if v is not None}, "type": call.get("type") or "function",
+                    "function": {"name": function["name"], "arguments": arguments if arguments is not None else {}}})
+    return out
+
+
+def _messages(value, row: int, name: str, template: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise _record_error(row, f"field '{name}' must be a non-empty list of {{role, content}} messages; "
                                  "set data.messages_field to the field that holds them")
     out = []
     for m in value:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-            raise _record_error(row, f"every message needs a 'role' and a string 'content' (got {str(m)[:80]})")
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if not isinstance(m, dict) or "role" not in m or not (
+                isinstance(m.get("content"), (str, list)) or (m.get("content") is None and calls)):
+            raise _record_error(row, f"every message needs a 'role' and a 'content', text or a list of text parts "
+                                     f"(an assistant turn with tool_calls may have none) (got {str(m)[:80]})")
         if m["role"] not in ROLES:
             raise _record_error(row, f"unknown role '{m['role']}'; the roles are {', '.join(ROLES)}")
-        if m["role"] == "assistant" and not m["content"].strip():
+        content = content_text(m.get("content"))
+        if content is None:
+            raise _Skipped("non_text_parts")
+        if (calls or m["role"] == "tool") and not renders_tools(template):
+            raise _Skipped("tools_unsupported")
+        if m["role"] == "assistant" and not content.strip() and not calls:
             raise _record_error(row, "an assistant turn is empty: nothing to learn from it; fill or remove it")
-        out.append({"role": m["role"], "content": m["content"]})
+        message = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls, row)
+        for key in ("name", "tool_call_id"):  # a tool turn's, which templates may write
+            if m["role"] == "tool" and isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
     return out
 
 
 def _chat_example(value, row: int) -> tuple[list[int], list[int]] | None:
     s = _state
     spec = s["spec"]
-    messages = _messages(value, row, spec.messages_field)
+    messages = _messages(value, row, spec.messages_field, spec.template)
     if not any(m["role"] == "assistant" for m in messages):
         return None  # nothing to train on: skipped and counted
     text, spans = assistant_spans(spec.template, messages, spec.template_variables)
@@ -104,12 +160,13 @@ def _chat_example(value, row: int) -> tuple[list[int], list[int]] | None:
 def _prompt_completion_example(prompt, completion, row: int) -> tuple[list[int], list[int]]:
     s = _state
     spec = s["spec"]
-    for name, value in ((spec.prompt_field, prompt), (spec.completion_field, completion)):
+    names = ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field, spec.completion_field)
+    for name, value in zip(names, (prompt, completion)):
         if not isinstance(value, str):
             raise _record_error(row, f"field '{name}' must be a string (got {type(value).__name__}); "
                                      "set data.prompt_field / data.completion_field")
     if not completion.strip():
-        raise _record_error(row, f"the completion ('{spec.completion_field}') is empty: nothing to learn from it")
+        raise _record_error(row, f"the completion ('{names[1]}') is empty: nothing to learn from it")
     tok = s["tokenizer"]
     # The text whole, then the prompt alone (TRL's rule, so both give the same examples): the
     # answer starts where the two token sequences part. Tokenized apart, a word split across the
@@ -121,24 +178,51 @@ def _prompt_completion_example(prompt, completion, row: int) -> tuple[list[int],
     return ids, [trained] * start + [1] * (len(ids) - start)
 
 
+def alpaca_prompt(instruction, input_text, row: int) -> str:
+    if not isinstance(instruction, str) or not (input_text is None or isinstance(input_text, str)):
+        raise _record_error(row, "an Alpaca record needs a string 'instruction' and, if any, a string 'input'")
+    if input_text and input_text.strip():
+        return ALPACA_PROMPT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def _columns(spec: ExampleSpec, batch: dict, rows: int) -> dict:
+    """The batch's columns as prompt and completion ("p", "c"), or messages ("m")."""
+    if spec.format == "chat":
+        return {"m": batch[spec.messages_field]}
+    if spec.format == "alpaca":
+        inputs = batch.get("input") or [None] * rows
+        return {"p": [(instruction, text) for instruction, text in zip(batch["instruction"], inputs)],
+                "c": batch["output"]}
+    return {"p": batch[spec.prompt_field], "c": batch[spec.completion_field]}
+
+
+def _chars(spec: ExampleSpec, columns: dict, i: int) -> int:
+    if spec.format == "chat":
+        return sum(len(content_text(m.get("content")) or "") for m in columns["m"][i] or [] if isinstance(m, dict))
+    prompt = columns["p"][i]
+    prompt_chars = sum(len(x or "") for x in prompt) if isinstance(prompt, tuple) else len(prompt or "")
+    return prompt_chars + len(columns["c"][i] or "")
+
+
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
     s = _state
     spec, dtype = s["spec"], s["dtype"]
-    if spec.format == "chat":
-        columns = {"m": s["dataset"][start:stop][spec.messages_field]}
-    else:
-        batch = s["dataset"][start:stop]
-        columns = {"p": batch[spec.prompt_field], "c": batch[spec.completion_field]}
+    columns = _columns(spec, s["dataset"][start:stop], stop - start)
     split = {"train": ([], [], []), "val": ([], [], [])}  # ids, masks, lengths
     counts = dict.fromkeys(COUNTERS, 0)
     for i, is_val in enumerate(held_out):
         row = start + i
-        if spec.format == "chat":
-            example = _chat_example(columns["m"][i], row)
-            counts["text_chars"] += sum(len(m.get("content") or "") for m in columns["m"][i] or [] if isinstance(m, dict))
-        else:
-            example = _prompt_completion_example(columns["p"][i], columns["c"][i], row)
-            counts["text_chars"] += len(columns["p"][i]) + len(columns["c"][i])
+        counts["text_chars"] += _chars(spec, columns, i)
+        try:
+            if spec.format == "chat":
+                example = _chat_example(columns["m"][i], row)
+            else:
+                prompt = alpaca_prompt(*columns["p"][i], row) if spec.format == "alpaca" else columns["p"][i]
+                example = _prompt_completion_example(prompt, columns["c"][i], row)
+        except _Skipped as skip:
+            counts[skip.counter] += 1
+            continue
         if example is None:
             counts["no_answer"] += 1
             continue

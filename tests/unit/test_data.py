@@ -352,3 +352,40 @@ def test_prepare_spawns_a_builder_only_when_a_cache_is_missing(tok, tmp_path, mo
     cfg.seed = 1  # another cut of the same data: a new entry, built in a spawned process again
     prepare.prepare(cfg, tok)
     assert spawned == [0, 1]
+
+
+def test_auto_recognises_an_alpaca_file_and_input_may_be_missing(tok, tmp_path):
+    """An Alpaca file as it is (instruction, input, output; `input` absent from every record here)
+    is prepared as Alpaca records by data.format=auto, not read as text and refused."""
+    from types import SimpleNamespace
+
+    corpus = tmp_path / "alpaca.jsonl"
+    corpus.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} it is."}) + "\n"
+                              for i in range(30)))
+    data_cfg = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), format="auto", seq_len=256,
+                          num_proc=1, val_fraction=0.1)
+    assert sources.record_format(data_cfg) == "alpaca"
+    _, data = prepare.prepare(SimpleNamespace(data=data_cfg, model=ModelConfig(), seed=0), tok, isolate=False)
+    assert data.stats["format"] == "alpaca" and data.stats["train_on"] == "completion"
+    assert data.stats["train_examples"] + data.stats["val_examples"] == 30
+
+
+def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path):
+    """The documented rule: format, train_on, the template and the fields are part of a run's
+    identity, as its data.source is; changing one is refused before any work."""
+    from cputrain.config import Config
+    from cputrain.errors import RunFolderError
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import check_compatible, write_run_config
+
+    run = RunFolder(str(tmp_path / "run"))
+    old = Config.model_validate({"data": {"source": "c.jsonl", "format": "chat", "train_on": "assistant"}})
+    write_run_config(run, old, [])
+    run.fs.makedirs(run.step_path(4), exist_ok=True)
+    run.write_text("{}", "checkpoints", "step-000004", "trainer_state.json")
+    check_compatible(run, old)
+    for key, value in (("train_on", "all"), ("chat_template", "t.jinja"), ("format", "auto"),
+                       ("messages_field", "conversation")):
+        changed = Config.model_validate({"data": {**old.data.model_dump(), key: value}})
+        with pytest.raises(RunFolderError, match=f"holds checkpoints of another run \\(data.{key}: "):
+            check_compatible(run, changed)

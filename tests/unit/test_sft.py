@@ -36,11 +36,20 @@ def _spec(tok, fmt="chat", train_on="assistant", template=None, seq_len=256, tru
                        chat_template.template_variables(tok) if template else {}, seq_len, truncation)
 
 
-def _tokenize(tok, spec, records, held_out=None):
-    import datasets
+class _Records:
+    """What a worker reads of a datasets.Dataset (rows sliced into columns), for records whose
+    fields change type from one to the next, as a JSON file's may (Arrow would refuse the list)."""
 
-    ds = datasets.Dataset.from_list(records)
-    tokenize_examples.init_worker(None, ds, spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
+    def __init__(self, records: list[dict]):
+        self.records = records
+
+    def __getitem__(self, rows: slice) -> dict:
+        names = dict.fromkeys(name for record in self.records for name in record)
+        return {name: [record.get(name) for record in self.records[rows]] for name in names}
+
+
+def _tokenize(tok, spec, records, held_out=None):
+    tokenize_examples.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
     return tokenize_examples.tokenize_rows(0, len(records), np.zeros(len(records), bool) if held_out is None else held_out)
 
 
@@ -97,7 +106,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}], "an assistant turn is empty"),
-    ([{"role": "user"}], "needs a 'role' and a string 'content'"),
+    ([{"role": "user"}], "needs a 'role' and a 'content'"),
+    ([{"role": "user", "content": 3}], "needs a 'role' and a 'content'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}],
+     "a tool call needs a function with a name"),
     ([], "must be a non-empty list"),
 ])
 def test_bad_chat_records_are_one_line(tok, messages, message):
@@ -113,6 +125,61 @@ def test_no_assistant_turn_is_skipped_and_counted_long_ones_dropped_or_truncated
     assert chunk.counts["no_answer"] == 1 and chunk.counts["dropped_long"] == 1 and chunk.counts["train_examples"] == 1
     cut = _tokenize(tok, _spec(tok, seq_len=full - 1, truncation="truncate"), records)
     assert cut.counts["truncated"] == 1 and max(cut.parts["train.lengths.bin"]) == full - 1
+
+
+def test_content_parts_are_joined_and_a_non_text_part_skips_the_conversation(tok):
+    """OpenAI's form: content as a list of parts. Text parts are joined with newlines (as vLLM does);
+    a conversation with an image or audio part is left out and counted, not fatal for the corpus."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is a list?"}, {"type": "text", "text": "Briefly."}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A mutable sequence."}]}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+                                          {"type": "text", "text": "What is this?"}]},
+             {"role": "assistant", "content": "A cat."}]
+    chunk = _tokenize(tok, _spec(tok), [{"messages": parts}, {"messages": image}, {"messages": CHAT}])
+    assert chunk.counts["non_text_parts"] == 1 and chunk.counts["train_examples"] == 2
+    (ids, mask), _ = _examples(chunk)
+    as_text = [{"role": "user", "content": "What is a list?\nBriefly."}, {"role": "assistant", "content": "A mutable sequence."}]
+    assert tok.decode(ids) == chat_template.render(chat_template.BUILTIN_TEMPLATE, as_text, {})
+    assert [tok.decode(r) for r in _trained_runs(ids, mask)] == ["A mutable sequence.<|im_end|>\n"]
+
+
+TOOLS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "22 C, sunny"},
+    {"role": "assistant", "content": "It is 22 C and sunny."},
+]
+
+
+def test_tool_calls_are_trained_and_tool_results_are_not(tok):
+    chunk = _tokenize(tok, _spec(tok), [{"messages": TOOLS}])
+    [(ids, mask)] = _examples(chunk)
+    text = tok.decode(ids)
+    # OpenAI's arguments string is read as JSON, so the template writes an object, not a quoted string
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    runs = [tok.decode(r) for r in _trained_runs(ids, mask)]
+    assert runs == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+                    "It is 22 C and sunny.<|im_end|>\n"]
+    assert "22 C, sunny" in text and not any("22 C, sunny" in r for r in runs)
+
+
+def test_tool_calls_under_a_template_that_cannot_write_them_are_skipped_and_counted(tok):
+    assert not chat_template.renders_tools(chat_template.MARKED_CHATML)  # reads only role and content
+    chunk = _tokenize(tok, _spec(tok, template=chat_template.MARKED_CHATML), [{"messages": TOOLS}, {"messages": CHAT}])
+    assert chunk.counts["tools_unsupported"] == 1 and chunk.counts["train_examples"] == 1
+
+
+def test_alpaca_records_use_stanford_alpacas_prompt_and_train_the_output(tok):
+    records = [{"instruction": "Name a mutable sequence.", "input": "", "output": "A list."},
+               {"instruction": "Translate.", "input": "bonjour", "output": "hello"}]
+    spec = ExampleSpec("alpaca", "messages", "prompt", "completion", "completion", None, {}, 256, "drop")
+    (plain_ids, plain_mask), (with_input_ids, with_input_mask) = _examples(_tokenize(tok, spec, records))
+    untrained = tok.decode([i for i, m in zip(plain_ids, plain_mask) if not m])
+    assert untrained == tokenize_examples.ALPACA_PROMPT_NO_INPUT.format(instruction="Name a mutable sequence.")
+    assert "### Input:\nbonjour\n\n### Response:" in tok.decode(with_input_ids)
+    trained = tok.decode([i for i, m in zip(with_input_ids, with_input_mask) if m], skip_special_tokens=False)
+    assert trained.strip() == "hello" + tok.eos_token
 
 
 def test_pack_bounds_is_next_fit_and_never_splits():
