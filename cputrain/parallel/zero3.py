@@ -34,7 +34,7 @@ from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
-from cputrain.optim import decay_groups  # noqa: E402
+from cputrain.optim import adamw, decay_groups  # noqa: E402
 from cputrain.distributed.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
 from cputrain.resolve import grad_accum_steps  # noqa: E402
@@ -161,7 +161,7 @@ class Zero3Strategy(Strategy):
 
             optimizer = DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+            optimizer = adamw(groups, t)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model.module, optimizer=optimizer, config=self.plan.config, dist_init_required=False
         )

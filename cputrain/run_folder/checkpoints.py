@@ -192,19 +192,13 @@ class Checkpoints:
         """The schedule's state holds the peak lr it started with; a resumed run whose train.lr
         differs continues the same warm-up + cosine shape, at this step, with the new peak
         (config.yaml records the value in use, so it must be the one used)."""
-        lr = self.cfg.train.lr
-        before = list(schedule.base_lrs)
-        if all(b == lr for b in before):
+        lr, before = self.cfg.train.lr, schedule.peak_lr
+        if before == lr:
             return
-        schedule.base_lrs = [lr] * len(before)
-        for group, factor_of in zip(schedule.optimizer.param_groups, schedule.lr_lambdas):
-            group["initial_lr"] = lr
-            group["lr"] = lr * factor_of(schedule.last_epoch)
-        schedule._last_lr = [g["lr"] for g in schedule.optimizer.param_groups]
+        schedule.set_peak_lr(lr)
         if self.ranks.is_main:
             log.info("train.lr is %g (the checkpoint's schedule peaked at %g): the schedule continues at step %d "
-                     "with peak %g; the next step runs at %.3g", lr, before[0], step, lr,
-                     schedule.optimizer.param_groups[0]["lr"])
+                     "with peak %g; the next step runs at %.3g", lr, before, step, lr, schedule.get_last_lr()[0])
 
     def export(self, strategy, write_model: Callable[[str, bool], None]) -> None:
         """model/: `write_model(folder, is_writer)` writes it (the model converter's export: a

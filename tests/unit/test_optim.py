@@ -47,6 +47,30 @@ def test_schedule_drives_the_optimizer_and_restores():
     assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
 
 
+def test_a_new_peak_lr_continues_the_same_shape_from_the_step_it_is_at():
+    """What a resumed run with another train.lr asks of the schedule (its own method, not
+    attributes written from outside): from step 3 on, the lrs of a schedule built with the new
+    peak from the start, also after a save and load of its state."""
+    model = nn.Linear(4, 4)
+    old, new = (TrainConfig(lr=lr, warmup_steps=2, max_steps=10, min_lr_ratio=0.1) for lr in (1e-2, 4e-3))
+    opt = build_adamw(model, old)
+    sched = build_schedule(opt, old, total_steps=10)
+    reference = build_schedule(build_adamw(model, new), new, total_steps=10)
+    for _ in range(3):
+        sched.step()
+        reference.step()
+    sched.set_peak_lr(4e-3)
+    assert sched.peak_lr == 4e-3
+    loaded = build_schedule(build_adamw(model, old), old, total_steps=10)
+    loaded.load_state_dict(sched.state_dict())
+    for _ in range(5):
+        assert sched.get_last_lr() == pytest.approx(reference.get_last_lr())
+        assert opt.param_groups[0]["lr"] == pytest.approx(reference.get_last_lr()[0])
+        assert loaded.get_last_lr() == pytest.approx(reference.get_last_lr())
+        for schedule in (sched, reference, loaded):
+            schedule.step()
+
+
 def test_weight_decay_only_on_matrices():
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2, bias=False))
     cfg = TrainConfig(weight_decay=0.1, beta1=0.8, beta2=0.9)
