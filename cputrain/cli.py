@@ -118,12 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_and_overrides(args) -> tuple[str | None, list[str]]:
-    overrides = list(args.overrides)
-    config_path = args.config
-    if config_path and "=" in config_path and not os.path.exists(config_path):
-        overrides.insert(0, config_path)  # `cputrain train train.max_steps=5`: no file, only overrides
-        config_path = None
-    return config_path, overrides
+    from cputrain.config_file import config_and_overrides
+
+    return config_and_overrides(args.config, args.overrides)
 
 
 def cmd_train(args) -> int:

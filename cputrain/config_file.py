@@ -136,6 +136,15 @@ def validate(raw: dict) -> Config:
         raise ConfigError(_first_error(err)) from None
 
 
+def config_and_overrides(first: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """A command's first positional is its config file, unless it is a key=value that names no
+    file (`cputrain train train.max_steps=5`: no file, only overrides). Every command reads it so."""
+    overrides = list(overrides)
+    if first and "=" in first and not Path(first).exists():
+        return None, [first, *overrides]
+    return first, overrides
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     raw = read_yaml(path) if path else {}
     return validate(apply_overrides(raw, list(overrides or [])))

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
 
 
 def load_run_config(config_path: str | None, overrides: list[str]):
     """The same config `cputrain train` would read: a YAML file and dotted key=value overrides."""
-    from cputrain.config_file import load_config
+    from cputrain.config_file import config_and_overrides, load_config
 
-    overrides = list(overrides)
-    if config_path and "=" in config_path and not os.path.exists(config_path):
-        overrides.insert(0, config_path)  # only overrides, no file
-        config_path = None
-    return load_config(config_path, overrides)
+    return load_config(*config_and_overrides(config_path, overrides))
 
 
 def world_size_of(args, cfg) -> tuple[int, int | None]:
