@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 def load_run_config(config_path: str | None, overrides: list[str]):
     """The same config `cputrain train` would read: a YAML file and dotted key=value overrides."""
     from cputrain.config_file import config_and_overrides, load_config
