@@ -101,6 +101,10 @@ class ExampleData:
     stats: dict
     folder: Path | None = None
 
+    def rows(self, split: str) -> ExampleRows:
+        """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
+        return getattr(self, split)
+
     def describe(self) -> str:
         s = self.stats
         how = (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "

@@ -37,6 +37,12 @@ class PackedData:
     def seq_len(self) -> int:
         return self.train.shape[1]
 
+    def rows(self, split: str):
+        """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
+        from cputrain.data.batch import TokenRows
+
+        return TokenRows(getattr(self, split))
+
     def describe(self) -> str:
         s = self.stats
         return (f"{s['documents']} documents, {s['tokens']} tokens → {s['train_sequences']} train + "

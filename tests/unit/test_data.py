@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from cputrain.config import DataConfig, ModelConfig
-from cputrain.data import order, packing, prepare, sources, tokenizer as tokenizers
+from cputrain.data import cache_builder, order, packing, prepare, sources, tokenizer as tokenizers
+from cputrain.data.rows import Rows
+from cputrain.data.text_kind import TextKind
+from cputrain.data.validation_split import validation_mask
 from cputrain.errors import DataError
 
 
@@ -30,7 +33,7 @@ def _pack(tmp_path, docs, tok, seq_len, val_fraction=0.1, seed=0, num_proc=1, **
         corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     cfg = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=seq_len,
                      val_fraction=val_fraction, **data)
-    return prepare.packed_data(cfg, sources.fingerprint(cfg), seed, tok, num_proc)
+    return prepare.cached_data(cfg, sources.fingerprint(cfg), seed, TextKind(tok), num_proc)
 
 
 def test_pack_has_no_padding_and_eos_between_documents(tok, tmp_path):
@@ -38,6 +41,7 @@ def test_pack_has_no_padding_and_eos_between_documents(tok, tmp_path):
     data = _pack(tmp_path, docs, tok, seq_len=16, val_fraction=0.1, seed=3)
     eos = tok.eos_token_id
     assert data.train.shape[1] == 16 and data.val.shape[1] == 16
+    assert isinstance(data.rows("train"), Rows) and len(data.rows("val")) == len(data.val)
     assert data.stats["padding_tokens"] == 0
     assert not np.isin(tok.pad_token_id, data.train)  # packing never pads
     # Every token is accounted for: packed + dropped tail = documents + one EOS each.
@@ -49,7 +53,7 @@ def test_pack_has_no_padding_and_eos_between_documents(tok, tmp_path):
     n_eos = int((np.asarray(data.train) == eos).sum())
     assert data.stats["documents"] - data.stats["val_documents"] - 1 <= n_eos <= data.stats["documents"] - data.stats["val_documents"]
     # The train stream is the train documents in corpus order, each followed by EOS.
-    held = set(np.flatnonzero(prepare.validation_mask(60, 0.1, 3)[0]).tolist())
+    held = set(np.flatnonzero(validation_mask(60, 0.1, 3)[0]).tolist())
     expected = [t for i, e in enumerate(encoded) if i not in held for t in e + [eos]]
     assert np.asarray(data.train).reshape(-1).tolist() == expected[: data.train.size]
 
@@ -61,7 +65,7 @@ def test_records_whose_text_is_not_a_string_are_counted_not_dropped_silently(tok
     corpus.write_text("".join(json.dumps(r) + "\n" for r in good[:3] + odd + good[3:]))
     cfg = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=16, val_fraction=0.1)
     with caplog.at_level("WARNING", logger="cputrain"):
-        data = prepare.packed_data(cfg, sources.fingerprint(cfg), 0, tok, 1)
+        data = prepare.cached_data(cfg, sources.fingerprint(cfg), 0, TextKind(tok), 1)
     assert data.stats["records"] == 35 and data.stats["documents"] == 30
     assert data.stats["skipped_not_text"] == 4 and data.stats["skipped_blank"] == 1
     assert any("4 record(s)" in r.message and "not text" in r.message for r in caplog.records)
@@ -96,7 +100,7 @@ def test_validation_documents_are_held_out_whole(tok, tmp_path):
     assert len(train_names) >= 29
     assert not val_names & train_names
     # The rule in stats.json names them: the held-out records are the seeded permutation's first ones.
-    rule_ids = {f"unique{i:03d}" for i in np.flatnonzero(prepare.validation_mask(40, 0.25, 0)[0])}
+    rule_ids = {f"unique{i:03d}" for i in np.flatnonzero(validation_mask(40, 0.25, 0)[0])}
     assert val_names <= rule_ids
 
 
@@ -110,7 +114,7 @@ def test_pack_is_deterministic_by_seed(tok, tmp_path):
 
 
 def test_pack_is_the_same_for_any_number_of_processes(tok, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "CHUNK_CHARS", 2_000)  # many chunks, so the pool really splits the work
+    monkeypatch.setattr(cache_builder, "CHUNK_CHARS", 2_000)  # many chunks, so the pool really splits the work
     docs = [f"record {i} " + "lorem ipsum dolor " * (i % 11) for i in range(1500)]
     one = _pack(tmp_path / "one", docs, tok, 16, 0.05, seed=4, num_proc=1)
     two = _pack(tmp_path / "two", docs, tok, 16, 0.05, seed=4, num_proc=2)
@@ -125,8 +129,8 @@ def test_too_little_text_for_one_sequence(tok, tmp_path):
 
 def test_packed_cache_is_reused_and_complete(tok, tmp_path, monkeypatch):
     calls = []
-    real_build = prepare.build
-    monkeypatch.setattr(prepare, "build", lambda *a: calls.append(1) or real_build(*a))
+    real_build = cache_builder.build
+    monkeypatch.setattr(cache_builder, "build", lambda *a: calls.append(1) or real_build(*a))
     docs = [f"cached doc {i} " * 3 for i in range(30)]
     first = _pack(tmp_path, docs, tok, 8)
     second = _pack(tmp_path, docs, tok, 8)
@@ -143,12 +147,14 @@ RUN_DEPENDENT = ("source", "resumed_at_record", "prepare_time_s", "tokens_per_s"
 
 
 def test_interrupted_preparation_resumes_to_the_same_cache(tok, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "CHUNK_CHARS", 1_000)
-    monkeypatch.setattr(prepare, "COMMIT_EVERY_S", 0.0)  # commit after every chunk
+    from cputrain.data import tokenize_chunk
+
+    monkeypatch.setattr(cache_builder, "CHUNK_CHARS", 1_000)
+    monkeypatch.setattr(cache_builder, "COMMIT_EVERY_S", 0.0)  # commit after every chunk
     docs = [f"line {i} " + "the quick brown fox " * (i % 7) for i in range(800)]
     clean = _pack(tmp_path / "clean", docs, tok, 16, 0.1)
 
-    real = prepare.tokenize_rows
+    real = tokenize_chunk.tokenize_rows
     seen = []
 
     def killed_after_five(*args):
@@ -157,7 +163,7 @@ def test_interrupted_preparation_resumes_to_the_same_cache(tok, tmp_path, monkey
         seen.append(args[0])
         return real(*args)
 
-    monkeypatch.setattr(prepare, "tokenize_rows", killed_after_five)
+    monkeypatch.setattr(tokenize_chunk, "tokenize_rows", killed_after_five)
     with pytest.raises(KeyboardInterrupt):
         _pack(tmp_path / "resumed", docs, tok, 16, 0.1)
     partial = next((tmp_path / "resumed" / "cache" / "packed").glob("*.partial"))
@@ -167,7 +173,7 @@ def test_interrupted_preparation_resumes_to_the_same_cache(tok, tmp_path, monkey
     # Bytes written after the last commit (a kill between write and commit) are cut off on resume.
     with open(partial / "train.bin", "ab") as f:
         f.write(b"\xff" * 64)
-    monkeypatch.setattr(prepare, "tokenize_rows", real)
+    monkeypatch.setattr(tokenize_chunk, "tokenize_rows", real)
     resumed = _pack(tmp_path / "resumed", docs, tok, 16, 0.1)
     assert resumed.stats["resumed_at_record"] == progress["rows_done"]
     assert np.array_equal(clean.train, resumed.train) and np.array_equal(clean.val, resumed.val)
@@ -368,6 +374,7 @@ def test_auto_recognises_an_alpaca_file_and_input_may_be_missing(tok, tmp_path):
     _, data = prepare.prepare(SimpleNamespace(data=data_cfg, model=ModelConfig(), seed=0), tok, isolate=False)
     assert data.stats["format"] == "alpaca" and data.stats["train_on"] == "completion"
     assert data.stats["train_examples"] + data.stats["val_examples"] == 30
+    assert isinstance(data.rows("train"), Rows)  # the protocol every kind's rows satisfy
 
 
 def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path):

@@ -1,0 +1,119 @@
+"""Examples: chat, prompt/completion and Alpaca records, each tokenized whole with a mask of the
+tokens that carry loss (the answers) and its length. Tokenized by tokenize_examples; opened as
+examples.ExampleData (packed without cross-talk, or one example per row)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cputrain.config import DataConfig
+from cputrain.data import tokenize_examples
+from cputrain.data.examples import ExampleData, open_examples
+from cputrain.data.kind import BuildFacts, Worker
+from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.validation_split import VALIDATION_RULE
+from cputrain.errors import DataError
+
+log = logging.getLogger("cputrain")
+
+
+def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSpec:
+    """How chat, prompt/completion or Alpaca records become examples for this tokenizer. A chat
+    run's tokenizer takes the template it renders with, so the exported model/ carries it."""
+    from cputrain.data import chat_template
+
+    template = None
+    if data_format == "chat":
+        template = chat_template.template_of(tokenizer, data_cfg.chat_template)
+        tokenizer.chat_template = template
+    train_on = data_cfg.train_on if data_cfg.train_on != "auto" else (
+        "assistant" if data_format == "chat" else "completion")
+    return ExampleSpec(data_format, data_cfg.messages_field, data_cfg.prompt_field, data_cfg.completion_field,
+                       train_on, template, chat_template.template_variables(tokenizer) if template else {},
+                       data_cfg.seq_len, data_cfg.truncation)
+
+
+class ExampleKind:
+    what = "examples"
+    counters = tokenize_examples.COUNTERS
+
+    def __init__(self, data_cfg: DataConfig, data_format: str, tokenizer):
+        self.spec = example_spec(data_cfg, data_format, tokenizer)
+        self.tokenizer = tokenizer
+        self.name = data_format
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The fields every record must have (an Alpaca record's `input` may be missing)."""
+        spec = self.spec
+        if spec.format == "chat":
+            return (spec.messages_field,)
+        return tokenize_examples.ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field,
+                                                                               spec.completion_field)
+
+    def streams(self, token_dtype: str) -> dict[str, str]:
+        return {f"{split}{suffix}": dtype for split in ("train", "val")
+                for suffix, dtype in ((".bin", token_dtype), (".mask.bin", "uint8"), (".lengths.bin", "uint32"))}
+
+    def worker(self, corpus, token_dtype: str) -> Worker:
+        tok = self.tokenizer
+        return Worker(tokenize_examples.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
+                                                      token_dtype), tokenize_examples.tokenize_rows)
+
+    def key(self) -> dict:
+        return self.spec.key()
+
+    def open(self, folder: Path, data_cfg: DataConfig) -> ExampleData:
+        return open_examples(folder, data_cfg.packing)
+
+    def stats(self, facts: BuildFacts) -> dict:
+        data_cfg, progress, corpus, tok = facts.data_cfg, facts.progress, facts.corpus, self.tokenizer
+        train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
+        if progress["non_text_parts"]:
+            log.warning("data: %d conversation(s) of %s have content parts that are not text (images, audio) and "
+                        "were left out (stats.json: skipped_non_text_parts)", progress["non_text_parts"],
+                        data_cfg.source)
+        if progress["tools_unsupported"]:
+            log.warning("data: %d conversation(s) of %s have tool calls or tool results, which the chat template "
+                        "does not write; they were left out (stats.json: skipped_tools_unsupported). Set "
+                        "data.chat_template to a template that writes `tool_calls` (the built-in one does) to train "
+                        "on them", progress["tools_unsupported"], data_cfg.source)
+        if progress["train_examples"] == 0:
+            raise DataError(
+                f"no training example in '{data_cfg.source}': {progress['no_answer']} record(s) had no assistant turn "
+                f"and {progress['dropped_long']} were longer than data.seq_len={data_cfg.seq_len} "
+                "(data.truncation=drop); check data.format and its fields, or raise data.seq_len"
+            )
+        return {
+            "source": data_cfg.source,
+            "format": self.spec.format,  # as resolved from auto
+            "train_on": self.spec.train_on,
+            "records": corpus.rows,
+            "skipped_records": corpus.skipped_records,
+            "train_examples": progress["train_examples"],
+            "val_examples": progress["val_examples"],
+            "skipped_no_answer": progress["no_answer"],  # conversations with no assistant turn: nothing to learn
+            "skipped_non_text_parts": progress["non_text_parts"],  # content with an image or audio part
+            "skipped_tools_unsupported": progress["tools_unsupported"],  # tool calls the template cannot write
+            "dropped_long": progress["dropped_long"],
+            "truncated": progress["truncated"],
+            "validation_rule": VALIDATION_RULE,
+            "val_records": facts.val_records,
+            "val_fraction": data_cfg.val_fraction,
+            "seed": facts.seed,
+            "train_tokens": train_tokens,
+            "val_tokens": val_tokens,
+            "tokens": train_tokens + val_tokens,
+            "trained_tokens": progress["trained_tokens"],
+            "val_trained_tokens": progress["val_trained_tokens"],
+            "trained_token_share": round(progress["trained_tokens"] / max(1, train_tokens), 4),
+            "text_chars": progress["text_chars"],
+            "seq_len": data_cfg.seq_len,
+            "token_dtype": facts.token_dtype,
+            "pad_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            "num_proc": facts.num_proc,
+            "resumed_at_record": facts.resumed_at_record,
+            "prepare_time_s": round(facts.wall_s, 3),
+            "tokens_per_s": facts.tokens_per_s,
+        }

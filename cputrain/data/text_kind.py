@@ -1,0 +1,81 @@
+"""Text: documents joined with EOS into one stream per split and cut into rows of data.seq_len
+(pretraining: every token trained, no padding). Tokenized by tokenize_chunk; opened as packing.PackedData."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cputrain.config import DataConfig
+from cputrain.data import packing, sources, tokenize_chunk
+from cputrain.data.kind import BuildFacts, Worker
+from cputrain.data.validation_split import VALIDATION_RULE
+from cputrain.errors import DataError
+
+log = logging.getLogger("cputrain")
+
+
+class TextKind:
+    name = "text"
+    what = "packed tokens"
+    fields = None
+    counters = ("documents", "val_documents", "text_chars", "not_text", "blank")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def streams(self, token_dtype: str) -> dict[str, str]:
+        return {"train.bin": token_dtype, "val.bin": token_dtype}
+
+    def worker(self, corpus, token_dtype: str) -> Worker:
+        return Worker(tokenize_chunk.init_worker,
+                      (corpus.field, tokenize_chunk.portable_tokenizer(self.tokenizer), token_dtype),
+                      tokenize_chunk.tokenize_rows)
+
+    def key(self) -> None:
+        return None
+
+    def open(self, folder: Path, data_cfg: DataConfig) -> packing.PackedData:
+        return packing.open_packed(folder)
+
+    def stats(self, facts: BuildFacts) -> dict:
+        data_cfg, progress, corpus = facts.data_cfg, facts.progress, facts.corpus
+        seq_len = data_cfg.seq_len
+        train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
+        if progress["documents"] == 0:
+            raise sources.no_text_error(data_cfg.source)
+        if train_tokens < seq_len:
+            raise DataError(
+                f"the training split has {train_tokens} tokens, fewer than one sequence of data.seq_len={seq_len}; "
+                "use more text or a shorter data.seq_len"
+            )
+        train_seqs, val_seqs = train_tokens // seq_len, val_tokens // seq_len
+        if progress["not_text"]:
+            log.warning("data: %d record(s) of %s have a '%s' that is not text (a number, a list, null or missing); "
+                        "they were left out (stats.json: skipped_not_text)", progress["not_text"], data_cfg.source,
+                        corpus.field)
+        return {
+            "source": data_cfg.source,
+            "records": corpus.rows,
+            "skipped_records": corpus.skipped_records,
+            "documents": progress["documents"],
+            "skipped_not_text": progress["not_text"],
+            "skipped_blank": progress["blank"],
+            "val_documents": progress["val_documents"],
+            "validation_rule": VALIDATION_RULE,
+            "val_records": facts.val_records,
+            "val_fraction": data_cfg.val_fraction,
+            "seed": facts.seed,
+            "tokens": train_tokens + val_tokens,
+            "text_chars": progress["text_chars"],
+            "train_sequences": train_seqs,
+            "val_sequences": val_seqs,
+            "seq_len": seq_len,
+            "token_dtype": facts.token_dtype,
+            "dropped_tail_tokens": train_tokens - train_seqs * seq_len + val_tokens - val_seqs * seq_len,
+            "padding_tokens": 0,
+            "num_proc": facts.num_proc,
+            "resumed_at_record": facts.resumed_at_record,
+            "prepare_time_s": round(facts.wall_s, 3),
+            "tokens_per_s": facts.tokens_per_s,
+        }
