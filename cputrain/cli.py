@@ -239,12 +239,18 @@ def cmd_eval(args) -> int:
 
 
 def _resolved_here(config_path, overrides):
-    """A config with its "auto" values resolved for one process on this machine."""
+    """A config with its "auto" values resolved for one process on this machine, and what the data
+    is (data.format, data.train_on: what prepare and eval need), each decision logged."""
     from cputrain.config_file import load_config
     from cputrain.hardware import detect
     from cputrain.resolve import resolve
+    from cputrain.run_choices import with_data_choices
 
-    return resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1).config
+    res = resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1)
+    decided = with_data_choices(res)
+    for key, value, why in decided.reasons[len(res.reasons):]:
+        log.info("auto: %s = %s (%s)", key, value, why)
+    return decided.config
 
 
 def cmd_export(args) -> int:

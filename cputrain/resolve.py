@@ -38,7 +38,8 @@ class Resolution:
 def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: int) -> Resolution:
     """A read-only copy of `cfg` with every "auto" decided, and the reason for each choice. One key
     needs more than the hardware: model.attn_implementation=auto is timed on the model's shape on
-    this rank's threads, once the process group exists (with_attention completes it)."""
+    this rank's threads, once the process group exists: cputrain.run_choices decides the keys that
+    need more than the hardware."""
     cfg = cfg.model_copy(deep=True)
     res = Resolution(cfg)
 
@@ -152,20 +153,18 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
 
 
 def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
-    """The rank-aware step of resolving: a key that needs the model's shape (the attention
-    kernel timed on it, the chunked loss by its vocabulary) or this process (the malloc it runs
-    on) takes its value."""
+    """A resolved config with one more key decided (`key` dotted, e.g. model.lora.base_dtype), and
+    its reason noted: how cputrain.run_choices records what it decides."""
     data = res.config.model_dump()
-    section, name = key.split(".")
-    data[section][name] = value
+    *path, name = key.split(".")
+    section = data
+    for part in path:
+        section = section[part]
+    section[name] = value
     final = Resolution(ResolvedConfig.model_validate(data), list(res.reasons))
-    final.note(key, value, why)
+    if why:  # "" where the config fixed the value: nothing was decided
+        final.note(key, value, why)
     return final
-
-
-def with_attention(res: Resolution, implementation: str, why: str) -> Resolution:
-    """model.attn_implementation=auto becomes the kernel chosen for this run's shape (cputrain.attention_for_run)."""
-    return with_model_choice(res, "model.attn_implementation", implementation, why)
 
 
 # Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*).

@@ -37,9 +37,9 @@ class ResolvedModelConfig(ModelConfig):
     model_config = _READ_ONLY
     compile: bool
     lora: ResolvedLoraConfig
-    # attn_implementation and chunked_loss may still be "auto" here: they need the model's shape
-    # (its vocabulary; attention is timed once the process group exists), and are completed by
-    # resolve.with_model_choice before a model is built.
+    # attn_implementation, chunked_loss, activation_checkpointing, the LoRA targets and base dtype
+    # may still be "auto" here: they need the data, the model's shape or the process group, and
+    # cputrain.run_choices decides them before a model is built.
 
 
 class ResolvedDataConfig(DataConfig):

@@ -5,15 +5,14 @@ from __future__ import annotations
 import logging
 import os
 
+from cputrain import run_choices
 from cputrain.config import Config
-
-from cputrain.resolved_config import ResolvedConfig
-from cputrain.distributed.env import RankEnv, normalize
+from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.parallel import needs_process_group
-from cputrain.resolve import chunked_loss_choice, check_agent_agrees, resolve, with_attention, with_model_choice
+from cputrain.resolve import check_agent_agrees, resolve
 
 log = logging.getLogger("cputrain")
 
@@ -41,31 +40,8 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     pg.set_threads(res.config.hardware.threads, cpus)
     if ranks.distributed or needs_process_group(res.config.parallel.strategy):
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
-    if res.config.model.attn_implementation == "auto":
-        res = with_attention(res, *attention_for_run(res.config, ranks))
-    now = res.config  # not `cfg`: that name is the unresolved config this function was given
-    if "auto" in (now.model.chunked_loss, now.model.activation_checkpointing):  # both need the vocabulary
-        from cputrain import model as models
-
-        vocab = models.resolve_source(now.model, vocab_size=now.model.tokenizer_vocab_size).hf_config.vocab_size
-    if now.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
-        chunked, why = chunked_loss_choice("auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len,
-                                           vocab)
-        res = with_model_choice(res, "model.chunked_loss", chunked, why)
-    if now.model.activation_checkpointing == "auto":  # by the plan on this node's memory: same on every rank
-        from cputrain.plan.checkpointing import checkpointing_choice
-
-        blocks, why = checkpointing_choice(res.config, ranks.world_size, ranks.local_world_size, hw.memory_gib, vocab)
-        res = with_model_choice(res, "model.activation_checkpointing", blocks, why)
-    if res.config.hardware.allocator == "auto":  # what this process runs on (preloaded before it started)
-        from cputrain.distributed.allocator import choose_allocator
-
-        choice = choose_allocator("auto", precision=res.config.hardware.precision)
-        loaded = choice.library is not None and choice.library in os.environ.get("LD_PRELOAD", "")
-        res = with_model_choice(res, "hardware.allocator", choice.name if loaded else "system",
-                                choice.reason if loaded or choice.library is None else
-                                f"{choice.name} is installed but was not preloaded into this process (started by "
-                                "another launcher): glibc malloc")
+    # Every "auto" that needs the data, the model or the process group, in one fixed order.
+    res = run_choices.decide(res, hw, ranks)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)
@@ -95,28 +71,6 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                   "ending without interpreter teardown", ranks.rank, len(held), ", ".join(held))
         pg.exit_without_teardown(0)
     return summary
-
-
-def attention_for_run(cfg: ResolvedConfig, ranks: RankEnv) -> tuple[str, str]:
-    """model.attn_implementation=auto: (kernel, why). Rank 0 times both kernels on the model's
-    attention shape and every rank takes its choice; a resumed run keeps the kernel it started with."""
-    from cputrain import model as models
-    from cputrain.distributed import process_group as pg
-    from cputrain.kernels.attention_choice import choose_attention
-    from cputrain.run_folder.layout import RunFolder
-    from cputrain.run_folder.run_config import recorded_value
-
-    # Timing again could pick the other kernel, and the losses after the resume would no longer
-    # be those of a run never stopped.
-    resumed_with = recorded_value(RunFolder(cfg.output_dir), "model.attn_implementation")
-    if resumed_with in ("sdpa", "eager"):
-        return resumed_with, "chosen when this run started (config.yaml)"
-    # Every rank reads the model config, so a bad one stops all ranks alike. The vocabulary does
-    # not change the attention shape: a model built from scratch is sized before its tokenizer exists.
-    hf_config = models.resolve_source(cfg.model, vocab_size=cfg.model.tokenizer_vocab_size).hf_config
-    mine = choose_attention(hf_config, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.hardware.dtype) if ranks.is_main else None
-    choice = pg.broadcast_from_main(mine)
-    return choice.implementation, choice.reason
 
 
 def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:

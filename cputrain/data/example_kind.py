@@ -18,6 +18,17 @@ from cputrain.errors import DataError
 log = logging.getLogger("cputrain")
 
 
+def train_on_choice(setting: str, data_format: str) -> tuple[str, str]:
+    """data.train_on=auto for a resolved data.format, and why ("" when the config fixed it)."""
+    if setting != "auto":
+        return setting, ""
+    if data_format == "chat":
+        return "assistant", "chat: the assistant turns, each with the token that ends it"
+    if data_format == "text":
+        return "all", "text: every token (pretraining)"
+    return "completion", f"{data_format}: the answer and EOS, not the prompt"
+
+
 def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSpec:
     """How chat, prompt/completion or Alpaca records become examples for this tokenizer. A chat
     run's tokenizer takes the template it renders with, so the exported model/ carries it."""
@@ -27,8 +38,7 @@ def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSp
     if data_format == "chat":
         template = chat_template.template_of(tokenizer, data_cfg.chat_template)
         tokenizer.chat_template = template
-    train_on = data_cfg.train_on if data_cfg.train_on != "auto" else (
-        "assistant" if data_format == "chat" else "completion")
+    train_on = train_on_choice(data_cfg.train_on, data_format)[0]
     return ExampleSpec(data_format, data_cfg.messages_field, data_cfg.prompt_field, data_cfg.completion_field,
                        train_on, template, chat_template.template_variables(tokenizer) if template else {},
                        data_cfg.seq_len, data_cfg.truncation)

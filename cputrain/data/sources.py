@@ -298,9 +298,14 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
 
 
 def record_format(cfg: DataConfig) -> str:
-    """data.format, with auto decided from the first record's fields (logged once per process)."""
+    """data.format: as set, or as auto decides it (a run's config has it decided: run_choices)."""
+    return cfg.format if cfg.format != "auto" else format_choice(cfg)[0]
+
+
+def format_choice(cfg: DataConfig) -> tuple[str, str]:
+    """data.format=auto from the first record's fields, and why ("" when the config fixed it)."""
     if cfg.format != "auto":
-        return cfg.format
+        return cfg.format, ""
     fields = _first_record_fields(cfg)
     if cfg.messages_field in fields:
         fmt, why = "chat", f"the first record has '{cfg.messages_field}'"
@@ -311,13 +316,7 @@ def record_format(cfg: DataConfig) -> str:
     else:
         fmt, why = "text", f"the first record has neither '{cfg.messages_field}' nor '{cfg.prompt_field}' + " \
                            f"'{cfg.completion_field}' nor Alpaca's 'instruction' + 'output'"
-    if (cfg.source, fmt) not in _said:  # every rank and every call of a process decides: said once
-        _said.add((cfg.source, fmt))
-        log.info("auto: data.format = %s (%s)", fmt, why)
-    return fmt
-
-
-_said: set[tuple[str, str]] = set()
+    return fmt, why
 
 
 def clean(text) -> str | None:

@@ -37,6 +37,18 @@ def _matches(module_name: str, target: str) -> bool:
     return module_name == target or module_name.endswith("." + target)
 
 
+def target_modules_choice(model: nn.Module, cfg: LoraConfig) -> tuple[list[str], str]:
+    """model.lora.target_modules=auto for this model (its skeleton is enough), and why."""
+    if cfg.target_modules != "auto":
+        return list(cfg.target_modules), ""
+    names = target_modules(model, cfg)
+    if names == list(LLAMA_PROJECTIONS):
+        return names, ("every attention and MLP projection of each block (QLoRA's choice: adapting all the "
+                       "linear layers trains better than q and v alone)")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return names, f"peft's default targets for model type '{model_type}' (no Llama-style projections)"
+
+
 def target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """The names the adapters go on, checked against the model's linear layers."""
     linears = linear_layer_names(model)

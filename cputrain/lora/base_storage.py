@@ -38,6 +38,11 @@ def files_are_bf16(folder: Path) -> bool:
     return dtypes == {"BF16"}
 
 
+def base_dtype_name(dtype: torch.dtype) -> str:
+    """The config's name for a base dtype (model.lora.base_dtype)."""
+    return next(name for name, value in BASE_DTYPES.items() if value == dtype)
+
+
 def base_dtype_choice(asked: str, compute_dtype: torch.dtype, files_bf16: bool) -> tuple[torch.dtype, str]:
     """model.lora.base_dtype as resolved, with the reason."""
     if asked != "auto":

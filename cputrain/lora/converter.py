@@ -36,7 +36,10 @@ class LoraConverter(ModelConverter):
         """Adapters into the skeleton, the rest frozen (bf16 where the compute is); their initial
         values are kept until the strategy has materialized the model."""
         cfg = self.cfg
-        base_dtype, why = base_dtype_choice(cfg.model.lora.base_dtype, cfg.hardware.dtype, files_are_bf16(source.folder))
+        # A run's config has it decided (cputrain.run_choices, reason in config.yaml); a converter
+        # built outside a run (tests, tools) decides by the same rule.
+        files_bf16 = cfg.model.lora.base_dtype == "auto" and files_are_bf16(source.folder)
+        base_dtype, why = base_dtype_choice(cfg.model.lora.base_dtype, cfg.hardware.dtype, files_bf16)
         self.initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=base_dtype, seed=cfg.seed,
                                     base_path=str(source.folder.resolve()), compute_dtype=cfg.hardware.dtype)
         if self.is_main:

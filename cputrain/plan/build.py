@@ -72,7 +72,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
         chunked_loss=chunked_loss_choice(cfg.model.chunked_loss, planned_precision(cfg),
                                          cfg.train.micro_batch_size * cfg.data.seq_len, shape.vocab)[0],
-        # the kernel a run resolved (worker.attention_for_run); `auto` before the run: sdpa's, which it mostly is
+        # the kernel a run resolved (run_choices); `auto` before the run: sdpa's, which it mostly is
         eager_attention=cfg.model.attn_implementation == "eager",
         **_zero3_settings(cfg, world_size, shape),
     )

@@ -69,6 +69,11 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
         )
     for key in IDENTITY_KEYS:
         there, now = _get(old, key), _get(new, key)
+        # A folder written before these keys were decided at the start of a run recorded "auto";
+        # it continues under the value auto gives now (checked again where it matters: the base
+        # model's fingerprint, the cache key of the data).
+        if there == "auto" and now != "auto":
+            continue
         if there != now:
             if isinstance(there, dict) and isinstance(now, dict):  # name the one entry that differs
                 sub = next(k for k in sorted(set(there) | set(now), key=str) if there.get(k) != now.get(k))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import yaml
 
 from conftest import run_cli, sft_overrides, tiny_overrides
 from dist_helpers import assert_no_survivors, losses
@@ -35,6 +36,14 @@ def _lora(out, cache_dir, chat_file, base, **extra):
 def test_sft_lora_fsdp_on_two_ranks_resumes_on_one(tmp_path, cache_dir, chat_file, base):
     reference = tmp_path / "one"
     run_cli("train", *_lora(reference, cache_dir, chat_file, base), check=True)
+    # Every "auto" the run decided is in config.yaml with its value and reason, these four included.
+    recorded = (reference / "config.yaml").read_text()
+    for decided in ("data.format = chat: the first record has 'messages'", "data.train_on = assistant: chat",
+                    "model.lora.target_modules = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
+                    "'down_proj']: every attention and MLP projection", "model.lora.base_dtype = "):
+        assert f"# {decided}" in recorded, recorded[:3000]
+    resolved = yaml.safe_load(recorded)
+    assert resolved["data"]["format"] == "chat" and resolved["model"]["lora"]["base_dtype"] in ("bf16", "fp32")
     first = tmp_path / "two"
     run_cli("train", *_lora(first, cache_dir, chat_file, base, **{"parallel.strategy": "fsdp",
                                                                    "train.stop_at_step": 4}),
