@@ -1,7 +1,7 @@
 """Which malloc a training run should preload: glibc, jemalloc and tcmalloc side by side, each
 `cputrain train` run at its defaults otherwise, on three models. Writes block
 allocator-<precision> of docs/benchmarks.md; `hardware.allocator=auto` is read from these figures
-(cputrain/distributed/allocator.py says which).
+(cputrain/native/allocator.py says which).
 
     python benchmarks/allocator.py                    # bf16 where the machine has AMX or AVX512-BF16, else fp32;
                                                       # ~20 min on 2 cores: run it alone
@@ -67,7 +67,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from benchmarks.report import machine_line, write_block
-    from cputrain.distributed.allocator import find_allocator
+    from cputrain.native.allocator import find_allocator
     from cputrain.hardware import detect
 
     hw = detect()

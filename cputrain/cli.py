@@ -155,7 +155,7 @@ def _start_again_with_allocator(cfg) -> None:
     preloaded (hardware.allocator; a library can only be preloaded into a new process). Nothing
     has been read, written or imported by then; the pid stays the same (exec), so signals and
     exit codes are the caller's as before. The agent preloads its ranks itself."""
-    from cputrain.distributed.allocator import choose_allocator, reexec_env
+    from cputrain.native.allocator import choose_allocator, reexec_env
     from cputrain.distributed.env import started_by_launcher
 
     if started_by_launcher() or cfg.launch.nproc_per_node * cfg.launch.nnodes != 1:
@@ -187,7 +187,7 @@ def cmd_doctor(args) -> int:
         facts["auto"] = {k: {"value": v, "reason": why} for k, v, why in res.reasons}
         print(json.dumps(facts, indent=2, default=str))
         return 0
-    from cputrain.native_libs import report_lines as native_lib_lines
+    from cputrain.native.libs import report_lines as native_lib_lines
 
     for line in report_lines(hw) + native_lib_lines():
         print(line)

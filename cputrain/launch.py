@@ -21,7 +21,7 @@ from collections.abc import Callable
 from cputrain.config import Config
 from cputrain.distributed.agent import (LaunchError, NodeLaunch, RankPlacement, free_port, run_agent,
                                         split_endpoint, torchrun_args)
-from cputrain.distributed.allocator import choose_allocator
+from cputrain.native.allocator import choose_allocator
 from cputrain.distributed.env import normalize, started_by_launcher
 from cputrain.distributed.env_check import check_rank_variables, wait_for_master
 from cputrain.distributed.placement import core_sets, cpus_for_rank

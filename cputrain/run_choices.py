@@ -10,7 +10,7 @@ strategy, backend). What is left needs the data, the model or the process group:
     5. model.attn_implementation   timed on rank 0 on the run's shape          (kernels.attention_choice)
     6. model.chunked_loss          from the precision and the head's size      (resolve)
     7. model.activation_checkpointing  from the plan on this node's memory     (plan.checkpointing)
-    8. hardware.allocator          what this process was started with          (distributed.allocator)
+    8. hardware.allocator          what this process was started with          (native.allocator)
 
 Each rule lives with its domain and returns (value, why); this module only calls them and records
 the answer, so the run's config.yaml holds every key's value with its reason, and nothing
@@ -110,7 +110,7 @@ def _attention(cfg, ranks: RankEnv, hf_config) -> tuple[str, str]:
 
 def _allocator(precision: str) -> tuple[str, str]:
     """What this process runs on: the allocator was preloaded before it started (or not)."""
-    from cputrain.distributed.allocator import choose_allocator
+    from cputrain.native.allocator import choose_allocator
 
     choice = choose_allocator("auto", precision=precision)
     loaded = choice.library is not None and choice.library in os.environ.get("LD_PRELOAD", "")

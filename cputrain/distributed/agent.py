@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from cputrain.config import Config
-from cputrain.distributed.allocator import AllocatorChoice, preload_env
+from cputrain.native.allocator import AllocatorChoice, preload_env
 from cputrain.errors import ConfigError, Diverged, PeerLost, Stopped, UserError
 from cputrain.resolve import AGENT_SETTINGS_VAR
 

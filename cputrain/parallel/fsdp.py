@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from cputrain.distributed.allocator import pin_mmap_threshold
+from cputrain.native.allocator import pin_mmap_threshold
 from cputrain.model import copy_full_into, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.parallel.file_reads import PlainReads

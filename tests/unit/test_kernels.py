@@ -113,7 +113,7 @@ def test_adamw_is_fused():
 
 
 def test_doctor_names_intel_openmp_where_the_wheel_put_it(monkeypatch, tmp_path):
-    from cputrain import native_libs
+    from cputrain.native import libs as native_libs
 
     monkeypatch.setattr(native_libs.sys, "prefix", str(tmp_path))
     monkeypatch.setattr(native_libs.sys, "base_prefix", str(tmp_path))

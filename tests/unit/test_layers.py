@@ -15,12 +15,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cputrain"
 # Lowest first. A unit (a top-level module or a subpackage) may import units of lower layers, and
 # modules of its own unit; nothing in its own layer or above.
 LAYERS = [
-    ["errors", "log", "hardware", "kernels"],  # facts and kernels: no project imports
+    ["errors", "log", "hardware", "kernels", "native"],  # facts, kernels, native libraries: no project imports
     ["config", "model_config_file", "locks"],  # the typed config sections; lock files
     ["config_file", "resolved_config"],  # YAML and overrides; the read-only resolved config
     ["resolve"],  # every "auto" → a value, from the hardware
     ["distributed"],  # rank variables, placement, the agent, the process group, communication
-    ["native_libs", "model", "optim"],  # the Hugging Face model skeleton and its loading; AdamW
+    ["model", "optim"],  # the Hugging Face model: found, its files read, its skeleton shaped; AdamW
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
     ["metrics", "model_converter"],  # a run's figures; what a run does to the model (identity)
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder

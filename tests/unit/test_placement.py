@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cputrain.distributed.allocator import choose_allocator, preload_env
+from cputrain.native.allocator import choose_allocator, preload_env
 from cputrain.distributed.placement import core_sets
 from cputrain.hardware import Core, detect
 
@@ -63,7 +63,7 @@ def test_auto_takes_tcmalloc_never_jemalloc_and_says_why(tmp_path):
 
 
 def test_a_one_process_run_is_started_again_once_with_the_allocator(tmp_path):
-    from cputrain.distributed.allocator import REEXEC_MARK, reexec_env
+    from cputrain.native.allocator import REEXEC_MARK, reexec_env
 
     lib = tmp_path / "libtcmalloc.so.4"
     lib.write_bytes(b"")

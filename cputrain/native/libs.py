@@ -26,7 +26,7 @@ def find_intel_openmp() -> str | None:
 
 
 def report_lines() -> list[str]:
-    from cputrain.distributed.allocator import find_allocator
+    from cputrain.native.allocator import find_allocator
 
     malloc = find_allocator()
     iomp = find_intel_openmp()

@@ -1,0 +1,2 @@
+"""Native runtime libraries a training process can run on: the malloc (allocator) and what else
+this machine has (libs: Intel's OpenMP runtime), found on the system and preloaded into ranks."""
