@@ -48,6 +48,12 @@ def one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+def first_line(exc: BaseException) -> str:
+    """A library's message cut to its first line (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class PeerLost(UserError):
     """This rank's collective failed because another rank is gone (killed, out of memory, its node
     lost). Not this rank's fault: under the agent, its line names the rank that failed first."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.errors import DataError
+from cputrain.errors import DataError, first_line
 
 log = logging.getLogger("cputrain")
 
@@ -109,11 +109,6 @@ def fingerprint(cfg: DataConfig) -> str:
 
         h.update(sys.version.encode())
     return h.hexdigest()[:16]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def no_text_error(source: str) -> DataError:
@@ -237,12 +232,12 @@ def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpu
     except OSError as exc:
         if exc.errno in DISK_FULL:
             raise disk_full_error(exc, f"data.cache_dir '{cfg.cache_dir}'") from None
-        raise DataError(f"could not read dataset '{cfg.source}': {_first_line(exc)}") from None
+        raise DataError(f"could not read dataset '{cfg.source}': {first_line(exc)}") from None
     except Exception as exc:  # the library's own message is the useful part
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, OSError) and cause.errno in DISK_FULL:
             raise disk_full_error(cause, f"data.cache_dir '{cfg.cache_dir}'") from None
-        raise DataError(f"could not read dataset '{cfg.source}': {_first_line(exc)}") from None
+        raise DataError(f"could not read dataset '{cfg.source}': {first_line(exc)}") from None
     field = _text_field(cfg)
     for name in fields or (field,):
         if name not in ds.column_names:

@@ -1,0 +1,95 @@
+"""The model's structure: the Hugging Face causal LM on the meta device, its decoder blocks, and
+what is done to them (activation checkpointing, compiled blocks), and its parameter counts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cputrain.config import ModelConfig, checkpointed_blocks
+from cputrain.errors import ModelError, first_line
+from cputrain.model.source import ModelSource
+
+
+def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
+    """The model with every parameter on the meta device: structure, no storage."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                source.hf_config,
+                # "auto" is decided by timing (trainer); a skeleton built before that, for a plan, is the same either way
+                attn_implementation="sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+                dtype=torch.float32,  # master weights stay fp32; bf16 is a compute choice (autocast)
+            )
+    except Exception as exc:
+        raise ModelError(f"could not build the model from its config: {first_line(exc)}") from None
+    return model
+
+
+def enable_activation_checkpointing(model: nn.Module, setting: bool | int = True) -> None:
+    """Checkpoint the model's blocks as model.activation_checkpointing says (resolved: true, false
+    or a number of blocks, the first ones). The others keep their activations: transformers checks
+    each block's own `gradient_checkpointing` flag at every call."""
+    if not setting:  # false or 0
+        return
+    # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x: the other name warns on every run
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if setting is not True:  # N blocks: any architecture with findable blocks (true needs none)
+        blocks = decoder_blocks(model)
+        for block in blocks[checkpointed_blocks(setting, len(blocks)):]:
+            block.gradient_checkpointing = False
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (model.model.layers in Llama-style HF models)."""
+    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        node = model
+        for part in attr.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
+
+
+def compile_blocks(model: nn.Module, cache_dir: str) -> None:
+    """Compile each decoder block's forward in place (regional compilation).
+
+    The blocks are identical, so inductor compiles one and reuses it; the embedding, the head
+    and the loss stay eager. Only `forward` is compiled, not the module call: the hooks that
+    DDP, FSDP2 and DeepSpeed put on a block stay outside the graph, and parameter names (so
+    checkpoints and the export) are those of an eager run. benchmarks/step_profile.py measures
+    it against eager on the machine at hand (docs/benchmarks.md).
+    """
+    import os
+
+    # Inductor keeps compiled kernels here between runs, so only the first run pays for compiling.
+    # Assigned, not defaulted: torch writes its own default (/tmp/torchinductor_<user>) into the
+    # variable the first time anything asks for the folder, which can be before this call.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    for block in decoder_blocks(model):
+        block.forward = torch.compile(block.forward)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Total and non-embedding parameters (the input embedding table is a lookup, not a matmul),
+    and the non-embedding ones that are trained (all of them, or only LoRA adapters)."""
+    params = list(model.parameters())  # each shared parameter once
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    emb = model.get_input_embeddings().weight
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    # A tied lm_head still does a vocab × hidden matmul per token: keep it in the compute count.
+    non_embedding = total - emb.numel() + (emb.numel() if tied else 0)
+    trained_non_embedding = trained - (emb.numel() if emb.requires_grad and not tied else 0)
+    return {"total": total, "non_embedding": non_embedding, "embedding": emb.numel(),
+            "trained": trained, "trained_non_embedding": trained_non_embedding}
