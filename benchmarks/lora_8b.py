@@ -120,7 +120,7 @@ def run_train(args: list[str], log_path: Path) -> dict:
 def config_step_flops(run_dir: Path, seq_len: int) -> float:
     """Model FLOPs of one sequence of `seq_len` through the run's model, counted as its MFU counts
     them (cputrain.metrics.flops: no recompute of checkpointed activations)."""
-    from cputrain.config_file import load_config
+    from cputrain.config.file import load_config
     from cputrain.plan.build import make_plan
     from cputrain.plan.stop_window import step_flops
 

@@ -118,13 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_and_overrides(args) -> tuple[str | None, list[str]]:
-    from cputrain.config_file import config_and_overrides
+    from cputrain.config.file import config_and_overrides
 
     return config_and_overrides(args.config, args.overrides)
 
 
 def cmd_train(args) -> int:
-    from cputrain.config_file import describe_fields, load_config
+    from cputrain.config.file import describe_fields, load_config
     if args.help_config:
         for key, default, doc in describe_fields():
             print(f"{key:<34} {default:<22} {doc}")
@@ -241,7 +241,7 @@ def cmd_eval(args) -> int:
 def _resolved_here(config_path, overrides):
     """A config with its "auto" values resolved for one process on this machine, and what the data
     is (data.format, data.train_on: what prepare and eval need), each decision logged."""
-    from cputrain.config_file import load_config
+    from cputrain.config.file import load_config
     from cputrain.hardware import detect
     from cputrain.resolve import resolve
     from cputrain.run_choices import with_data_choices

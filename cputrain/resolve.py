@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cputrain.config import Config, batch_error
 
-from cputrain.resolved_config import ResolvedConfig
+from cputrain.config.resolved import ResolvedConfig
 from cputrain.errors import ConfigError
 from cputrain.hardware import HardwareFacts
 

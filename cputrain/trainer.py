@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cputrain import model as models
-from cputrain.resolved_config import ResolvedConfig
+from cputrain.config.resolved import ResolvedConfig
 from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv

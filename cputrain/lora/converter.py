@@ -8,7 +8,7 @@ import logging
 
 from torch import nn
 
-from cputrain.resolved_config import ResolvedConfig
+from cputrain.config.resolved import ResolvedConfig
 from cputrain.lora import base_model
 from cputrain.lora.base_storage import base_dtype_choice, files_are_bf16
 from cputrain.lora.adapters import ADAPTER, add_adapters, base_file_name, fill_adapters, is_adapter_parameter

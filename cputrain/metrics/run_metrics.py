@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from cputrain.resolved_config import ResolvedConfig
+from cputrain.config.resolved import ResolvedConfig
 from cputrain.distributed import comm, process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts

@@ -37,7 +37,7 @@ def folder_config(cfg: ModelConfig, folder: Path):
     """The transformers config of a model folder, after its config.json was checked for the sizes."""
     from transformers import AutoConfig
 
-    from cputrain.model_config_file import read_config_json
+    from cputrain.config.model_file import read_config_json
 
     read_config_json(folder / "config.json", trust_remote_code=cfg.trust_remote_code)
     try:

@@ -22,7 +22,7 @@ from packaging.version import Version
 
 from cputrain.config import Config
 
-from cputrain.config_file import named_file_text
+from cputrain.config.file import named_file_text
 from cputrain.errors import ConfigError, UserError
 
 # 0.16 is the oldest release whose CPU accelerator, zero.Init and consolidated ZeRO-3

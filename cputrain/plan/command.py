@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def load_run_config(config_path: str | None, overrides: list[str]):
     """The same config `cputrain train` would read: a YAML file and dotted key=value overrides."""
-    from cputrain.config_file import config_and_overrides, load_config
+    from cputrain.config.file import config_and_overrides, load_config
 
     return load_config(*config_and_overrides(config_path, overrides))
 

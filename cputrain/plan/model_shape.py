@@ -229,7 +229,7 @@ def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_
             raise ModelError(f"--model-config '{config_json}' is not a config.json file or a folder holding one")
         from transformers import CONFIG_MAPPING
 
-        from cputrain.model_config_file import read_config_json
+        from cputrain.config.model_file import read_config_json
 
         fields = dict(read_config_json(path))
         model_type = fields.pop("model_type")

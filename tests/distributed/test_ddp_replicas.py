@@ -29,7 +29,7 @@ def _rank(rank: int, port: int, folders: list[str], results) -> None:
     torch.set_num_threads(1)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cputrain.config_file import load_config
+    from cputrain.config.file import load_config
     from cputrain.errors import ModelError
     from cputrain.parallel.base import StrategyContext
     from cputrain.parallel.ddp import DDPStrategy

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import TINY_ARCH, cli_env
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.k8s.indexed_job import COMPLETION_INDEX
 from cputrain.k8s.options import ClusterOptions
 from cputrain.k8s.pod import POD_INTERFACE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.k8s.options import ClusterOptions
 from cputrain.k8s.render import render
 from cputrain.plan.instances import builtin_instances

@@ -43,7 +43,7 @@ def test_configmap_holds_the_run_config(case):
     cm = next(o for o in out.objects if o["kind"] == "ConfigMap")
     loaded = Config.model_validate(yaml.safe_load(cm["data"]["train.yaml"]))
     overrides, _, _ = CASES[case]
-    from cputrain.config_file import load_config
+    from cputrain.config.file import load_config
 
     assert loaded == pod_config(load_config(None, overrides), out.options)
     assert loaded.output_dir == f"/output/{out.options.name}"

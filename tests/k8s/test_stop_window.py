@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.errors import Stopped
 from cputrain.k8s import pod
 from cputrain.k8s.options import ClusterOptions

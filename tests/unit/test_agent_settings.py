@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.errors import ConfigError
 from cputrain.resolve import AGENT_SETTINGS_VAR, check_agent_agrees, settings_of
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cputrain.config import checkpointed_blocks
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.errors import ConfigError
 
 LAYERS = 4

@@ -10,7 +10,7 @@ import yaml
 
 from cputrain.config import Config
 
-from cputrain.config_file import describe_fields, load_config
+from cputrain.config.file import describe_fields, load_config
 from cputrain.errors import ConfigError
 from cputrain.hardware import detect
 from cputrain.resolve import EMULATED_BF16_WARNING, resolve

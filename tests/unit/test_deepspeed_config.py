@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.errors import ConfigError, UserError
 from cputrain.parallel import deepspeed_config as dsc
 from cputrain.parallel.base import Strategy, StrategyContext, ignored_settings

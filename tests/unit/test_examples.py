@@ -8,7 +8,7 @@ import pytest
 
 from cputrain.config import Config
 
-from cputrain.config_file import load_config, read_yaml
+from cputrain.config.file import load_config, read_yaml
 from cputrain.hardware import detect
 from cputrain.resolve import resolve
 

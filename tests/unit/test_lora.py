@@ -11,7 +11,7 @@ from torch import nn
 
 from cputrain import model as models
 from cputrain.config import LLAMA_PROJECTIONS, Config, LoraConfig, ModelConfig
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.errors import ConfigError, ModelError, RunFolderError
 from cputrain.lora.adapters import add_adapters, base_file_name, fill_adapters, is_adapter_parameter, target_modules
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cputrain.config_file import load_config
+from cputrain.config.file import load_config
 from cputrain.errors import ConfigError, ModelError
 from cputrain.plan.accounting import fsdp_rows, state_bytes
 from cputrain.plan.build import make_plan

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cputrain.config import Config
+from cputrain.config.sections import Config
 from cputrain.errors import ConfigError
 
 

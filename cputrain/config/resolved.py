@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from cputrain.config import (Config, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
+from cputrain.config.sections import (Config, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
                              ParallelConfig, TrainConfig)
 
 # Read-only: after resolution nothing in a run may change the config (a value changed in the middle

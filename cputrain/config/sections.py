@@ -4,7 +4,7 @@ Every section is a pydantic model with `extra="forbid"`, so an unknown key is re
 docstring under each field is its documentation (pydantic keeps it as the field description,
 which `cputrain train --help-config` prints). Values left at "auto" are resolved later, with
 a reason, by `cputrain.resolve` once the hardware is known, into a read-only
-`cputrain.resolved_config.ResolvedConfig`. Reading YAML and overrides is `cputrain.config_file`'s.
+`cputrain.config.resolved.ResolvedConfig`. Reading YAML and overrides is `cputrain.config.file`'s.
 """
 
 from __future__ import annotations
