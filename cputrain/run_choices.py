@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from cputrain.config.resolved import DecidedConfig
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts
 from cputrain.resolve import Resolution, chunked_loss_choice, with_model_choice
@@ -69,7 +70,8 @@ def decide(res: Resolution, hw: HardwareFacts, ranks: RankEnv) -> Resolution:
             res.config, ranks.world_size, ranks.local_world_size, hw.memory_gib, vocab))
     if res.config.hardware.allocator == "auto":
         res = with_model_choice(res, "hardware.allocator", *_allocator(res.config.hardware.precision))
-    return res
+    # From here no key is "auto", by type: a rule that left one is a bug, named here.
+    return Resolution(DecidedConfig.model_validate(res.config.model_dump()), res.reasons)
 
 
 def _with_lora_choices(res: Resolution, source) -> Resolution:

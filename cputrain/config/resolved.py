@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from cputrain.config.sections import (Config, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
                              ParallelConfig, TrainConfig)
@@ -73,3 +73,40 @@ class ResolvedConfig(Config):
     launch: ResolvedLaunchConfig
 
 
+
+
+# After cputrain.run_choices: the keys that need the data, the model or the process group are
+# decided too, so a run's config admits no "auto" at all, by type. LoRA's two keys are decided
+# only where LoRA is on (they mean nothing otherwise).
+
+
+class DecidedLoraConfig(ResolvedLoraConfig):
+    @model_validator(mode="after")
+    def _decided_where_enabled(self):
+        if self.enabled and "auto" in (self.target_modules, self.base_dtype):
+            raise ValueError("model.lora.target_modules and model.lora.base_dtype must be decided for a LoRA run")
+        return self
+
+
+class DecidedModelConfig(ResolvedModelConfig):
+    attn_implementation: Literal["sdpa", "eager"]
+    chunked_loss: bool
+    activation_checkpointing: bool | int
+    lora: DecidedLoraConfig
+
+
+class DecidedDataConfig(ResolvedDataConfig):
+    format: Literal["text", "chat", "prompt_completion", "alpaca"]
+    train_on: Literal["assistant", "completion", "all"]
+
+
+class DecidedHardwareConfig(ResolvedHardwareConfig):
+    allocator: Literal["tcmalloc", "jemalloc", "system"]
+
+
+class DecidedConfig(ResolvedConfig):
+    """A run's config once every "auto" is decided (cputrain.run_choices): what the Trainer gets."""
+
+    model: DecidedModelConfig
+    data: DecidedDataConfig
+    hardware: DecidedHardwareConfig
