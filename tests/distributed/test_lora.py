@@ -43,7 +43,8 @@ def test_two_ranks_match_one_rank(strategy, reference, tmp_path, cache_dir, base
     proc = run_cli("train", *tiny_overrides(out, cache_dir, **COMMON, **{"model.name_or_path": base,
                                                                           "parallel.strategy": strategy}),
                    "--nproc-per-node", "2", check=True)
-    assert "the base is frozen in bfloat16 (the files hold bf16" in proc.stderr
+    assert "auto: model.lora.base_dtype = bf16 (the files hold bf16" in proc.stderr
+    assert "the base is frozen in bfloat16" in proc.stderr
     ref, got = losses(reference), losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got[STEPS] < got[1]
