@@ -10,8 +10,11 @@ worktree and run from there (its own code and configs, this venv), alternated:
 - the SFT demo (configs/demo-sft.yaml) on that revision's own demo model;
 - a LoRA run: the SFT demo with model.lora.enabled=true.
 
-Each revision tokenizes into its own cache, so a change in tokenizing shows up too. Losses must
-agree to 4 decimals at every logged step; the speed ratio is after ÷ before. Writes block
+With the same tokenizer and kernels: the demo's tokenizer is trained once (by BEFORE) and given
+to every run, and the attention kernel is fixed (sdpa), since `auto` times both kernels at start
+and may pick either, whose bf16 results differ. Each revision tokenizes into its own cache, so a
+change in tokenizing shows up too. Losses must agree to 4 decimals at every logged step (the same
+revision run twice agrees exactly); the speed ratio is after ÷ before. Writes block
 `revision-parity` of docs/benchmarks.md.
 """
 
@@ -55,6 +58,13 @@ def _train(tree: Path, out: Path, cache: Path, *args: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _shared_tokenizer(tree: Path, root: Path) -> Path:
+    """The demo's tokenizer, trained once by the revision in `tree`, for every run of both."""
+    out, cache = root / "tokenizer-run", root / "tokenizer-cache"
+    _train(tree, out, cache, "train.max_steps=1", "train.eval_every=1", "train.checkpoint_every=1")
+    return next(p for p in (cache / "tokenizers").iterdir() if p.is_dir())
+
+
 def _losses(rows: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
 
@@ -79,16 +89,19 @@ def main() -> None:
         root = Path(tmp)
         trees = dict(before=_worktree(args.before, root), after=_worktree(args.after, root))
         try:
+            tokenizer = _shared_tokenizer(trees["before"][0], root)
+            fixed = [f"model.tokenizer={tokenizer}", "model.attn_implementation=sdpa"]
             demo = {side: [] for side in trees}
             for i in range(DEMO_RUNS):  # alternated, so drift in the machine hits both alike
                 for side, (tree, _) in trees.items():
-                    demo[side].append(_train(tree, root / f"{side}-demo-{i}", root / f"{side}-cache"))
+                    demo[side].append(_train(tree, root / f"{side}-demo-{i}", root / f"{side}-cache", *fixed))
                     print(f"demo {side} {i}: {_tokens_per_s(demo[side][-1]):,.0f} tokens/s", flush=True)
             sft, lora = {}, {}
             for side, (tree, _) in trees.items():
                 base = root / f"{side}-demo-0" / "model"
                 common = ["configs/demo-sft.yaml", f"model.name_or_path={base}", f"train.max_steps={SFT_STEPS}",
-                          "train.eval_every=30", f"train.checkpoint_every={SFT_STEPS}"]
+                          "train.eval_every=30", f"train.checkpoint_every={SFT_STEPS}",
+                          "model.attn_implementation=sdpa"]
                 sft[side] = _train(tree, root / f"{side}-sft", root / f"{side}-cache", *common)
                 lora[side] = _train(tree, root / f"{side}-lora", root / f"{side}-cache", *common,
                                     "model.lora.enabled=true", "train.lr=1e-2")
@@ -96,6 +109,7 @@ def main() -> None:
             for tree, _ in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     demo_worst = max(_worst(_losses(a), _losses(b)) for a, b in zip(demo["before"], demo["after"]))
+    repeat_worst = max(_worst(_losses(runs[0]), _losses(runs[i])) for runs in demo.values() for i in range(1, DEMO_RUNS))
     speed = {side: statistics.median(_tokens_per_s(rows) for rows in runs) for side, runs in demo.items()}
     rows = [
         ("demo (3 runs each)", demo_worst, len(_losses(demo["after"][0]))),
@@ -119,6 +133,7 @@ def main() -> None:
         "| --- | ---: | ---: | --- |",
         *table,
         "",
+        f"The same revision run again: largest loss difference {repeat_worst:.1e}. "
         f"Demo tokens/s, median of {DEMO_RUNS} runs (median of steps 10 on in each): before "
         f"{speed['before']:,.0f}, after {speed['after']:,.0f}, ratio {speed['after'] / speed['before']:.3f}.",
     ]))
