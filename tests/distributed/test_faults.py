@@ -4,7 +4,6 @@ the previous checkpoint loadable."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess

@@ -12,10 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import REPO, TINY_ARCH, cli_env, run_cli, tiny_overrides
+from conftest import REPO, cli_env, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.slow
 

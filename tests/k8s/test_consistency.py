@@ -7,7 +7,7 @@ import yaml
 
 from cputrain.plan.instances import SIZES_VCPUS
 
-from .rendering import CASES, render_case
+from .rendering import render_case
 
 
 def _pod_spec(obj):
