@@ -112,8 +112,16 @@ class ExampleData:
                "one per row, each micro-batch padded to its longest (data.packing=false)")
         return (f"{s['format']}: {s['train_examples']} train + {s['val_examples']} validation examples, "
                 f"{s['train_tokens']} train tokens of which {s['trained_token_share']:.1%} trained; {how}; "
-                f"skipped {s['skipped_no_answer']} without an answer, dropped {s['dropped_long']} longer than "
-                f"data.seq_len, truncated {s['truncated']}")
+                f"skipped {s['skipped_no_answer']} without an answer{self._other_skips()}, dropped "
+                f"{s['dropped_long']} longer than data.seq_len, truncated {s['truncated']}")
+
+    def _other_skips(self) -> str:
+        """The conversations left out for their content, where there were any (caches before these
+        counts have none)."""
+        s = self.stats
+        parts = [(s.get("skipped_non_text_parts", 0), "with a part that is not text"),
+                 (s.get("skipped_tools_unsupported", 0), "with tool calls the chat template cannot write")]
+        return "".join(f", {n} {what}" for n, what in parts if n)
 
 def _stream(path: Path, dtype, n: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.empty(0, dtype=dtype)

@@ -164,6 +164,17 @@ def test_tool_calls_are_trained_and_tool_results_are_not(tok):
     assert "22 C, sunny" in text and not any("22 C, sunny" in r for r in runs)
 
 
+def test_what_prepare_prints_names_the_conversations_left_out():
+    from cputrain.data.examples import ExampleData
+
+    stats = {"format": "chat", "train_examples": 9, "val_examples": 1, "train_tokens": 900, "trained_token_share": 0.5,
+             "packing": False, "skipped_no_answer": 0, "dropped_long": 0, "truncated": 0,
+             "skipped_non_text_parts": 2, "skipped_tools_unsupported": 0}
+    line = ExampleData(None, None, stats).describe()
+    assert "skipped 0 without an answer, 2 with a part that is not text, dropped 0" in line
+    assert "tool calls" not in line  # none of those
+
+
 def test_tool_calls_under_a_template_that_cannot_write_them_are_skipped_and_counted(tok):
     assert not chat_template.renders_tools(chat_template.MARKED_CHATML)  # reads only role and content
     chunk = _tokenize(tok, _spec(tok, template=chat_template.MARKED_CHATML), [{"messages": TOOLS}, {"messages": CHAT}])
