@@ -162,8 +162,7 @@ def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
         section = section[part]
     section[name] = value
     final = Resolution(ResolvedConfig.model_validate(data), list(res.reasons))
-    if why:  # "" where the config fixed the value: nothing was decided
-        final.note(key, value, why)
+    final.note(key, value, why)
     return final
 
 

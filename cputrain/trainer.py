@@ -320,7 +320,7 @@ class Trainer:
             self.metrics.stop()
             summary = self.metrics.summary(self.step)
             summary.update(skipped_steps=self.skipped_steps, status=status, exit_code=exit_code,
-                           reason=one_line(err) if str(err) else type(err).__name__)
+                           reason=one_line(err))
             write_summary(self.run, summary)
         except Exception as exc:  # the ending's own error is what the user must see
             log.warning("summary.json was not written (%s)", one_line(exc))

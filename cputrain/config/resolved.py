@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from cputrain.config.sections import (Config, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
-                             ParallelConfig, TrainConfig)
+                                      ParallelConfig, TrainConfig)
 
 # Read-only: after resolution nothing in a run may change the config (a value changed in the middle
 # of setup would be seen by some parts of the run and not by others).
@@ -73,13 +73,9 @@ class ResolvedConfig(Config):
     launch: ResolvedLaunchConfig
 
 
-
-
 # After cputrain.run_choices: the keys that need the data, the model or the process group are
 # decided too, so a run's config admits no "auto" at all, by type. LoRA's two keys are decided
 # only where LoRA is on (they mean nothing otherwise).
-
-
 class DecidedLoraConfig(ResolvedLoraConfig):
     @model_validator(mode="after")
     def _decided_where_enabled(self):

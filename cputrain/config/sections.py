@@ -14,8 +14,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
-
 # The demo's model: a small Llama (~5M parameters with a 4096-token vocabulary).
 DEFAULT_ARCH: dict[str, Any] = {
     "model_type": "llama",

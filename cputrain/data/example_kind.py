@@ -12,7 +12,6 @@ from cputrain.data import tokenize_examples
 from cputrain.data.examples import ExampleData, open_examples
 from cputrain.data.kind import BuildFacts, Worker
 from cputrain.data.tokenize_examples import ExampleSpec
-from cputrain.data.validation_split import VALIDATION_RULE
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -51,7 +50,6 @@ class ExampleKind:
     def __init__(self, data_cfg: DataConfig, data_format: str, tokenizer):
         self.spec = example_spec(data_cfg, data_format, tokenizer)
         self.tokenizer = tokenizer
-        self.name = data_format
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -78,7 +76,7 @@ class ExampleKind:
         return open_examples(folder, data_cfg.packing)
 
     def stats(self, facts: BuildFacts) -> dict:
-        data_cfg, progress, corpus, tok = facts.data_cfg, facts.progress, facts.corpus, self.tokenizer
+        data_cfg, progress, tok = facts.data_cfg, facts.progress, self.tokenizer
         train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
         if progress["non_text_parts"]:
             log.warning("data: %d conversation(s) of %s have content parts that are not text (images, audio) and "
@@ -96,11 +94,9 @@ class ExampleKind:
                 "(data.truncation=drop); check data.format and its fields, or raise data.seq_len"
             )
         return {
-            "source": data_cfg.source,
+            **facts.common_stats(),
             "format": self.spec.format,  # as resolved from auto
             "train_on": self.spec.train_on,
-            "records": corpus.rows,
-            "skipped_records": corpus.skipped_records,
             "train_examples": progress["train_examples"],
             "val_examples": progress["val_examples"],
             "skipped_no_answer": progress["no_answer"],  # conversations with no assistant turn: nothing to learn
@@ -108,22 +104,10 @@ class ExampleKind:
             "skipped_tools_unsupported": progress["tools_unsupported"],  # tool calls the template cannot write
             "dropped_long": progress["dropped_long"],
             "truncated": progress["truncated"],
-            "validation_rule": VALIDATION_RULE,
-            "val_records": facts.val_records,
-            "val_fraction": data_cfg.val_fraction,
-            "seed": facts.seed,
             "train_tokens": train_tokens,
             "val_tokens": val_tokens,
-            "tokens": train_tokens + val_tokens,
             "trained_tokens": progress["trained_tokens"],
             "val_trained_tokens": progress["val_trained_tokens"],
             "trained_token_share": round(progress["trained_tokens"] / max(1, train_tokens), 4),
-            "text_chars": progress["text_chars"],
-            "seq_len": data_cfg.seq_len,
-            "token_dtype": facts.token_dtype,
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            "num_proc": facts.num_proc,
-            "resumed_at_record": facts.resumed_at_record,
-            "prepare_time_s": round(facts.wall_s, 3),
-            "tokens_per_s": facts.tokens_per_s,
         }

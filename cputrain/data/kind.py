@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cputrain.config import DataConfig
+from cputrain.data.validation_split import VALIDATION_RULE
 
 
 @dataclass
@@ -42,14 +43,30 @@ class BuildFacts:
     resumed_at_record: int
     tokens_before: int  # tokens already on disk when this pass started (a resumed preparation)
 
-    @property
-    def tokens_per_s(self) -> float:
-        items = self.progress.items
-        return round((items["train.bin"] + items["val.bin"] - self.tokens_before) / max(self.wall_s, 1e-9), 1)
+    def common_stats(self) -> dict:
+        """What every kind's stats.json says: the source, how validation was chosen, the tokens, the pass."""
+        items, cfg = self.progress.items, self.data_cfg
+        tokens = items["train.bin"] + items["val.bin"]
+        return {
+            "source": cfg.source,
+            "records": self.corpus.rows,
+            "skipped_records": self.corpus.skipped_records,
+            "validation_rule": VALIDATION_RULE,
+            "val_records": self.val_records,
+            "val_fraction": cfg.val_fraction,
+            "seed": self.seed,
+            "tokens": tokens,
+            "text_chars": self.progress["text_chars"],
+            "seq_len": cfg.seq_len,
+            "token_dtype": self.token_dtype,
+            "num_proc": self.num_proc,
+            "resumed_at_record": self.resumed_at_record,
+            "prepare_time_s": round(self.wall_s, 3),
+            "tokens_per_s": round((tokens - self.tokens_before) / max(self.wall_s, 1e-9), 1),
+        }
 
 
 class DataKind(Protocol):
-    name: str  # data.format as resolved: text, chat, prompt_completion, alpaca
     what: str  # how logs name its cache entries: "packed tokens", "examples"
     fields: tuple[str, ...] | None  # the record fields every record must have; None: text's one field
     counters: tuple[str, ...]  # what a tokenized chunk counts, summed into progress.json and stats.json

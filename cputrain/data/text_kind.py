@@ -9,14 +9,12 @@ from pathlib import Path
 from cputrain.config import DataConfig
 from cputrain.data import packing, sources, tokenize_chunk
 from cputrain.data.kind import BuildFacts, Worker
-from cputrain.data.validation_split import VALIDATION_RULE
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
 
 
 class TextKind:
-    name = "text"
     what = "packed tokens"
     fields = None
     counters = ("documents", "val_documents", "text_chars", "not_text", "blank")
@@ -55,27 +53,13 @@ class TextKind:
                         "they were left out (stats.json: skipped_not_text)", progress["not_text"], data_cfg.source,
                         corpus.field)
         return {
-            "source": data_cfg.source,
-            "records": corpus.rows,
-            "skipped_records": corpus.skipped_records,
+            **facts.common_stats(),
             "documents": progress["documents"],
             "skipped_not_text": progress["not_text"],
             "skipped_blank": progress["blank"],
             "val_documents": progress["val_documents"],
-            "validation_rule": VALIDATION_RULE,
-            "val_records": facts.val_records,
-            "val_fraction": data_cfg.val_fraction,
-            "seed": facts.seed,
-            "tokens": train_tokens + val_tokens,
-            "text_chars": progress["text_chars"],
             "train_sequences": train_seqs,
             "val_sequences": val_seqs,
-            "seq_len": seq_len,
-            "token_dtype": facts.token_dtype,
             "dropped_tail_tokens": train_tokens - train_seqs * seq_len + val_tokens - val_seqs * seq_len,
             "padding_tokens": 0,
-            "num_proc": facts.num_proc,
-            "resumed_at_record": facts.resumed_at_record,
-            "prepare_time_s": round(facts.wall_s, 3),
-            "tokens_per_s": facts.tokens_per_s,
         }

@@ -8,20 +8,20 @@ with a part that is not text (an image) is skipped and counted. Tool calls (an a
 `tool_calls`, then `tool` turns with the results) are rendered by a template that writes them,
 the calls trained as assistant turns and the results not; under a template that cannot write
 them, the conversation is skipped and counted. An Alpaca record (instruction, optional input,
-output) is a prompt/completion record whose prompt is Stanford Alpaca's. A prompt/completion record is the tokens of prompt + completion (with the tokenizer's BOS, if it
-adds one), then EOS; the completion and EOS are trained, from where the prompt's own tokens end. The token that ends
+output) is a prompt/completion record whose prompt is Stanford Alpaca's. A prompt/completion
+record is the tokens of prompt + completion (with the tokenizer's BOS, if it adds one), then EOS;
+the completion and EOS are trained, from where the prompt's own tokens end. The token that ends
 each trained answer is trained: without it the model never learns to stop.
 Like tokenize_chunk, a worker opens the Arrow files itself and needs no torch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
-
-import json
 
 from cputrain.data.chat_template import ROLES, assistant_spans, content_text, renders_tools
 from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow

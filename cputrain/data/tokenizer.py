@@ -81,33 +81,22 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 SAMPLE_BLOCK_ROWS = 100  # documents read together: few Arrow slices, spread over the whole corpus
 # The BPE trainer is given text in pieces of at most this many characters. It pre-tokenizes each
 # string it is given whole, at tens of bytes per character: one 52 MB document (a one-line file)
-# took the process to 5.5 GB. Pieces are cut at whitespace, where the byte-level pre-tokenizer
-# splits anyway, so the words it counts are the same as from the document whole.
+# took the process to 5.5 GB. Pieces are cut before spaces (tokenize_chunk.pieces, which the token
+# pass uses too), where the byte-level pre-tokenizer splits anyway: the words it counts are the same.
 SAMPLE_PIECE_CHARS = 64_000
-_CUT_SEARCH_CHARS = 1_000  # how far back a cut looks for whitespace before cutting inside a word
-
-
-def _cut(doc: str, at: int) -> int:
-    """The position of the last whitespace at or before `at` (close by), else `at` itself."""
-    if at <= 0 or at >= len(doc):
-        return max(0, min(at, len(doc)))
-    for pos in range(at, max(0, at - _CUT_SEARCH_CHARS), -1):
-        if doc[pos].isspace():
-            return pos
-    return at
 
 
 def document_pieces(doc: str, max_chars: int, piece_chars: int = SAMPLE_PIECE_CHARS) -> Iterator[str]:
-    """`doc` in pieces of about `piece_chars`, cut at whitespace, at most about `max_chars` in all.
+    """`doc` in pieces of about `piece_chars`, at most about `max_chars` in all.
 
     A document longer than `max_chars` is sampled within itself: evenly spaced pieces, so a
     corpus that is one huge document gives the tokenizer its beginning, middle and end."""
-    n_pieces = -(-len(doc) // piece_chars)
-    wanted = min(n_pieces, max(1, max_chars // piece_chars))
-    for piece in np.unique(np.linspace(0, n_pieces - 1, wanted).astype(np.int64)):
-        text = doc[_cut(doc, int(piece) * piece_chars):_cut(doc, (int(piece) + 1) * piece_chars)]
-        if text:
-            yield text
+    from cputrain.data.tokenize_chunk import pieces
+
+    parts = pieces(doc, piece_chars)
+    wanted = min(len(parts), max(1, max_chars // piece_chars))
+    for i in np.unique(np.linspace(0, len(parts) - 1, wanted).astype(np.int64)):
+        yield parts[int(i)]
 
 
 class CorpusSample:

@@ -40,8 +40,6 @@ class LoraConverter(ModelConverter):
         # built outside a run (tests, tools) decides by the same rule.
         files_bf16 = cfg.model.lora.base_dtype == "auto" and files_are_bf16(source.folder)
         base_dtype, why = base_dtype_choice(cfg.model.lora.base_dtype, cfg.hardware.dtype, files_bf16)
-        if cfg.model.lora.base_dtype != "auto":
-            why = "model.lora.base_dtype"  # its reason, where auto decided it, is in the `auto:` lines and config.yaml
         self.initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=base_dtype, seed=cfg.seed,
                                     base_path=str(source.folder.resolve()), compute_dtype=cfg.hardware.dtype)
         if self.is_main:
