@@ -114,6 +114,21 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
     return res
 
 
+def resolve_for_plan(cfg: Config, world_size: int) -> Resolution:
+    """The machine's keys a plan reads, as they resolve on what it plans for: the precision on
+    the built-in instances (every one has AMX) and the strategy for `world_size` ranks. Threads,
+    tokenizing processes, compile and the backend are left to the run's node: no byte of the
+    plan depends on them. cputrain.run_choices.decide_for_plan decides the rest."""
+    res = Resolution(cfg.model_copy(deep=True))
+    precision, why = precision_choice(cfg.hardware.precision, hw=None)
+    if why:
+        res = with_model_choice(res, "hardware.precision", precision, why)
+    strategy, why = strategy_choice(cfg.parallel.strategy, world_size)
+    if why:
+        res = with_model_choice(res, "parallel.strategy", strategy, why)
+    return res
+
+
 def model_width(cfg: Config) -> int | None:
     """The model's hidden size where it is known before loading: the arch of a model built from
     scratch, or a local folder's config.json (a hub id's is not read here)."""
@@ -153,15 +168,16 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
 
 
 def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
-    """A resolved config with one more key decided (`key` dotted, e.g. model.lora.base_dtype), and
-    its reason noted: how cputrain.run_choices records what it decides."""
+    """The config with one more key decided (`key` dotted, e.g. model.lora.base_dtype), of the
+    same type (a ResolvedConfig in a run, a Config while a plan is decided), and its reason
+    noted: how cputrain.run_choices records what it decides."""
     data = res.config.model_dump()
     *path, name = key.split(".")
     section = data
     for part in path:
         section = section[part]
     section[name] = value
-    final = Resolution(ResolvedConfig.model_validate(data), list(res.reasons))
+    final = Resolution(type(res.config).model_validate(data), list(res.reasons))
     final.note(key, value, why)
     return final
 

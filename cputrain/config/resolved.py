@@ -106,3 +106,63 @@ class DecidedConfig(ResolvedConfig):
     model: DecidedModelConfig
     data: DecidedDataConfig
     hardware: DecidedHardwareConfig
+
+
+# What a plan reads: the keys that change a rank's bytes, decided. cputrain.run_choices decides
+# them for `cputrain plan` and `cputrain k8s` with a plan's facts (decide_for_plan), and for a run
+# with its node's (decide): a run's DecidedConfig is a planned config too. Threads, tokenizing
+# processes, compile, the backend, the allocator and the data's format may still be "auto" here:
+# no byte of the plan depends on them.
+PLANNED_KEYS = ("hardware.precision", "parallel.strategy", "model.attn_implementation", "model.chunked_loss",
+                "model.activation_checkpointing", "model.lora.target_modules", "model.lora.base_dtype")
+
+
+class PlannedHardwareConfig(HardwareConfig):
+    model_config = _READ_ONLY
+    precision: Literal["fp32", "bf16"]
+
+
+class PlannedParallelConfig(ParallelConfig):
+    model_config = _READ_ONLY
+    strategy: Literal["single", "ddp", "fsdp", "zero3"]
+
+
+class PlannedModelConfig(ModelConfig):
+    model_config = _READ_ONLY
+    attn_implementation: Literal["sdpa", "eager"]
+    chunked_loss: bool
+    activation_checkpointing: bool | int
+    lora: DecidedLoraConfig
+
+
+class PlannedConfig(Config):
+    """A config as `make_plan` takes it: every key of PLANNED_KEYS decided, read-only."""
+
+    model_config = _READ_ONLY
+    model: PlannedModelConfig
+    hardware: PlannedHardwareConfig
+    parallel: PlannedParallelConfig
+
+
+def undecided_for_plan(cfg: Config) -> list[str]:
+    """The keys of PLANNED_KEYS still "auto" in `cfg` (LoRA's only where LoRA is on)."""
+    def value(key: str):
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    return [key for key in PLANNED_KEYS
+            if value(key) == "auto" and (cfg.model.lora.enabled or not key.startswith("model.lora."))]
+
+
+def as_planned(cfg: Config) -> PlannedConfig:
+    """`cfg` as a plan reads it. A key still "auto" is named, not decided here: the plan would
+    then hold a second rule beside cputrain.run_choices', and drift from what a run does."""
+    if isinstance(cfg, PlannedConfig):
+        return cfg
+    left = undecided_for_plan(cfg)
+    if left:
+        raise ValueError(f"a plan reads decided values (cputrain.run_choices.decide_for_plan decides them); "
+                         f"still auto: {', '.join(left)}")
+    return PlannedConfig.model_validate(cfg.model_dump())
