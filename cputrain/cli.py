@@ -286,9 +286,35 @@ COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, 
 
 
 def cmd_plan(args) -> int:
-    from cputrain.plan.command import run
+    """Every key the plan reads decided as a run decides it (cputrain.run_choices, a plan's facts),
+    then the plan: one config, or the same twice, full fine-tuning and LoRA (--compare-lora)."""
+    from cputrain.plan.command import load_run_config, world_size_of
+    from cputrain.plan.instances import load_instances
+    from cputrain.plan.report import compare_lines, plan_json, table_lines
+    from cputrain.run_choices import decided_plan
 
-    return run(args)
+    cfg = load_run_config(args.config, args.overrides)
+    world_size, nproc = world_size_of(args, cfg)
+    if args.world_size is None and args.nproc_per_node is None and args.nnodes is None:
+        nproc = None  # nothing said about the layout: let the planner choose ranks per node
+    instances = load_instances(args.instances_file)
+    if getattr(args, "compare_lora", False):
+        if args.json:
+            from cputrain.errors import ConfigError
+
+            raise ConfigError("--compare-lora prints a table; for plan.json run once with model.lora.enabled=true "
+                              "and once without")
+        # The same file and overrides, then model.lora.enabled last (validated like any override:
+        # LoRA needs model.name_or_path and refuses zero3); each decided on its own.
+        full, lora = (decided_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
+                                   world_size, nproc_per_node=nproc, instances=instances,
+                                   config_json=args.model_config)
+                      for on in ("false", "true"))
+        print("\n".join(compare_lines(full, lora)))
+        return 0
+    plan = decided_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
+    print(plan_json(plan) if args.json else "\n".join(table_lines(plan)))
+    return 0
 
 
 def cmd_k8s(args) -> int:

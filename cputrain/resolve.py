@@ -151,7 +151,7 @@ def precision_choice(setting: str, hw: HardwareFacts | None) -> tuple[str, str]:
     if setting != "auto":
         return setting, ""
     if hw is None:
-        return "bf16", "planned as bf16: what auto resolves to on the AMX instances the plan sizes"
+        return "bf16", "what auto resolves to on the AMX instances the plan sizes"
     if hw.has_fast_bf16:
         unit = "AMX" if hw.flags.get("amx_bf16") else "AVX512-BF16"
         return "bf16", f"the CPU has {unit}: bf16 matmuls run in hardware"

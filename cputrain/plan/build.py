@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cputrain.config import Config
+from cputrain.config.resolved import as_planned
 from cputrain.errors import ConfigError
-from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, resolve_inputs
+from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
 from cputrain.plan.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
 from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape, with_weight_files
@@ -37,54 +39,43 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
             "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", 10**9))}
 
 
-def planned_precision(cfg: Config) -> str:
-    """hardware.precision as the plan takes it: resolved as on the built-in instances, which all have AMX."""
-    from cputrain.resolve import precision_choice
-
-    return precision_choice(cfg.hardware.precision, hw=None)[0]
-
-
 def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
               instances: list[Instance] | None = None, config_json: str | None = None,
-              vocab_size: int | None = None, shape: ModelShape | None = None) -> Plan:
-    """`shape`: the model as built (the trainer's skeleton, adapters and dtypes included);
-    without it the model is built from the config, with model.lora's adapters added the same way."""
+              vocab_size: int | None = None, shape: ModelShape | None = None,
+              reasons: Sequence[tuple[str, str, str]] = ()) -> Plan:
+    """The plan of `cfg` with its keys decided (config.resolved.PLANNED_KEYS: by
+    cputrain.run_choices.decide_for_plan before a run, by decide in one); a key still "auto" is
+    refused, not decided here. `reasons`: the decisions' (key, value, why), the plan's notes.
+    `shape`: the model as built (the trainer's skeleton, adapters and dtypes included); without it
+    the model is built from the config, with model.lora's adapters added the same way."""
     from cputrain.config import batch_error
-    from cputrain.resolve import chunked_loss_choice, precision_choice
 
+    cfg = as_planned(cfg)
     error = batch_error(cfg.train, world_size)  # the rule `train` applies: a plan it would refuse is no plan
     if error:
         raise ConfigError(error)
     if shape is None:
         import torch
 
-        compute_dtype = torch.bfloat16 if planned_precision(cfg) == "bf16" else torch.float32
+        compute_dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
         shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
                             seed=cfg.seed)
     shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
-    inputs = resolve_inputs(
-        cfg.parallel.strategy, planned_precision(cfg), world_size,
+    inputs = plan_inputs(
+        cfg.parallel.strategy, cfg.hardware.precision, world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-        # auto is decided by the run on its node's memory (plan.checkpointing); before it, the least memory
-        activation_checkpointing=True if cfg.model.activation_checkpointing == "auto" else cfg.model.activation_checkpointing,
+        activation_checkpointing=cfg.model.activation_checkpointing,
         offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
         from_scratch=cfg.model.name_or_path is None,
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
-        chunked_loss=chunked_loss_choice(cfg.model.chunked_loss, planned_precision(cfg),
-                                         cfg.train.micro_batch_size * cfg.data.seq_len, shape.vocab)[0],
-        # the kernel a run resolved (run_choices); `auto` before the run: sdpa's, which it mostly is
+        chunked_loss=cfg.model.chunked_loss,
         eager_attention=cfg.model.attn_implementation == "eager",
         **_zero3_settings(cfg, world_size, shape),
     )
-    notes = []
+    notes = [f"{key}=auto → {value}: {why}" for key, value, why in reasons]
     if config_json is None and known_hub_config(cfg.model.name_or_path) is not None:
         notes.append(f"{cfg.model.name_or_path}: its shape is built in (nothing fetched); --model-config "
                      "plans another config.json")
-    if cfg.hardware.precision == "auto":
-        notes.append(f"hardware.precision=auto {precision_choice('auto', hw=None)[1]}")
-    if cfg.model.activation_checkpointing == "auto":
-        notes.append("model.activation_checkpointing=auto: planned with every block checkpointed (the least memory); "
-                     "a run checkpoints fewer blocks where its node holds more, and writes its plan.json with them")
     if inputs.offload_optimizer or inputs.offload_param:
         notes.append("offload moves state to host memory, which on a CPU node is the same RAM: "
                      "it does not lower the per-rank total")

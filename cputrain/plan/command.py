@@ -1,4 +1,7 @@
-"""`cputrain plan CONFIG [key=value ...]`: memory per rank and the smallest cluster that fits."""
+"""`cputrain plan CONFIG [key=value ...]`: memory per rank and the smallest cluster that fits.
+
+Its arguments and the config it reads; the command runs in cputrain.cli, above
+cputrain.run_choices, which decides every key the plan reads as for a run."""
 
 from __future__ import annotations
 
@@ -49,31 +52,3 @@ def add_parser(sub, add_common) -> None:
                    help="plan the config twice, full fine-tuning and model.lora (the config's rank and targets), "
                    "and print them side by side with where each fits")
     add_common(p)
-
-
-def run(args) -> int:
-    from cputrain.plan.build import make_plan
-    from cputrain.plan.instances import load_instances
-    from cputrain.plan.report import compare_lines, plan_json, table_lines
-
-    cfg = load_run_config(args.config, args.overrides)
-    world_size, nproc = world_size_of(args, cfg)
-    if args.world_size is None and args.nproc_per_node is None and args.nnodes is None:
-        nproc = None  # nothing said about the layout: let the planner choose ranks per node
-    instances = load_instances(args.instances_file)
-    if getattr(args, "compare_lora", False):
-        if args.json:
-            from cputrain.errors import ConfigError
-
-            raise ConfigError("--compare-lora prints a table; for plan.json run once with model.lora.enabled=true "
-                              "and once without")
-        # The same file and overrides, then model.lora.enabled last (validated like any override:
-        # LoRA needs model.name_or_path and refuses zero3).
-        full, lora = (make_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
-                                world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
-                      for on in ("false", "true"))
-        print("\n".join(compare_lines(full, lora)))
-        return 0
-    plan = make_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
-    print(plan_json(plan) if args.json else "\n".join(table_lines(plan)))
-    return 0

@@ -34,7 +34,7 @@ DDP_GRAD_AS_BUCKET_VIEW = True  # as cputrain.parallel.ddp builds it
 
 @dataclass(frozen=True)
 class PlanInputs:
-    strategy: str  # single | ddp | fsdp | zero3 (already resolved from "auto")
+    strategy: str  # single | ddp | fsdp | zero3 (decided: cputrain.run_choices)
     precision: str  # fp32 | bf16
     world_size: int
     micro_batch: int
@@ -88,16 +88,13 @@ class RankPlan:
                 "load_peak_bytes": self.load_peak_bytes, "total_bytes": self.total_bytes}
 
 
-def resolve_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
-    from cputrain.resolve import precision_choice, strategy_choice
-
+def plan_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
+    """The inputs of one plan, from decided values (cputrain.run_choices)."""
     if world_size < 1:
         raise ConfigError(f"world size must be at least 1 (got {world_size}); set --world-size or --nnodes × --nproc-per-node")
-    strategy = strategy_choice(strategy, world_size)[0]  # as a run resolves it
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"parallel.strategy=single runs one rank, but the world size is {world_size}; "
                           "choose ddp, fsdp or zero3")
-    precision = precision_choice(precision, hw=None)[0]  # the built-in instance families all have AMX
     return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
 
 

@@ -7,7 +7,7 @@ same total can hold different bytes per rank.
 It also needs to know which parameters are trained. With model.lora the skeleton gets peft's
 adapters (cputrain.lora.adapters.add_adapters, the function the trainer calls, so the targets
 and shapes are the run's own): each targeted linear keeps its weight frozen as
-`<name>.base_layer.weight`, stored in the compute dtype, and gains `lora_A` (r × in) and
+`<name>.base_layer.weight`, stored in model.lora.base_dtype, and gains `lora_A` (r × in) and
 `lora_B` (out × r), trained in fp32. A frozen parameter costs its stored bytes and nothing else.
 """
 
@@ -151,7 +151,9 @@ class _Keys:
         self.where = keys
 
 
-def _folder_of(name_or_path: str) -> Path | None:
+def model_folder(name_or_path: str) -> Path | None:
+    """model.name_or_path's folder where it is on this machine (a folder, or a hub id already in
+    the Hugging Face cache); None otherwise. Nothing is fetched."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -171,7 +173,7 @@ def weight_file_bytes(model_cfg: ModelConfig) -> dict[str, int] | None:
     KNOWN_HUB_CONFIGS not on this machine is planned as its published files are: bf16."""
     if model_cfg.name_or_path is None:
         return None
-    folder = _folder_of(model_cfg.name_or_path)
+    folder = model_folder(model_cfg.name_or_path)
     files = sorted(folder.glob("*.safetensors")) if folder is not None else []
     if not files:
         return {"*": 2} if known_hub_config(model_cfg.name_or_path) is not None else None
@@ -249,29 +251,21 @@ def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_
 def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None,
                 compute_dtype=None, seed: int = 0) -> ModelShape:
     """Every parameter of the model the config trains. With model.lora enabled the adapters are
-    added as the trainer adds them, the base frozen in model.lora.base_dtype as the trainer
-    resolves it for `compute_dtype` (default fp32)."""
+    added as the trainer adds them, on the targets and with the base dtype decided for the run
+    (cputrain.run_choices), under `compute_dtype` (default fp32)."""
     import torch
 
     from cputrain import model as models
 
+    if model_cfg.lora.enabled and "auto" in (model_cfg.lora.target_modules, model_cfg.lora.base_dtype):
+        raise ValueError("model.lora.target_modules and model.lora.base_dtype are read decided "
+                         "(cputrain.run_choices.decide_for_plan decides them for a plan)")
     hf_config = hf_config_for(model_cfg, vocab_size, config_json)
     skeleton = models.build_skeleton(models.ModelSource(None, hf_config), model_cfg)  # meta: no memory
     if model_cfg.lora.enabled:
         from cputrain.lora.adapters import add_adapters
-        from cputrain.lora.base_storage import base_dtype_choice
+        from cputrain.lora.base_storage import BASE_DTYPES
 
-        compute_dtype = compute_dtype or torch.float32
-        base_dtype = base_dtype_choice(model_cfg.lora.base_dtype, compute_dtype, _files_are_bf16(model_cfg))[0]
-        add_adapters(skeleton, model_cfg.lora, frozen_dtype=base_dtype, seed=seed, compute_dtype=compute_dtype)
+        add_adapters(skeleton, model_cfg.lora, frozen_dtype=BASE_DTYPES[model_cfg.lora.base_dtype], seed=seed,
+                     compute_dtype=compute_dtype or torch.float32)
     return shape_of(skeleton)
-
-
-def _files_are_bf16(model_cfg: ModelConfig) -> bool:
-    """The model's files hold bf16: read from their headers, or a known hub id (published in bf16)."""
-    from cputrain.lora.base_storage import files_are_bf16
-
-    folder = _folder_of(model_cfg.name_or_path) if model_cfg.name_or_path else None
-    if folder is not None and any(folder.glob("*.safetensors")):
-        return files_are_bf16(folder)
-    return known_hub_config(model_cfg.name_or_path) is not None

@@ -118,7 +118,9 @@ def test_auto_takes_the_fewest_blocks_that_fit_the_node():
     from cputrain.plan.build import make_plan
     from cputrain.plan.checkpointing import MEMORY_FRACTION, checkpointing_choice
 
-    cfg = _plan_config("model.activation_checkpointing=auto")
+    # the keys run_choices decides before activation checkpointing, as a one-rank fp32 run decides them
+    cfg = _plan_config("model.activation_checkpointing=auto", "parallel.strategy=single",
+                       "model.attn_implementation=sdpa", "model.chunked_loss=false")
 
     def peak_gib(setting):
         c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"activation_checkpointing": setting})})
@@ -152,10 +154,10 @@ def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
 
 
 def test_cputrain_plan_plans_auto_as_every_block_and_says_so():
-    from cputrain.plan.build import make_plan
+    from cputrain.run_choices import decided_plan
 
-    auto = make_plan(_plan_config("model.activation_checkpointing=auto"), 1)
-    every = make_plan(_plan_config("model.activation_checkpointing=true"), 1)
+    auto = decided_plan(_plan_config("model.activation_checkpointing=auto"), 1)
+    every = decided_plan(_plan_config("model.activation_checkpointing=true"), 1)
     assert auto.ranks == every.ranks
     assert any("model.activation_checkpointing=auto" in note for note in auto.notes)
 

@@ -25,8 +25,8 @@ LAYERS = [
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
     ["evaluation", "inference"],  # validation loss; a finished model for sampling
     ["plan", "preflight"],  # memory per rank; what is refused before any work
-    ["trainer", "k8s", "run_choices"],  # the training loop; manifests; the "auto"s beyond the hardware
-    ["worker", "launch"],  # what a rank runs; ranks here or through the agent
+    ["trainer", "run_choices"],  # the training loop; the "auto"s beyond the hardware
+    ["worker", "launch", "k8s"],  # what a rank runs; ranks here or through the agent; manifests
     ["cli"],
     ["__main__"],
 ]
