@@ -494,3 +494,36 @@ def test_eager_attention_keeps_the_attention_matrix_the_plan_counts(precision):
 def _tiny_shape() -> ModelShape:
     return ModelShape((), layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, tied_embeddings=True)
 
+
+def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
+    """Every key a plan reads is decided by cputrain.run_choices (decide_for_plan before a run,
+    decide in one); make_plan and model_shape refuse a key still auto rather than decide it, and no
+    module of cputrain.plan calls a rule of another domain (plan.checkpointing is the home of its own)."""
+    import ast
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+
+    from cputrain.config.resolved import PLANNED_KEYS, undecided_for_plan
+
+    cfg = load_config(None, [])
+    with pytest.raises(ValueError, match="still auto: hardware.precision, parallel.strategy, "
+                                         "model.attn_implementation, model.chunked_loss"):
+        make_plan(cfg, 1)
+    LlamaConfig(**TINY_LORA).save_pretrained(tmp_path)
+    lora = _lora_config(tmp_path)
+    with pytest.raises(ValueError, match="still auto: .*model.lora.target_modules, model.lora.base_dtype"):
+        make_plan(lora, 1)
+    with pytest.raises(ValueError, match="model.lora.target_modules and model.lora.base_dtype are read decided"):
+        model_shape(lora.model)
+    assert undecided_for_plan(cfg) and undecided_for_plan(_decided(cfg)) == []
+    assert undecided_for_plan(_decided(lora)) == [] and len(PLANNED_KEYS) == 7
+    rules = {"precision_choice", "strategy_choice", "chunked_loss_choice", "base_dtype_choice", "target_modules_choice",
+             "files_are_bf16", "choose_attention"}
+    called = set()
+    for path in (Path(__file__).resolve().parents[2] / "cputrain" / "plan").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in rules:
+                called.add(f"{path.name}: {name}")
+    assert not called, f"cputrain.plan decides on its own again: {sorted(called)}"

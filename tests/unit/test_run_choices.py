@@ -7,7 +7,7 @@ import pytest
 
 from cputrain import run_choices
 from cputrain.config import Config
-from cputrain.config.resolved import DecidedConfig
+from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import detect
 from cputrain.resolve import resolve
@@ -49,3 +49,73 @@ def test_text_trains_every_token_and_a_set_value_is_kept_without_a_reason(tmp_pa
 def test_a_config_with_an_auto_left_is_not_a_decided_one():
     with pytest.raises(ValueError, match="attn_implementation"):
         DecidedConfig.model_validate(Config().model_dump())
+
+
+# --- `cputrain plan` and `cputrain k8s` decide by the same list, with a plan's facts -------------
+
+def _key(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("files", ["fp32", "bf16"])
+def test_a_plan_decides_the_lora_keys_as_a_run_does(tiny_model, tmp_path, files):
+    """On the same model folder the planning decision and a run's give the same targets, base dtype
+    and head, with the same reasons: one walk, one rule per key. Under fp32 compute the base dtype
+    follows the files (read from their headers in both)."""
+    import torch
+
+    folder = tiny_model(dtype=torch.bfloat16) if files == "bf16" else tiny_model()
+    sections = {"model": {"name_or_path": str(folder), "lora": {"enabled": True}}, "hardware": {"precision": "fp32"},
+                "data": {"cache_dir": str(tmp_path)}, "output_dir": str(tmp_path / "run")}
+    run = _decide(**sections)
+    plan = run_choices.decide_for_plan(Config.model_validate(sections), 1)
+    assert isinstance(plan.config, PlannedConfig)
+    run_why, plan_why = ({key: why for key, _, why in res.reasons} for res in (run, plan))
+    for key in ("model.lora.target_modules", "model.lora.base_dtype", "model.chunked_loss"):
+        assert _key(plan.config, key) == _key(run.config, key), key
+        assert plan_why[key] == run_why[key] and plan_why[key], key
+    assert plan.config.model.lora.base_dtype == files
+
+
+def test_cputrain_plan_reads_what_run_choices_decided(tiny_model, tmp_path):
+    """`cputrain plan` on a LoRA config with every key left auto: each key the plan reads is decided
+    by run_choices.decide_for_plan and printed with its reason; the plan is made of those values.
+    The data is not read (its file is not on this machine): its keys are the run's to decide."""
+    import json
+
+    from conftest import run_cli_here
+
+    from cputrain.config.file import load_config
+
+    overrides = [f"model.name_or_path={tiny_model()}", "model.lora.enabled=true", "model.activation_checkpointing=auto",
+                 "data.format=auto", f"data.source={tmp_path / 'not-here.jsonl'}", "data.seq_len=64",
+                 "train.micro_batch_size=2", "train.global_batch_size=2"]
+    doc = json.loads(run_cli_here("plan", *overrides, "--json", check=True).stdout)
+    decided = run_choices.decide_for_plan(load_config(None, overrides), 1)
+    assert [key for key, _, _ in decided.reasons] == [
+        "hardware.precision", "parallel.strategy", "model.lora.target_modules", "model.lora.base_dtype",
+        "model.attn_implementation", "model.chunked_loss", "model.activation_checkpointing"]  # the list's order
+    for key, value, why in decided.reasons:
+        assert f"{key}=auto → {value}: {why}" in doc["notes"]
+    cfg = decided.config
+    assert doc["lora"]["target_modules"] == sorted(cfg.model.lora.target_modules) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert (doc["precision"], doc["strategy"]) == (cfg.hardware.precision, cfg.parallel.strategy) == ("bf16", "single")
+    assert doc["lora"]["frozen_bytes_per_parameter"] == 2 and cfg.model.lora.base_dtype == "bf16"  # bf16 compute
+    assert doc["activation_checkpointing"] is cfg.model.activation_checkpointing is True
+    assert doc["chunked_loss"] is cfg.model.chunked_loss is True
+    assert (cfg.data.format, cfg.data.train_on, cfg.hardware.allocator) == ("auto", "auto", "auto")
+
+
+def test_a_known_hub_id_is_planned_from_its_bf16_files_without_the_hub():
+    """Meta-Llama-3-8B, not on this machine: planned in fp32 compute with its base stored as its
+    published files are (bf16), the one files-are-bf16 answer the plan has."""
+    from cputrain.config.file import load_config
+
+    cfg = load_config("configs/llama3-8b-fsdp.yaml", ["parallel.strategy=single", "hardware.precision=fp32",
+                                                      "model.lora.enabled=true"])
+    decided = run_choices.decide_for_plan(cfg, 1)
+    assert decided.config.model.lora.base_dtype == "bf16"
+    assert "the files hold bf16" in {key: why for key, _, why in decided.reasons}["model.lora.base_dtype"]
