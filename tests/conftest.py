@@ -73,14 +73,83 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-_TIER = {"slow": True}  # the running test's tier, read by run_cli
+_TIER = {"slow": True, "fresh": False}  # the running test's tier and markers, read by run_cli
 
 
 @pytest.fixture(autouse=True)
 def _tier_of_this_test(request):
     _TIER["slow"] = request.node.get_closest_marker("slow") is not None
+    _TIER["fresh"] = request.node.get_closest_marker("fresh_interpreter") is not None
     yield
-    _TIER["slow"] = True
+    _TIER.update(slow=True, fresh=False)
+
+
+class _WarmInterpreter:
+    """The client of tests/warm_interpreter.py: one server per test process, started on first use."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="cputrain-warm-"))
+        self.log = open(self.folder / "server.log", "w")  # noqa: SIM115 (open while the server lives)
+        self.server = subprocess.Popen([sys.executable, str(TESTS / "warm_interpreter.py")], cwd=REPO, env=cli_env(),
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.calls = 0
+
+    def _answer(self, key: str, timeout_s: float | None):
+        import select
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.server.stdout], [], [], wait)[0]:
+                return None
+            line = self.server.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the warm interpreter ended: {(self.folder / 'server.log').read_text()[-2000:]}")
+            with contextlib.suppress(ValueError):
+                answer = json.loads(line)
+                if key in answer:
+                    return answer[key]
+
+    def run(self, argv: list[str], cwd, timeout_s: float) -> subprocess.CompletedProcess:
+        self.calls += 1
+        out, err = self.folder / f"{self.calls}.out", self.folder / f"{self.calls}.err"
+        self.server.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out),
+                                            "stderr": str(err)}) + "\n")
+        self.server.stdin.flush()
+        pid = self._answer("pid", None)
+        code = self._answer("returncode", timeout_s)
+        timed_out = code is None
+        if timed_out:  # as subprocess.run does: kill it, then raise
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            self._answer("returncode", None)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink()
+        err.unlink()
+        cmd = [sys.executable, "-m", "cputrain", *argv]
+        if timed_out:
+            raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+    def close(self):
+        self.server.stdin.close()
+        self.server.wait(timeout=30)
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_WARM: list[_WarmInterpreter] = []
+
+
+def _warm() -> _WarmInterpreter:
+    if not _WARM:
+        _WARM.append(_WarmInterpreter())
+    return _WARM[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for warm in _WARM:
+        warm.close()
 
 
 @pytest.fixture(autouse=True)
@@ -167,13 +236,20 @@ def cli_env(**extra) -> dict:
 
 
 def run_cli(*args, cwd=None, env=None, timeout=600, check=False) -> subprocess.CompletedProcess:
-    """`python -m cputrain ARGS` in a fresh process, as a user would run it."""
+    """`python -m cputrain ARGS` in a process of its own, as a user would run it: forked from a
+    warm interpreter (tests/warm_interpreter.py) that has imported torch and transformers, or a
+    fresh interpreter where the call sets its own environment or the test is marked
+    `fresh_interpreter` (it measures a process's memory)."""
     if not _TIER["slow"] and _starts_training(args):
         pytest.fail("this test starts a training process: mark it @pytest.mark.slow (or move it to tests/e2e)")
-    proc = subprocess.run(
-        [sys.executable, "-m", "cputrain", *map(str, args)],
-        cwd=cwd or REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
-    )
+    argv = [str(a) for a in args]
+    if env is None and not _TIER["fresh"]:
+        proc = _warm().run(argv, cwd or REPO, timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cputrain", *argv],
+            cwd=cwd or REPO, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(f"cputrain {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

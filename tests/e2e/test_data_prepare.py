@@ -55,6 +55,7 @@ def stats_of(cache: Path) -> dict:
     return json.loads(next((cache / "packed").glob("*/stats.json")).read_text())
 
 
+@pytest.mark.fresh_interpreter  # the processes' peak RSS is measured: each starts as a user's would
 @pytest.mark.parametrize("kind", ["text", "chat"])
 def test_peak_memory_is_flat_with_corpus_size(tmp_path, tokenizer_dir, kind):
     """Chat records go through the same preparation: rendered, masked and written as they come."""

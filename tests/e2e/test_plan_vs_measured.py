@@ -30,6 +30,8 @@ COMMON = ["data.seq_len=32", "data.max_documents=600", "train.max_steps=2", "tra
           "train.micro_batch_size=2", "train.eval_every=100", "train.eval_batches=1", "train.sample_tokens=0",
           "train.checkpoint_every=100", "hardware.precision=fp32", "hardware.threads=1"]
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# Peak RSS is compared with the plan: each run's process starts as a user's would, importing all it uses.
+pytestmark = pytest.mark.fresh_interpreter
 
 # One rank runs as `single` (or as a one-rank shard for fsdp/zero3); ddp is for 2 and more.
 # (strategy, ranks, optimizer offload): zero3's offload is planned and measured on its own.

@@ -151,6 +151,7 @@ def test_doctor_prints_hardware_and_auto_choices():
 
 
 @pytest.mark.alone  # the demo's own settings: threads = every core
+@pytest.mark.fresh_interpreter  # the one command of `make demo`, exactly as a user starts it
 def test_default_run_learns_and_leaves_plot_and_sample(tmp_path, cache_dir):
     """`cputrain train` with no config (the built-in demo: its model, corpus, tokenizer and
     sequence length), shortened to 30 steps of 8 sequences to keep the suite fast."""

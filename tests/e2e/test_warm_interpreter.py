@@ -1,0 +1,39 @@
+"""run_cli forks most commands from a warm interpreter (tests/warm_interpreter.py): what a test sees
+of such a process — exit code, stdout, stderr, a timeout — is what it sees of a fresh one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+import conftest
+from conftest import run_cli
+
+
+def _both(*args, **kw) -> dict[str, subprocess.CompletedProcess]:
+    got = {}
+    for fresh in (False, True):
+        conftest._TIER["fresh"] = fresh
+        got["fresh" if fresh else "warm"] = run_cli(*args, **kw)
+    conftest._TIER["fresh"] = False
+    return got
+
+
+def test_a_refusal_and_a_report_are_the_same_from_either_interpreter():
+    refused = _both("train", "no.such.key=1")
+    assert refused["warm"].returncode == refused["fresh"].returncode == 2
+    assert refused["warm"].stderr == refused["fresh"].stderr
+    assert refused["warm"].stderr.strip().startswith("cputrain: error: unknown config key")
+    facts = _both("doctor", "--json")
+    warm, fresh = (json.loads(facts[k].stdout) for k in ("warm", "fresh"))
+    assert warm["cpu_model"] == fresh["cpu_model"] and warm["flags"] == fresh["flags"]
+
+
+def test_a_command_past_its_timeout_is_killed_as_subprocess_kills_it(tmp_path, cache_dir):
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_cli("train", *conftest.tiny_overrides(tmp_path / "run", cache_dir, **{"train.max_steps": 10**6}),
+                timeout=3)
+    # the server is free again: the next command runs
+    assert run_cli("train", "no.such.key=1").returncode == 2
