@@ -10,7 +10,7 @@ from torch import nn
 
 from cputrain.config.resolved import ResolvedConfig
 from cputrain.lora import base_model
-from cputrain.lora.base_storage import base_dtype_choice, files_are_bf16
+from cputrain.lora.base_storage import BASE_DTYPES
 from cputrain.lora.adapters import ADAPTER, add_adapters, base_file_name, fill_adapters, is_adapter_parameter
 from cputrain.model_converter import ModelConverter
 
@@ -36,18 +36,16 @@ class LoraConverter(ModelConverter):
         """Adapters into the skeleton, the rest frozen (bf16 where the compute is); their initial
         values are kept until the strategy has materialized the model."""
         cfg = self.cfg
-        # A run's config has it decided (cputrain.run_choices, reason in config.yaml); a converter
-        # built outside a run (tests, tools) decides by the same rule.
-        files_bf16 = cfg.model.lora.base_dtype == "auto" and files_are_bf16(source.folder)
-        base_dtype, why = base_dtype_choice(cfg.model.lora.base_dtype, cfg.hardware.dtype, files_bf16)
+        # Decided before the run (cputrain.run_choices, with its reason in config.yaml): read, not decided again.
+        base_dtype = BASE_DTYPES[cfg.model.lora.base_dtype]
         self.initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=base_dtype, seed=cfg.seed,
                                     base_path=str(source.folder.resolve()), compute_dtype=cfg.hardware.dtype)
         if self.is_main:
             trained = sum(t.numel() for t in self.initial.values())
             total = sum(p.numel() for p in skeleton.parameters())
-            log.info("model.lora: rank %d on %s: %s trained parameters (%.2f%% of %s); the base is frozen in %s (%s)",
+            log.info("model.lora: rank %d on %s: %s trained parameters (%.2f%% of %s); the base is frozen in %s (model.lora.base_dtype; why: config.yaml)",
                      cfg.model.lora.rank, ", ".join(sorted(skeleton.peft_config[ADAPTER].target_modules)),
-                     f"{trained:,}", 100 * trained / total, f"{total:,}", str(base_dtype).removeprefix("torch."), why)
+                     f"{trained:,}", 100 * trained / total, f"{total:,}", str(base_dtype).removeprefix("torch."))
 
     def file_name_of(self, param_name: str) -> str | None:
         return base_file_name(param_name)  # adapters are in no file: fill() gives them their values
