@@ -92,7 +92,7 @@ class DecidedModelConfig(ResolvedModelConfig):
 
 
 class DecidedDataConfig(ResolvedDataConfig):
-    format: Literal["text", "chat", "prompt_completion", "alpaca"]
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference"]
     train_on: Literal["assistant", "completion", "all"]
 
 

@@ -195,14 +195,19 @@ class DataConfig(Section):
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/Hugging Face records (data.format=text)."""
 
-    format: Literal["text", "chat", "prompt_completion", "alpaca", "auto"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "auto"] = "text"
     """What a record is. text: raw text, every token trained (pretraining). chat: a list of
     {role, content} messages (roles system, user, assistant, tool; content text or a list of text
     parts; assistant tool_calls) in data.messages_field, rendered with the chat template.
     prompt_completion: a prompt and its answer (data.prompt_field, data.completion_field). alpaca:
-    instruction, optional input, output, the prompt written as Stanford Alpaca's. auto: chat if the
-    first record has data.messages_field, else prompt_completion if it has both of those fields,
-    else alpaca if it has instruction and output, else text; the choice is logged."""
+    instruction, optional input, output, the prompt written as Stanford Alpaca's. preference: a
+    prompt with a chosen and a rejected answer (data.prompt_field, data.chosen_field,
+    data.rejected_field; strings, or conversations rendered with the chat template; without a
+    prompt, chosen and rejected are whole conversations and their shared leading messages are the
+    prompt), for train.objective=dpo or simpo. auto: preference if the first record has
+    data.chosen_field and data.rejected_field, else chat if it has data.messages_field, else
+    prompt_completion if it has both of those fields, else alpaca if it has instruction and
+    output, else text; the choice is logged."""
 
     messages_field: str = "messages"
     """Field holding a conversation's messages (data.format=chat)."""
@@ -212,6 +217,12 @@ class DataConfig(Section):
 
     completion_field: str = "completion"
     """Field holding the answer (data.format=prompt_completion)."""
+
+    chosen_field: str = "chosen"
+    """Field holding the preferred answer (data.format=preference)."""
+
+    rejected_field: str = "rejected"
+    """Field holding the answer that is not preferred (data.format=preference)."""
 
     train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss: assistant (the assistant turns of a chat, each with the token that
@@ -267,11 +278,12 @@ class DataConfig(Section):
     def _format_fits(self):
         answer = ("auto", "completion", "all")
         fits = {"chat": ("auto", "assistant", "all"), "prompt_completion": answer, "alpaca": answer,
-                "text": ("auto", "all")}
+                "text": ("auto", "all"), "preference": ("auto", "completion")}
         if self.format in fits and self.train_on not in fits[self.format]:
             raise ValueError(f"data.train_on={self.train_on} does not apply to data.format={self.format}; "
                              f"choose one of {', '.join(fits[self.format])}")
-        if self.format in ("chat", "prompt_completion", "alpaca") and self.source.lower().endswith(".txt"):
+        if self.format in ("chat", "prompt_completion", "alpaca", "preference") and \
+                self.source.lower().endswith(".txt"):
             raise ValueError(f"data.format={self.format} needs records with fields (.jsonl, .parquet or hf:), "
                              f"but '{self.source}' is plain text; use data.format=text or convert it to .jsonl")
         return self
@@ -346,6 +358,24 @@ class TrainConfig(Section):
     resumed run read it); tensorboard (event files in <output_dir>/tensorboard), mlflow (a local
     <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set) and wandb (offline unless WANDB_MODE is
     set) each need their extra, e.g. pip install 'cputrain[tensorboard]'. Rank 0 writes them."""
+
+    objective: Literal["lm", "dpo", "simpo"] = "lm"
+    """What a step minimises. lm: the next-token loss on the trained tokens. dpo: Direct Preference
+    Optimization's sigmoid loss on preference pairs (data.format=preference), against a reference:
+    the base model with the LoRA adapters off (model.lora.enabled=true). simpo: SimPO's
+    reference-free loss on the answers' mean log-probabilities (full weights or LoRA)."""
+
+    dpo_beta: float = Field(0.1, gt=0)
+    """DPO's β: how far the policy may move from the reference (TRL's default, 0.1)."""
+
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """DPO's label smoothing: the share of pairs taken as wrongly labelled (conservative DPO); 0: none."""
+
+    simpo_beta: float = Field(2.0, gt=0)
+    """SimPO's β, the scale of the mean log-probabilities (the SimPO paper's default, 2.0)."""
+
+    simpo_gamma: float = Field(0.5, ge=0)
+    """SimPO's target reward margin γ (the SimPO paper's default, 0.5)."""
 
     stop_at_step: int | None = Field(None, gt=0)
     """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)

@@ -2,7 +2,8 @@
 
 Every kind of data gives the trainer rows with `len(rows)` and `rows.batch(indices)`: packed text
 (TokenRows: every token a label, positions 0…seq_len-1), and chat or prompt/completion examples
-(cputrain.data.examples.ExampleRows: labels only on answers, positions restarting per example).
+(cputrain.data.examples.ExampleRows: labels only on answers, positions restarting per example),
+and preference pairs (cputrain.data.pairs.PairRows: as examples, with the sequence of each token).
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ class Batch:
     input_ids: torch.Tensor  # [micro-batch, tokens]
     labels: torch.Tensor  # [micro-batch, tokens]; the model shifts them: token t+1 is t's target
     position_ids: torch.Tensor | None = None  # None: 0 … tokens-1 in every row
+    # Preference pairs (cputrain.data.pairs): the micro-batch's sequence each token is in, 2p for
+    # pair p's chosen, 2p+1 for its rejected, -1 padding. None for text and examples.
+    sequence_ids: torch.Tensor | None = None
+
+    @property
+    def pairs(self) -> int:
+        """Preference pairs in the micro-batch (0 for text and examples)."""
+        return 0 if self.sequence_ids is None else (int(self.sequence_ids.max()) + 1) // 2
 
     @property
     def trained_targets(self) -> int:

@@ -25,6 +25,8 @@ def train_on_choice(setting: str, data_format: str) -> tuple[str, str]:
         return "assistant", "chat: the assistant turns, each with the token that ends it"
     if data_format == "text":
         return "all", "text: every token (pretraining)"
+    if data_format == "preference":
+        return "completion", "preference: each answer and the token that ends it, not the prompt"
     return "completion", f"{data_format}: the answer and EOS, not the prompt"
 
 

@@ -19,6 +19,7 @@ from cputrain.config import DataConfig
 from cputrain.data import cache_builder, cache_lock, packing, sources
 from cputrain.data.example_kind import ExampleKind
 from cputrain.data.kind import DataKind
+from cputrain.data.preference_kind import PreferenceKind
 from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, stop_on_signal
 from cputrain.data.text_kind import TextKind
 from cputrain.errors import DataError
@@ -28,7 +29,11 @@ log = logging.getLogger("cputrain")
 
 def kind_of(data_cfg: DataConfig, data_format: str, tokenizer) -> DataKind:
     """The kind of data a resolved data.format names, for this tokenizer."""
-    return TextKind(tokenizer) if data_format == "text" else ExampleKind(data_cfg, data_format, tokenizer)
+    if data_format == "text":
+        return TextKind(tokenizer)
+    if data_format == "preference":
+        return PreferenceKind(data_cfg, tokenizer)
+    return ExampleKind(data_cfg, data_format, tokenizer)
 
 
 def _partial_progress(partial: Path) -> str:
@@ -152,7 +157,7 @@ def _stopped_line(cfg, signal_name: str) -> str:
 
 def prepare(cfg, tokenizer=None, isolate: bool = True):
     """(tokenizer, data) for a config: what `train`, `eval` and `prepare` all use. The data is
-    packed text (PackedData) or examples (ExampleData): whatever the kind, data.rows(split) gives
+    packed text (PackedData), examples (ExampleData) or preference pairs (PreferenceData): whatever the kind, data.rows(split) gives
     the rows the trainer batches from.
 
     `cfg` is resolved (data.num_proc is a number). A tokenizer is trained, once, only for a model

@@ -65,11 +65,33 @@ def _pydoc_instructions():
             yield _chat(f"Explain {title.strip()} in more detail.", " ".join(paragraphs[:2]))
 
 
+def _pydoc_preferences():
+    # Preference pairs from the same text, for the offline DPO demo (configs/demo-dpo.yaml): each
+    # help topic's title asked about as builtin:pydoc-sft asks it, the chosen answer its own opening
+    # paragraph, the rejected one the opening paragraph of the topic after it (a fluent answer to
+    # another question). Conversations, so a chat model (the SFT demo's) reads them as it was tuned.
+    from pydoc_data.topics import topics
+
+    answers = []
+    for name in sorted(topics):
+        title, _, body = topics[name].strip().partition("\n")
+        paragraphs = [" ".join(p.split()) for p in body.split("\n\n") if len(p.strip()) > 40 and "*" * 5 not in p]
+        if paragraphs:
+            answers.append((title.strip(), paragraphs[0][:600]))
+    for i, (title, answer) in enumerate(answers):
+        other = answers[(i + 1) % len(answers)][1]
+        if other != answer:
+            yield {"prompt": [{"role": "user", "content": f"What is {title} in Python?"}],
+                   "chosen": [{"role": "assistant", "content": answer}],
+                   "rejected": [{"role": "assistant", "content": other}]}
+
+
 def _chat(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
-BUILTINS = {"builtin:pydoc": _pydoc_paragraphs, "builtin:pydoc-sft": _pydoc_instructions}
+BUILTINS = {"builtin:pydoc": _pydoc_paragraphs, "builtin:pydoc-sft": _pydoc_instructions,
+            "builtin:pydoc-dpo": _pydoc_preferences}
 
 
 def _pydoc_documents() -> list[str]:
@@ -242,7 +264,7 @@ def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpu
     for name in fields or (field,):
         if name not in ds.column_names:
             key = "data.text_field" if fields is None else "data.format and its field names (data.messages_field, " \
-                "data.prompt_field, data.completion_field)"
+                "data.prompt_field, data.completion_field, data.chosen_field, data.rejected_field)"
             raise DataError(f"dataset '{cfg.source}' has no field '{name}' (fields: {ds.column_names}); set {key}")
     rows = min(len(ds), cfg.max_documents or len(ds))
     if rows == 0:
@@ -256,7 +278,8 @@ def _text_field(cfg: DataConfig) -> str:
     if cfg.source == "builtin:pydoc" or _plain_text_files(cfg):
         return "text"
     fmt = record_format(cfg)
-    return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field, "alpaca": "output"}.get(
+    return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field, "alpaca": "output",
+            "preference": cfg.chosen_field}.get(
         fmt, cfg.text_field)
 
 
@@ -269,6 +292,8 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
     """The field names of the first record, read without converting the corpus."""
     if cfg.source == "builtin:pydoc-sft":
         return ["messages"]
+    if cfg.source == "builtin:pydoc-dpo":
+        return ["prompt", "chosen", "rejected"]
     if cfg.source.startswith(BUILTIN_PREFIX) or _plain_text_files(cfg):
         return ["text"]
     if cfg.source.startswith(HF_PREFIX):
@@ -302,7 +327,9 @@ def format_choice(cfg: DataConfig) -> tuple[str, str]:
     if cfg.format != "auto":
         return cfg.format, ""
     fields = _first_record_fields(cfg)
-    if cfg.messages_field in fields:
+    if cfg.chosen_field in fields and cfg.rejected_field in fields:
+        fmt, why = "preference", f"the first record has '{cfg.chosen_field}' and '{cfg.rejected_field}'"
+    elif cfg.messages_field in fields:
         fmt, why = "chat", f"the first record has '{cfg.messages_field}'"
     elif cfg.prompt_field in fields and cfg.completion_field in fields:
         fmt, why = "prompt_completion", f"the first record has '{cfg.prompt_field}' and '{cfg.completion_field}'"

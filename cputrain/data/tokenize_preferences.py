@@ -1,0 +1,191 @@
+"""What one tokenizing process does for preference records: records [start, stop) → per pair two
+sequences, prompt + chosen then prompt + rejected, each with a mask of its answer's tokens and its
+length, stored adjacent (chosen first) in the examples' ids / mask / lengths streams.
+
+A record is TRL's: plain strings (prompt, chosen, rejected), or conversations (lists of
+messages) rendered with the chat template, the prompt being the shared messages. Without a
+prompt field (the "implicit prompt" form) chosen and rejected are whole conversations (or texts)
+and the prompt is their common beginning, as TRL's extract_prompt takes it; where the two first
+part at a message that is not the assistant's, their prompts differ and the record is refused.
+
+A string pair is tokenized as prompt/completion examples are (cputrain.data.tokenize_examples):
+the whole text, then the prompt alone, the answer starting where the two token sequences part,
+then EOS, trained. A conversational pair is the rendering of prompt + answer, the answer's
+assistant turns trained (with the token that ends each). A pair whose answers are the same
+teaches nothing (skipped_identical), one with an empty answer is skipped (skipped_empty), and one
+whose two sequences together exceed data.seq_len is dropped (dropped_long): a pair is packed whole
+into one row, never cut.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from cputrain.data.chat_template import assistant_spans, content_text
+from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow
+from cputrain.data.tokenize_examples import ExampleChunk, _messages, _record_error, _Skipped
+from cputrain.errors import DataError
+
+_state: dict = {}  # set once per process by init_worker
+
+COUNTERS = ("train_pairs", "val_pairs", "skipped_identical", "skipped_empty", "dropped_long", "trained_tokens",
+            "val_trained_tokens", "text_chars", "non_text_parts", "tools_unsupported")
+
+
+@dataclass(frozen=True)
+class PreferenceSpec:
+    """How records become pairs: everything that changes the tokens or the masks (the cache key hashes it)."""
+
+    prompt_field: str
+    chosen_field: str
+    rejected_field: str
+    template: str | None  # the chat template's text, for conversational records
+    template_variables: dict
+    seq_len: int
+
+    def key(self) -> dict:
+        return {"format": "preference", **self.__dict__}
+
+
+def init_worker(arrow_files: list[str] | None, dataset, spec: PreferenceSpec, tokenizer_json: str, eos_id: int,
+                dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
+    from tokenizers import Tokenizer
+
+    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), spec=spec,
+                  tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype), chars_since_open=0)
+
+
+def extract_prompt(chosen, rejected):
+    """(prompt, chosen answer, rejected answer) of an implicit-prompt pair: their common beginning
+    (messages, or characters of a text), as TRL's extract_prompt splits it."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if idx and chosen[idx - 1] == " ":  # a text: the space before the answer stays with it
+                idx -= 1
+            break
+    else:
+        idx = min(len(chosen), len(rejected))
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _string_sequence(prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    tok = _state["tokenizer"]
+    # The text whole, then the prompt alone (TRL's rule, and tokenize_examples'): the answer starts
+    # where the two token sequences part. EOS ends the answer and is trained.
+    ids = tok.encode(prompt + answer, add_special_tokens=True).ids + [_state["eos"]]
+    prompt_ids = tok.encode(prompt, add_special_tokens=True).ids
+    start = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
+    return ids, [0] * start + [1] * (len(ids) - start)
+
+
+def _chat_sequence(prompt: list[dict], answer: list[dict]) -> tuple[list[int], list[int]]:
+    spec = _state["spec"]
+    text, spans = assistant_spans(spec.template, prompt + answer, spec.template_variables)
+    spans = spans[sum(m["role"] == "assistant" for m in prompt):]  # the answer's turns, not the prompt's
+    enc = _state["tokenizer"].encode(text, add_special_tokens=False)  # the template writes any BOS itself
+    starts = np.array([a for a, _ in enc.offsets])
+    mask = np.zeros(len(enc.ids), dtype=np.uint8)
+    for a, b in spans:
+        mask[(starts >= a) & (starts < b)] = 1
+    return list(enc.ids), mask.tolist()
+
+
+def _is_empty(answer) -> bool:
+    if isinstance(answer, str):
+        return not answer.strip()
+    return not any((content_text(m.get("content")) or "").strip() or m.get("tool_calls")
+                   for m in answer if isinstance(m, dict) and m.get("role") == "assistant")
+
+
+def pair_sequences(prompt, chosen, rejected, row: int) -> tuple[tuple[list[int], list[int]], ...] | str:
+    """The pair's two sequences (ids, mask), chosen first; or the counter it is skipped under."""
+    spec = _state["spec"]
+    names = (spec.chosen_field, spec.rejected_field)
+    conversational = isinstance(chosen, list)
+    for name, value in zip(names, (chosen, rejected)):
+        if not isinstance(value, (str, list)) or isinstance(value, list) != conversational:
+            raise _record_error(row, f"fields '{names[0]}' and '{names[1]}' must both be strings or both lists of "
+                                     f"messages (got {type(chosen).__name__} and {type(rejected).__name__})")
+    if prompt is None:
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+        if conversational and any(answer and not (isinstance(answer[0], dict) and answer[0].get("role") == "assistant")
+                                  for answer in (chosen, rejected)):
+            raise _record_error(row, f"the conversations in '{names[0]}' and '{names[1]}' part before an assistant "
+                                     "turn: their prompts differ. Give the shared prompt in data.prompt_field, or "
+                                     "conversations that differ only in the answer")
+    elif isinstance(prompt, list) != conversational or not isinstance(prompt, (str, list)):
+        raise _record_error(row, f"field '{spec.prompt_field}' must be a string with string answers, or a list of "
+                                 f"messages with conversational ones (got {type(prompt).__name__})")
+    if chosen == rejected:
+        return "skipped_identical"
+    if _is_empty(chosen) or _is_empty(rejected):
+        return "skipped_empty"
+    if not conversational:
+        return _string_sequence(prompt, chosen), _string_sequence(prompt, rejected)
+    if spec.template is None:
+        raise DataError("conversational preference pairs are rendered with a chat template, and the tokenizer has "
+                        "none (nor the built-in template's tokens); set data.chat_template to a Jinja file")
+    field = spec.prompt_field
+    prompt_messages = _messages(prompt, row, field, spec.template) if prompt else []
+    return tuple(_chat_sequence(prompt_messages, _messages(answer, row, name, spec.template))
+                 for name, answer in zip(names, (chosen, rejected)))
+
+
+def _chars(value) -> int:
+    if isinstance(value, list):
+        return sum(len(content_text(m.get("content")) or "") for m in value if isinstance(m, dict))
+    return len(value) if isinstance(value, str) else 0
+
+
+def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
+    s = _state
+    spec, dtype = s["spec"], s["dtype"]
+    batch = s["dataset"][start:stop]
+    nothing = [None] * (stop - start)
+    prompts = batch.get(spec.prompt_field) or nothing
+    chosens, rejecteds = batch.get(spec.chosen_field) or nothing, batch.get(spec.rejected_field) or nothing
+    split = {"train": ([], [], []), "val": ([], [], [])}  # ids, masks, lengths
+    counts = dict.fromkeys(COUNTERS, 0)
+    for i, is_val in enumerate(held_out):
+        row = start + i
+        prompt, chosen, rejected = prompts[i], chosens[i], rejecteds[i]
+        if chosen is None or rejected is None:
+            missing = spec.chosen_field if chosen is None else spec.rejected_field
+            raise DataError(f"record {row + 1}: field '{missing}' is missing; every preference record needs "
+                            f"'{spec.chosen_field}' and '{spec.rejected_field}' (data.chosen_field, data.rejected_field)")
+        counts["text_chars"] += _chars(prompt) + _chars(chosen) + _chars(rejected)
+        try:
+            pair = pair_sequences(prompt, chosen, rejected, row)
+        except _Skipped as skip:
+            counts[skip.counter] += 1
+            continue
+        if isinstance(pair, str):
+            counts[pair] += 1
+            continue
+        if sum(len(ids) for ids, _ in pair) > spec.seq_len:
+            counts["dropped_long"] += 1  # a pair is packed whole into one row, never cut
+            continue
+        name = "val" if is_val else "train"
+        ids_out, masks_out, lengths_out = split[name]
+        for ids, mask in pair:
+            mask[0] = 0  # a sequence's first token is predicted from nothing of its own: never a target
+            ids_out.extend(ids)
+            masks_out.extend(mask)
+            lengths_out.append(len(ids))
+            counts["val_trained_tokens" if is_val else "trained_tokens"] += int(sum(mask))
+        counts["val_pairs" if is_val else "train_pairs"] += 1
+    s["chars_since_open"] += counts["text_chars"]
+    if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
+        s["dataset"] = None
+        s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
+    parts = {}
+    for name, (ids_out, masks_out, lengths_out) in split.items():
+        parts[f"{name}.bin"] = np.asarray(ids_out, dtype=dtype)
+        parts[f"{name}.mask.bin"] = np.asarray(masks_out, dtype=np.uint8)
+        parts[f"{name}.lengths.bin"] = np.asarray(lengths_out, dtype=np.uint32)
+    return ExampleChunk(start, stop, parts, counts)

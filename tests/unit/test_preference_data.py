@@ -1,0 +1,124 @@
+"""Preference pairs: TRL's record forms become two sequences per pair with the answers trained,
+what cannot be learnt from is counted or refused, and rows pack whole pairs with each token's
+sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cputrain.data import chat_template, tokenize_preferences
+from cputrain.data.batch import IGNORE_INDEX
+from cputrain.data.pairs import PairRows
+from cputrain.data.tokenize_preferences import PreferenceSpec, extract_prompt
+from cputrain.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from cputrain.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+class _Records:
+    """What a worker reads of a datasets.Dataset: rows sliced into columns."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+
+    def __getitem__(self, rows: slice) -> dict:
+        names = dict.fromkeys(name for record in self.records for name in record)
+        return {name: [record.get(name) for record in self.records[rows]] for name in names}
+
+
+def _tokenize(tok, records, seq_len=256):
+    template = chat_template.template_of(tok, None)
+    spec = PreferenceSpec("prompt", "chosen", "rejected", template, chat_template.template_variables(tok), seq_len)
+    tokenize_preferences.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
+                                     "uint16")
+    return tokenize_preferences.tokenize_rows(0, len(records), np.zeros(len(records), bool))
+
+
+def _sequences(chunk):
+    ids, mask, lengths = chunk.parts["train.bin"], chunk.parts["train.mask.bin"], chunk.parts["train.lengths.bin"]
+    bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    return [(ids[a:b].tolist(), mask[a:b].tolist()) for a, b in zip(bounds, bounds[1:])]
+
+
+def _trained_text(tok, ids, mask) -> str:
+    return tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_string_pairs_train_each_answer_and_eos_not_the_prompt(tok):
+    chunk = _tokenize(tok, [{"prompt": "What is a list? ", "chosen": "A mutable sequence.", "rejected": "A number."}])
+    (c_ids, c_mask), (r_ids, r_mask) = _sequences(chunk)
+    assert chunk.counts["train_pairs"] == 1
+    assert c_ids[-1] == r_ids[-1] == tok.eos_token_id and c_mask[-1] == r_mask[-1] == 1
+    assert "A mutable sequence." in _trained_text(tok, c_ids, c_mask)
+    assert "list" not in _trained_text(tok, c_ids, c_mask)
+    assert _trained_text(tok, r_ids, r_mask).strip().startswith("A number")
+    # the prompt's tokens are the same in both sequences, and untrained
+    start = c_mask.index(1)
+    assert c_ids[:start] == r_ids[:start] and not any(r_mask[:start])
+
+
+def test_conversational_pairs_train_the_assistant_answer_only(tok):
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a tuple?"}]
+    chunk = _tokenize(tok, [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "An immutable sequence."}],
+                             "rejected": [{"role": "assistant", "content": "A kind of fish."}]}])
+    (c_ids, c_mask), (r_ids, r_mask) = _sequences(chunk)
+    assert _trained_text(tok, c_ids, c_mask).strip().startswith("An immutable sequence.")
+    assert _trained_text(tok, r_ids, r_mask).strip().startswith("A kind of fish.")
+    assert "tuple" in tok.decode(c_ids) and "tuple" not in _trained_text(tok, c_ids, c_mask)
+
+
+def test_the_implicit_prompt_is_the_shared_leading_messages(tok):
+    user = {"role": "user", "content": "What is a dict?"}
+    implicit = {"chosen": [user, {"role": "assistant", "content": "A mapping."}],
+                "rejected": [user, {"role": "assistant", "content": "A list."}]}
+    explicit = {"prompt": [user], "chosen": [{"role": "assistant", "content": "A mapping."}],
+                "rejected": [{"role": "assistant", "content": "A list."}]}
+    assert _sequences(_tokenize(tok, [implicit])) == _sequences(_tokenize(tok, [explicit]))
+    # TRL's extract_prompt on texts: the space before the answers stays with them
+    assert extract_prompt("Q: x? yes", "Q: x? no") == ("Q: x?", " yes", " no")
+
+
+def test_identical_and_empty_answers_are_counted_long_pairs_dropped(tok):
+    chunk = _tokenize(tok, [{"prompt": "Q ", "chosen": "same", "rejected": "same"},
+                            {"prompt": "Q ", "chosen": "  ", "rejected": "no"},
+                            {"prompt": "Q ", "chosen": "word " * 40, "rejected": "word " * 40 + "x"},
+                            {"prompt": "Q ", "chosen": "yes", "rejected": "no"}], seq_len=60)
+    c = chunk.counts
+    assert (c["skipped_identical"], c["skipped_empty"], c["dropped_long"], c["train_pairs"]) == (1, 1, 1, 1)
+    assert len(chunk.parts["train.lengths.bin"]) == 2  # one pair: two sequences
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "Q", "chosen": "yes"}, "field 'rejected' is missing"),
+    ({"prompt": "Q", "chosen": "yes", "rejected": [{"role": "assistant", "content": "no"}]}, "both be strings"),
+    ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
+      "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "x"}]}, "prompts differ"),
+])
+def test_bad_records_are_one_line(tok, record, message):
+    with pytest.raises(DataError, match=message) as err:
+        _tokenize(tok, [record])
+    assert "\n" not in str(err.value)
+
+
+def test_rows_pack_whole_pairs_with_each_tokens_sequence():
+    lengths = np.array([3, 4, 2, 2, 5, 5])  # pairs of 7, 4 and 10 tokens
+    ids = np.arange(1, lengths.sum() + 1)
+    mask = np.ones(lengths.sum(), dtype=np.uint8)
+    rows = PairRows(ids, mask, lengths, seq_len=12, packing=True, pad_id=0)
+    assert len(rows) == 2  # pairs 0 and 1 (11 tokens) in one row, pair 2 in the next
+    batch = rows.batch([0, 1])
+    assert batch.pairs == 3
+    assert batch.sequence_ids[0].tolist() == [0] * 3 + [1] * 4 + [2] * 2 + [3] * 2 + [-1]
+    assert batch.sequence_ids[1].tolist() == [4] * 5 + [5] * 5 + [-1] * 2
+    assert batch.position_ids[0, :11].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1]
+    firsts = torch.tensor([0, 3, 7, 9])  # no sequence's first token is a target
+    assert (batch.labels[0, firsts] == IGNORE_INDEX).all() and batch.labels[0, 11] == IGNORE_INDEX
+    unpacked = PairRows(ids, mask, lengths, seq_len=12, packing=False, pad_id=0).batch([2, 0])
+    assert unpacked.input_ids.shape == (2, 10) and unpacked.sequence_ids[1].tolist() == [2] * 3 + [3] * 4 + [-1] * 3
