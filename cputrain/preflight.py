@@ -22,6 +22,26 @@ def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
     check_model_fits_seq_len(cfg)
     check_model_weights(cfg)
     check_report_to(cfg)
+    check_objective_fits(cfg)
+
+
+def check_objective_fits(cfg: Config) -> None:
+    """train.objective reads the data's kind (dpo and simpo pairs, lm everything else) and DPO a
+    reference (LoRA's base). A hub dataset under data.format=auto is not opened here (that can
+    take minutes): each rank checks it again once its format is decided."""
+    from cputrain.data.sources import HF_PREFIX, format_choice
+    from cputrain.errors import DataError
+    from cputrain.objectives.objective import check_objective
+
+    data = cfg.data
+    if data.format == "auto" and data.source.startswith(HF_PREFIX):
+        fmt = "preference" if cfg.train.objective != "lm" else "text"  # decided by the rank
+    else:
+        try:
+            fmt = format_choice(data)[0]
+        except DataError:
+            return  # a source that cannot be read is reported where the data is prepared
+    check_objective(cfg.train.objective, fmt, cfg.model.lora.enabled)
 
 
 def check_report_to(cfg: Config) -> None:

@@ -23,13 +23,13 @@ from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.distributed.stop_request import StopRequest
 from cputrain.errors import ConfigError, Diverged, Stopped, one_line
-from cputrain.evaluation import summed_loss
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_loss import install_chunked_loss
 from cputrain.lora.converter import converter_for
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
 from cputrain.metrics.summary import read_summary, write_summary
+from cputrain.objectives.objective import check_objective, objective_for
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.resolve import unresolved_keys
@@ -51,6 +51,7 @@ class StepOutcome:
     stop_signal: str | None  # a stop was asked for (on any rank): finish here with a checkpoint
     save_due: bool  # train.checkpoint_every_s has passed on rank 0's clock
     weights_finite: bool = True  # False: the update left a trained weight at inf or nan (on some rank)
+    figures: dict | None = None  # the objective's figures of the global batch (preference: TRL's rewards/…)
 
 
 class Trainer:
@@ -64,6 +65,9 @@ class Trainer:
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
+        check_objective(cfg.train.objective, cfg.data.format, cfg.model.lora.enabled)
+        # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off)
+        self.objective = objective_for(cfg.train, self.converter.reference)
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
         self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
@@ -182,15 +186,19 @@ class Trainer:
         """One optimizer step over this rank's share of the global batch."""
         micro_batches = [self.train_rows.batch(indices) for indices in self.order.rank_micro_batches(
             self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size)]
-        # The step's loss is the sum of the losses of every trained target of the global batch ÷
-        # their number, over all micro-batches and ranks: a mean of per-micro-batch means is wrong
-        # when micro-batches hold different numbers of trained targets (chat data). Strategies
-        # average gradients over ranks, so each rank divides by the global count ÷ world size.
-        trained, tokens = (int(n) for n in pg.all_reduce_sum([sum(b.trained_targets for b in micro_batches),
-                                                              sum(b.tokens for b in micro_batches)]))
-        divisor = max(trained, 1) / self.ranks.world_size
+        # The step's loss is the sum of the losses of every item of the global batch (trained
+        # target, or preference pair) ÷ their number, over all micro-batches and ranks: a mean of
+        # per-micro-batch means is wrong when micro-batches hold different numbers of them (chat
+        # data, packed pairs). Strategies average gradients over ranks, so each rank divides by the
+        # global count ÷ world size.
+        objective = self.objective
+        trained, tokens, items = (int(n) for n in pg.all_reduce_sum([
+            sum(b.trained_targets for b in micro_batches), sum(b.tokens for b in micro_batches),
+            sum(objective.items(b) for b in micro_batches)]))
+        divisor = max(items, 1) / self.ranks.world_size
         self.model.train()
         loss_sum = torch.zeros(())
+        figure_sums = torch.zeros(len(objective.names), dtype=torch.float64)
         # One autocast region around all micro-batches: autocast caches the bf16 copy of each fp32
         # weight until the region ends, so weights are cast once per optimizer step (they change
         # only at the step), not once per micro-batch. Measured +3% tokens/s on a 97M Llama with
@@ -198,10 +206,16 @@ class Trainer:
         with self.strategy.autocast():
             for i, batch in enumerate(micro_batches):
                 with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
-                    loss = self.model(**batch.model_inputs(), num_items_in_batch=divisor).loss
+                    loss, figures = objective.loss(self.model, batch, divisor)
                     self.strategy.backward(loss)
                 loss_sum += loss.detach().float()
+                if figures is not None:
+                    figure_sums += figures.double()
         loss = float(loss_sum)
+        figures = None
+        if objective.names:  # the means over the global batch's pairs
+            sums = pg.all_reduce_sum(figure_sums.tolist())
+            figures = {name: float(v) / max(items, 1) for name, v in zip(objective.names, sums)}
         # One small all-reduce a step (none on one rank): is any rank's loss not finite, was any rank
         # asked to stop, is a timed checkpoint due by rank 0's clock? Every rank then skips or steps,
         # stops or goes on, saves or not, at the same step.
@@ -217,7 +231,7 @@ class Trainer:
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
-                           weights_finite)
+                           weights_finite, figures)
 
     def _weights_finite_on_every_rank(self) -> bool:
         """Each rank reads the trained weights it holds; one all-reduce of one number on several ranks."""
@@ -273,11 +287,11 @@ class Trainer:
             f"{self.cfg.train.warmup_steps}) or train.grad_clip > 0, then re-run to resume"
         )
 
-    def evaluate(self) -> float:
-        """Mean validation loss per trained target over the first eval_batches × micro-batch rows,
-        split across ranks."""
+    def evaluate(self) -> tuple[float, dict]:
+        """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
+        micro-batch rows, split across ranks; and the objective's figures there (eval_rewards/…)."""
         if len(self.val_rows) == 0:
-            return float("nan")
+            return float("nan"), {}
         self.model.eval()
         mbs, world, rank = self.cfg.train.micro_batch_size, self.ranks.world_size, self.ranks.rank
         n = min(len(self.val_rows), self.cfg.train.eval_batches * mbs * world)
@@ -285,9 +299,10 @@ class Trainer:
         if n == 0:
             n = len(self.val_rows)
         per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
-        loss_sum, targets = summed_loss(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
-        loss_sum, targets = pg.all_reduce_sum([loss_sum, targets])
-        return loss_sum / max(targets, 1)
+        sums, items = self.objective.summed(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
+        *sums, items = pg.all_reduce_sum([*sums.tolist(), items])
+        figures = {f"eval_{name}": v / max(items, 1) for name, v in zip(self.objective.names, sums[1:])}
+        return sums[0] / max(items, 1), figures
 
     # ------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -339,9 +354,10 @@ class Trainer:
                 if metrics.steps_this_session == 1:
                     self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
                 row = metrics.record(self.step, outcome.loss, outcome.grad_norm, self.schedule.get_last_lr()[0],
-                                     self.order.epoch_of(self.step), outcome.trained, outcome.tokens)
+                                     self.order.epoch_of(self.step), outcome.trained, outcome.tokens,
+                                     outcome.figures)
                 if self._validation_due() and not outcome.stop_signal:
-                    row = metrics.with_validation(row, self.step, self.evaluate())
+                    row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)
                 self._guard(outcome)  # after the row is written: the step that stops the run is on record
                 saved = False

@@ -77,7 +77,7 @@ def _pydoc_preferences():
         title, _, body = topics[name].strip().partition("\n")
         paragraphs = [" ".join(p.split()) for p in body.split("\n\n") if len(p.strip()) > 40 and "*" * 5 not in p]
         if paragraphs:
-            answers.append((title.strip(), paragraphs[0][:600]))
+            answers.append((title.strip(), paragraphs[0][:300]))
     for i, (title, answer) in enumerate(answers):
         other = answers[(i + 1) % len(answers)][1]
         if other != answer:

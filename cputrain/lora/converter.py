@@ -4,6 +4,7 @@ the base weights' fingerprint recorded and checked (cputrain.lora.base_model).""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from torch import nn
@@ -56,6 +57,22 @@ class LoraConverter(ModelConverter):
 
     def record(self, run, source) -> None:
         base_model.record(run, source.folder)
+
+    @contextlib.contextmanager
+    def reference(self, model: nn.Module):
+        """The base model, for DPO's reference: every peft layer computes without its adapter
+        (peft's enable_adapters(False)) until the context ends, then with it again."""
+        from cputrain.lora.adapters import lora_layers
+
+        layers = [layer for _, layer in lora_layers(model)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield model
+        finally:
+            for layer in layers:
+                # enable_adapters(True) makes the adapters trainable again: peft's own switch
+                layer.enable_adapters(True)
 
     def export(self, strategy, model: nn.Module, hf_config, tokenizer, target: str, is_writer: bool) -> None:
         """model/ is a peft adapter folder: the adapters alone, gathered from every rank."""

@@ -92,10 +92,11 @@ class RunMetrics:
         self.steps_this_session += 1
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, epoch: float, trained: int,
-               tokens: int) -> dict | None:
+               tokens: int, figures: dict | None = None) -> dict | None:
         """Counts a step's trained targets and processed tokens (of the global batch), and returns
         the row of a logged step (every train.log_every and the last), None between them. Every
-        rank calls it: the loss is averaged over the ranks."""
+        rank calls it: the loss is averaged over the ranks. `figures`: the objective's, of the
+        step's global batch (preference: TRL's rewards/… and logps/…), already the same on every rank."""
         self._window_trained += trained
         self._window_tokens += tokens
         if step % self.cfg.train.log_every != 0 and step != self.total_steps:
@@ -118,20 +119,27 @@ class RunMetrics:
             "peak_rss_gib": max(self.run_peak_gib, memory.peak_rss_gib()),
             "epoch": epoch,
         }
+        row.update(figures or {})
         row.update(self.meter.window())
         self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
         if self.ranks.is_main and not self._live:
-            log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%", step, self.total_steps,
-                     row["loss"], row["lr"], f"{tps:,.0f}", 100 * mfu)
+            pairs = (f"  reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}"
+                     if "rewards/accuracies" in row else "")
+            log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%%s", step, self.total_steps,
+                     row["loss"], row["lr"], f"{tps:,.0f}", 100 * mfu, pairs)
         self._window_t0, self._window_steps = time.perf_counter(), 0
         self._window_trained = self._window_tokens = 0
         return row
 
-    def with_validation(self, row: dict | None, step: int, val_loss: float) -> dict:
+    def with_validation(self, row: dict | None, step: int, val_loss: float, figures: dict | None = None) -> dict:
         self.last_val_loss = val_loss
         row = row or {"step": step}
         row["val_loss"] = val_loss
         row["val_ppl"] = math.exp(min(val_loss, 50))
+        row.update(figures or {})
+        if figures and self.ranks.is_main and "eval_rewards/accuracies" in figures:
+            log.info("step %d  validation: loss %.4f  reward accuracy %.3f  margin %.4f", step, val_loss,
+                     figures["eval_rewards/accuracies"], figures["eval_rewards/margins"])
         self.exclude_pause()  # evaluation time is not training throughput
         return row
 
@@ -192,4 +200,25 @@ class RunMetrics:
             "lora": cfg.model.lora.enabled,
         }
         summary.update(comm.summarize(steady))
+        summary.update(_preference_figures(rows, cfg.train.objective))
         return summary
+
+
+PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                   "logps/rejected")
+
+
+def _preference_figures(rows: list[dict], objective: str) -> dict:
+    """A preference run's figures (TRL's names): the last logged step's, the first and last
+    validation's (eval_…, with first_eval_… to read what training changed)."""
+    if objective == "lm":
+        return {}
+    out = {"objective": objective}
+    trained = [r for r in rows if "rewards/accuracies" in r]
+    evals = [r for r in rows if "eval_rewards/accuracies" in r]
+    for key in PREFERENCE_KEYS:
+        out[key] = trained[-1][key] if trained else None
+        out[f"eval_{key}"] = evals[-1][f"eval_{key}"] if evals else None
+    for key in ("rewards/accuracies", "rewards/margins"):
+        out[f"first_eval_{key}"] = evals[0][f"eval_{key}"] if evals else None
+    return out

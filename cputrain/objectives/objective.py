@@ -1,0 +1,106 @@
+"""A run's objective, chosen once from train.objective: what one micro-batch's loss is, what the
+step counts to normalise it (trained targets, or pairs), and the validation figures.
+
+The trainer calls it the same way for every objective. The step's loss is the sum over the global
+batch ÷ the global count of its items (trained targets for lm, pairs for dpo and simpo), each rank
+dividing by that count ÷ world size because strategies average gradients over ranks: the loss is
+then the mean over the whole global batch whatever the micro-batch size and number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from cputrain.errors import ConfigError
+from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, sequence_logps, simpo_losses
+
+PREFERENCE_OBJECTIVES = ("dpo", "simpo")
+
+
+def check_objective(objective: str, data_format: str, lora: bool) -> None:
+    """Refuse, in one line, an objective that cannot train on this data or these weights."""
+    if objective in PREFERENCE_OBJECTIVES and data_format != "preference":
+        raise ConfigError(f"train.objective={objective} trains on preference pairs, but data.format is {data_format}; "
+                          "set data.format=preference (or auto) on records with chosen and rejected answers")
+    if objective == "lm" and data_format == "preference":
+        raise ConfigError("data.format=preference holds pairs, which the language-model loss (train.objective=lm) "
+                          "does not read; set train.objective=dpo or simpo")
+    if objective == "dpo" and not lora:
+        raise ConfigError("train.objective=dpo needs a reference model, which cputrain takes as the base with the "
+                          "LoRA adapters off: set model.lora.enabled=true, or train full weights with "
+                          "train.objective=simpo, which needs no reference")
+
+
+class LmObjective:
+    """The next-token loss on trained targets: what every run trained before preference objectives."""
+
+    names: tuple[str, ...] = ()  # no figures beside the loss
+
+    def items(self, batch) -> int:
+        return batch.trained_targets
+
+    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, None]:
+        return model(**batch.model_inputs(), num_items_in_batch=divisor).loss, None
+
+    @torch.no_grad()
+    def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
+        """([sum of the losses], trained targets) over rows[indices]."""
+        from cputrain.evaluation import summed_loss
+
+        total, targets = summed_loss(model, rows, indices, micro_batch, autocast)
+        return np.array([total]), targets
+
+
+class PreferenceObjective:
+    """DPO against a reference (the converter's: the base with the adapters off), or SimPO, on pairs."""
+
+    names = STAT_NAMES
+
+    def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager]):
+        self.cfg, self.reference = train_cfg, reference
+        self.kind = train_cfg.objective
+
+    def items(self, batch) -> int:
+        return batch.pairs
+
+    def _losses(self, model, batch):
+        inputs = batch.model_inputs()
+        del inputs["labels"]  # the logits are wanted, not the language-model loss
+        sequences = 2 * batch.pairs
+        logps, tokens = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+        cfg = self.cfg
+        if self.kind == "simpo":
+            means = logps / tokens.clamp(min=1)
+            return simpo_losses(means[0::2], means[1::2], cfg.simpo_beta, cfg.simpo_gamma)
+        # The reference sees the same micro-batch through the same weights with the adapters off:
+        # no second model in memory, and no gradient.
+        with torch.no_grad(), self.reference(model):
+            ref, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+        return dpo_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], cfg.dpo_beta, cfg.dpo_label_smoothing)
+
+    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the pairs' summed loss ÷ divisor, the sums of TRL's figures over the pairs)."""
+        pairs = self._losses(model, batch)
+        return pairs.losses.sum() / divisor, pairs.stat_sums()
+
+    @torch.no_grad()
+    def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
+        """([sum of the losses, sums of TRL's figures…], pairs) over rows[indices]."""
+        total, pairs = np.zeros(1 + len(STAT_NAMES)), 0
+        indices = np.asarray(indices)
+        for start in range(0, len(indices), micro_batch):
+            batch = rows.batch(indices[start : start + micro_batch])
+            with autocast():
+                losses = self._losses(model, batch)
+            total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().double().numpy()])
+            pairs += batch.pairs
+        return total, pairs
+
+
+def objective_for(train_cfg, reference) -> LmObjective | PreferenceObjective:
+    """The run's objective; `reference(model)` is the converter's context in which `model` is the reference."""
+    return PreferenceObjective(train_cfg, reference) if train_cfg.objective in PREFERENCE_OBJECTIVES else LmObjective()
