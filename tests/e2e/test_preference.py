@@ -1,0 +1,90 @@
+"""Preference tuning through the CLI on a tiny model: LoRA DPO on builtin:pydoc-dpo starts at
+ln 2 (the policy is its reference), logs TRL's figures per step and at validation and puts them
+in summary.json; the first step's loss does not depend on the micro-batch size; a stopped and
+resumed run equals a straight one; SimPO trains full weights."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import run_cli, tiny_overrides
+
+DPO = {"data.source": "builtin:pydoc-dpo", "data.format": "auto", "data.seq_len": 256, "data.val_fraction": 0.1,
+       "train.objective": "dpo", "model.lora.enabled": "true",
+       "model.lora.rank": 4, "train.lr": 1e-2, "train.max_steps": 6, "train.eval_every": 3,
+       "train.checkpoint_every": 3}
+KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+        "logps/rejected")
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir, base):
+    out = tmp_path_factory.mktemp("dpo") / "straight"
+    run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO}), check=True)
+    return out
+
+
+def test_lora_dpo_starts_at_ln2_and_records_trls_figures(straight):
+    rows = _rows(straight)
+    first = rows[0]
+    assert first["step"] == 1 and abs(first["loss"] - math.log(2)) < 1e-4
+    # at step 1 the adapters are zero: the policy is its reference, every reward 0
+    assert first["rewards/margins"] == pytest.approx(0, abs=1e-5) and first["rewards/accuracies"] == 0
+    assert all(key in r for r in rows if "loss" in r for key in KEYS)
+    # after one update the adapters are no longer zero: the policy has moved away from its reference
+    assert rows[1]["rewards/margins"] != 0 and rows[1]["loss"] != first["loss"]
+    evals = [r for r in rows if "eval_rewards/accuracies" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(math.isfinite(r["val_loss"]) for r in evals)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["objective"] == "dpo" and summary["lora"] is True
+    for key in KEYS:
+        assert summary[key] is not None and summary[f"eval_{key}"] is not None
+    assert summary["first_eval_rewards/accuracies"] == evals[0]["eval_rewards/accuracies"]
+
+
+def test_the_first_step_loss_does_not_depend_on_the_micro_batch(tmp_path, cache_dir, base, straight):
+    one_by_one = tmp_path / "micro1"
+    run_cli("train", *tiny_overrides(one_by_one, cache_dir, **{"model.name_or_path": base, **DPO,
+                                                               "train.micro_batch_size": 1, "train.max_steps": 1}),
+            check=True)
+    a, b = _losses(straight)[1], _losses(one_by_one)[1]
+    assert abs(a - b) < 1e-5, (a, b)
+
+
+def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, straight):
+    split = tmp_path / "split"
+    overrides = {"model.name_or_path": base, **DPO}
+    run_cli("train", *tiny_overrides(split, cache_dir, **overrides, **{"train.stop_at_step": 3}), check=True)
+    resumed = run_cli("train", *tiny_overrides(split, cache_dir, **overrides), check=True)
+    assert "resumed from" in resumed.stderr
+    a, b = _losses(straight), _losses(split)
+    assert sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        assert a[step] == pytest.approx(b[step], abs=1e-6), step
+
+
+def test_simpo_trains_full_weights(tmp_path, cache_dir, base):
+    out = tmp_path / "simpo"
+    overrides = {"model.name_or_path": base, **DPO, "train.objective": "simpo", "model.lora.enabled": "false",
+                 "train.lr": 1e-3, "train.max_steps": 2, "train.eval_every": 2}
+    run_cli("train", *tiny_overrides(out, cache_dir, **overrides), check=True)
+    rows = [r for r in _rows(out) if "loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and "rewards/margins" in r for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["objective"] == "simpo" and summary["eval_rewards/accuracies"] is not None
