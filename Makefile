@@ -3,12 +3,13 @@
 #   make test   install with the test tools, then run the test suite (what CI runs; its budget: README, Tests)
 #   make test-fast  the tests that start no training process or agent (a developer's loop, ≤ 3 minutes)
 #   make demo-sft  the demo, then supervised fine-tuning of its model on chat data (configs/demo-sft.yaml)
+#   make demo-dpo  the SFT demo, then DPO of its model with LoRA on preference pairs (configs/demo-dpo.yaml)
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
 EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer
 
-.PHONY: demo demo-sft test test-fast install install-test
+.PHONY: demo demo-sft demo-dpo test test-fast install install-test
 
 install:
 	bash scripts/install.sh
@@ -23,6 +24,11 @@ demo-sft: install
 	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
 	$(VENV)/bin/cputrain train configs/demo-sft.yaml
 	$(VENV)/bin/cputrain generate runs/demo-sft --chat 'What is The "assert" statement in Python?' --temperature 0
+
+demo-dpo: install
+	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
+	test -f runs/demo-sft/model/config.json || $(VENV)/bin/cputrain train configs/demo-sft.yaml
+	$(VENV)/bin/cputrain train configs/demo-dpo.yaml
 
 # Two test processes (pytest-xdist), a test file each at a time so its module fixtures are made
 # once: 1,201 s against 1,690 s serial on 2 cores (README, Tests). Tests marked `alone` run with
