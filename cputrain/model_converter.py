@@ -35,13 +35,9 @@ class ModelConverter:
     def record(self, run, source) -> None:
         """Rank 0, at the start of a session: what the run folder keeps about the base weights."""
 
-    def reference(self, model: nn.Module):
-        """A context in which `model` computes as the reference of DPO. Full weights have none
-        kept: the policy is all there is (train.objective=dpo is refused without LoRA)."""
-        from cputrain.errors import ConfigError
-
-        raise ConfigError("train.objective=dpo has no reference model under full fine-tuning; set "
-                          "model.lora.enabled=true, or use train.objective=simpo")
+    # DPO's reference, as a context in which the model computes as the reference: full weights
+    # keep none (the objective computes the reference's log-probabilities before training).
+    reference = None
 
     def export(self, strategy, model: nn.Module, hf_config, tokenizer, target: str, is_writer: bool) -> None:
         """Write model/ at `target` (every rank takes part in the gathers; the writer writes)."""

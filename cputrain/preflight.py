@@ -26,8 +26,7 @@ def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
 
 
 def check_objective_fits(cfg: Config) -> None:
-    """train.objective reads the data's kind (dpo and simpo pairs, lm everything else) and DPO a
-    reference (LoRA's base). A hub dataset under data.format=auto is not opened here (that can
+    """train.objective reads the data's kind (dpo and simpo pairs, lm everything else). A hub dataset under data.format=auto is not opened here (that can
     take minutes): each rank checks it again once its format is decided."""
     from cputrain.data.sources import HF_PREFIX, format_choice
     from cputrain.errors import DataError
@@ -41,7 +40,7 @@ def check_objective_fits(cfg: Config) -> None:
             fmt = format_choice(data)[0]
         except DataError:
             return  # a source that cannot be read is reported where the data is prepared
-    check_objective(cfg.train.objective, fmt, cfg.model.lora.enabled)
+    check_objective(cfg.train.objective, fmt)
 
 
 def check_report_to(cfg: Config) -> None:

@@ -65,8 +65,9 @@ class Trainer:
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
-        check_objective(cfg.train.objective, cfg.data.format, cfg.model.lora.enabled)
-        # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off)
+        check_objective(cfg.train.objective, cfg.data.format)
+        # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off),
+        # or for full weights computed once from the starting weights (setup, before the resume)
         self.objective = objective_for(cfg.train, self.converter.reference)
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
@@ -135,6 +136,10 @@ class Trainer:
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)
+        # Full-weight DPO: the reference log-probabilities of every pair, from the weights as
+        # loaded, before a checkpoint (trained weights) replaces them.
+        self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
+                               self.strategy.autocast)
 
         # 5. Optimizer and learning-rate schedule.
         self.optimizer = self.strategy.build_optimizer(self.model)

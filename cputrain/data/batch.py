@@ -24,6 +24,9 @@ class Batch:
     # Preference pairs (cputrain.data.pairs): the micro-batch's sequence each token is in, 2p for
     # pair p's chosen, 2p+1 for its rejected, -1 padding. None for text and examples.
     sequence_ids: torch.Tensor | None = None
+    # DPO's reference log-probabilities of those sequences (summed), where they were computed
+    # before training (full weights: cputrain.objectives); None: computed live, or not wanted.
+    reference_logps: torch.Tensor | None = None
 
     @property
     def pairs(self) -> int:

@@ -32,6 +32,9 @@ class PairRows:
         pair_lengths = self.lengths[0::2] + self.lengths[1::2]
         # row r holds pairs [bounds[r], bounds[r+1])
         self.bounds = pack_bounds(pair_lengths, seq_len) if packing else np.arange(pairs + 1, dtype=np.int64)
+        # DPO's reference log-probabilities of every sequence (2k, 2k+1: pair k), where they were
+        # computed once before training (full weights); each batch then carries its own.
+        self.reference_logps: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return max(0, len(self.bounds) - 1)
@@ -79,8 +82,12 @@ class PairRows:
             positions[i, n:] = torch.arange(width - n)  # the padding is a block of its own
             sequence_ids[i, :n] = torch.from_numpy(seq) + sequences_before
             sequences_before += int(seq[-1]) + 1 if n else 0
+        reference = None
+        if self.reference_logps is not None:  # the sequences of these rows, in the batch's order
+            reference = torch.cat([self.reference_logps[2 * self.bounds[int(r)]: 2 * self.bounds[int(r) + 1]]
+                                   for r in indices])
         # Positions are always given: a row holds two sequences at least, whose positions restart.
-        return Batch(input_ids, labels, positions, sequence_ids)
+        return Batch(input_ids, labels, positions, sequence_ids, reference)
 
 
 @dataclass

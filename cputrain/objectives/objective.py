@@ -21,24 +21,23 @@ from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, sequence
 PREFERENCE_OBJECTIVES = ("dpo", "simpo")
 
 
-def check_objective(objective: str, data_format: str, lora: bool) -> None:
-    """Refuse, in one line, an objective that cannot train on this data or these weights."""
+def check_objective(objective: str, data_format: str) -> None:
+    """Refuse, in one line, an objective that cannot train on this data."""
     if objective in PREFERENCE_OBJECTIVES and data_format != "preference":
         raise ConfigError(f"train.objective={objective} trains on preference pairs, but data.format is {data_format}; "
                           "set data.format=preference (or auto) on records with chosen and rejected answers")
     if objective == "lm" and data_format == "preference":
         raise ConfigError("data.format=preference holds pairs, which the language-model loss (train.objective=lm) "
                           "does not read; set train.objective=dpo or simpo")
-    if objective == "dpo" and not lora:
-        raise ConfigError("train.objective=dpo needs a reference model, which cputrain takes as the base with the "
-                          "LoRA adapters off: set model.lora.enabled=true, or train full weights with "
-                          "train.objective=simpo, which needs no reference")
 
 
 class LmObjective:
     """The next-token loss on trained targets: what every run trained before preference objectives."""
 
     names: tuple[str, ...] = ()  # no figures beside the loss
+
+    def prepare(self, model, rows: list, micro_batch: int, autocast) -> None:
+        """Before training and before any checkpoint is loaded: nothing to compute."""
 
     def items(self, batch) -> int:
         return batch.trained_targets
@@ -56,13 +55,40 @@ class LmObjective:
 
 
 class PreferenceObjective:
-    """DPO against a reference (the converter's: the base with the adapters off), or SimPO, on pairs."""
+    """DPO against a reference, or SimPO, on pairs. DPO's reference is the converter's where it
+    has one (LoRA: the base with the adapters off, computed live on each micro-batch); full weights
+    have none left once training starts, so their reference log-probabilities are computed once,
+    from the starting weights, before training (prepare)."""
 
     names = STAT_NAMES
 
-    def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager]):
+    def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None):
         self.cfg, self.reference = train_cfg, reference
         self.kind = train_cfg.objective
+
+    @torch.no_grad()
+    def prepare(self, model, rows: list, micro_batch: int, autocast) -> None:
+        """Full-weight DPO: the reference log-probabilities of every sequence of `rows` (each a
+        PairRows), from the weights as loaded, before any checkpoint replaces them (a resumed run
+        computes them again from the same starting weights). Every rank computes all of them: the
+        same forwards on every rank, which sharded strategies need, and no collective."""
+        if self.kind != "dpo" or self.reference is not None:
+            return
+        model.eval()
+        for split in rows:
+            split.reference_logps = None
+            table = torch.zeros(2 * split.pairs, dtype=torch.float32)
+            done = 0
+            for start in range(0, len(split), micro_batch):
+                batch = split.batch(np.arange(start, min(start + micro_batch, len(split))))
+                inputs = batch.model_inputs()
+                del inputs["labels"]
+                with autocast():
+                    logps, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids,
+                                              2 * batch.pairs)
+                table[done : done + len(logps)] = logps
+                done += len(logps)
+            split.reference_logps = table
 
     def items(self, batch) -> int:
         return batch.pairs
@@ -76,10 +102,13 @@ class PreferenceObjective:
         if self.kind == "simpo":
             means = logps / tokens.clamp(min=1)
             return simpo_losses(means[0::2], means[1::2], cfg.simpo_beta, cfg.simpo_gamma)
-        # The reference sees the same micro-batch through the same weights with the adapters off:
-        # no second model in memory, and no gradient.
-        with torch.no_grad(), self.reference(model):
-            ref, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+        if batch.reference_logps is not None:  # computed before training (full weights)
+            ref = batch.reference_logps
+        else:
+            # The reference sees the same micro-batch through the same weights with the adapters
+            # off: no second model in memory, and no gradient.
+            with torch.no_grad(), self.reference(model):
+                ref, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
         return dpo_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], cfg.dpo_beta, cfg.dpo_label_smoothing)
 
     def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Preference tuning through the CLI on a tiny model: LoRA DPO on builtin:pydoc-dpo starts at
 ln 2 (the policy is its reference), logs TRL's figures per step and at validation and puts them
 in summary.json; the first step's loss does not depend on the micro-batch size; a stopped and
-resumed run equals a straight one; SimPO trains full weights."""
+resumed run equals a straight one; full-weight DPO (its reference computed before training) starts
+at ln 2 too; SimPO trains full weights."""
 
 from __future__ import annotations
 
@@ -77,6 +78,16 @@ def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, stra
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
         assert a[step] == pytest.approx(b[step], abs=1e-6), step
+
+
+def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(tmp_path, cache_dir, base):
+    out = tmp_path / "full"
+    overrides = {"model.name_or_path": base, **DPO, "model.lora.enabled": "false", "train.lr": 1e-3,
+                 "train.max_steps": 2, "train.eval_every": 2}
+    run_cli("train", *tiny_overrides(out, cache_dir, **overrides), check=True)
+    rows = [r for r in _rows(out) if "loss" in r]
+    assert abs(rows[0]["loss"] - math.log(2)) < 1e-4 and rows[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert rows[1]["rewards/margins"] != 0  # the policy moved away from the reference kept in memory
 
 
 def test_simpo_trains_full_weights(tmp_path, cache_dir, base):

@@ -110,8 +110,8 @@ def test_the_global_batch_mean_is_independent_of_the_split():
 @pytest.mark.parametrize("extra, expect", [
     ({"train.objective": "dpo"}, "trains on preference pairs, but data.format is text"),
     ({"data.source": "builtin:pydoc-dpo", "data.format": "auto"}, "set train.objective=dpo or simpo"),
-    ({"data.source": "builtin:pydoc-dpo", "data.format": "preference", "train.objective": "dpo"},
-     "set model.lora.enabled=true, or train full weights with train.objective=simpo"),
+    ({"data.source": "builtin:pydoc-sft", "data.format": "auto", "train.objective": "simpo"},
+     "but data.format is chat"),
 ])
 def test_an_objective_that_does_not_fit_is_refused_in_one_line(tmp_path, extra, expect):
     proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **extra))
