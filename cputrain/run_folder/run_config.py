@@ -30,16 +30,30 @@ IDENTITY_KEYS = (
     "data.messages_field",
     "data.prompt_field",
     "data.completion_field",
+    "data.chosen_field",
+    "data.rejected_field",
     "data.truncation",
     "data.seq_len",
     "data.val_fraction",
     "data.max_documents",
     "train.global_batch_size",
+    # what a step minimises: a resumed run keeps its objective and the objective's constants
+    "train.objective",
+    "train.dpo_beta",
+    "train.dpo_label_smoothing",
+    "train.simpo_beta",
+    "train.simpo_gamma",
     "model.lora.enabled",  # checked first below: adapters-only checkpoints cannot continue a full fine-tune
     "model.lora.rank",
     "model.lora.alpha",
     "model.lora.target_modules",
 )
+
+# Identity keys added after run folders existed: a config.yaml without one was written when the
+# key's value was this (what every run trained then), so it continues under it.
+ADDED_KEYS = {"data.chosen_field": "chosen", "data.rejected_field": "rejected", "train.objective": "lm",
+              "train.dpo_beta": 0.1, "train.dpo_label_smoothing": 0.0, "train.simpo_beta": 2.0,
+              "train.simpo_gamma": 0.5}
 
 
 def _get(d: dict, dotted: str):
@@ -69,6 +83,8 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
         )
     for key in IDENTITY_KEYS:
         there, now = _get(old, key), _get(new, key)
+        if there is None and key in ADDED_KEYS:
+            there = ADDED_KEYS[key]
         # A folder written before these keys were decided at the start of a run recorded "auto";
         # it continues under the value auto gives now (checked again where it matters: the base
         # model's fingerprint, the cache key of the data).

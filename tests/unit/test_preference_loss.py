@@ -117,3 +117,33 @@ def test_an_objective_that_does_not_fit_is_refused_in_one_line(tmp_path, extra, 
     proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **extra))
     assert proc.returncode != 0 and expect in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_resumed_run_keeps_its_objective_and_an_older_folder_resumes_as_lm(tmp_path):
+    import yaml
+
+    from cputrain.config import Config
+    from cputrain.errors import RunFolderError
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import check_compatible, write_run_config
+
+    run = RunFolder(str(tmp_path / "run"))
+    dpo = Config.model_validate({"data": {"source": "p.jsonl", "format": "preference"},
+                                 "train": {"objective": "dpo"}})
+    write_run_config(run, dpo, [])
+    run.fs.makedirs(run.step_path(4), exist_ok=True)
+    run.write_text("{}", "checkpoints", "step-000004", "trainer_state.json")
+    check_compatible(run, dpo)
+    for key, value in (("objective", "simpo"), ("dpo_beta", 0.2)):
+        changed = Config.model_validate({**dpo.model_dump(), "train": {**dpo.train.model_dump(), key: value}})
+        with pytest.raises(RunFolderError, match=f"another run \\(train.{key}: "):
+            check_compatible(run, changed)
+    # a config.yaml written before these keys existed: its run trained the language-model loss
+    lm = Config()
+    recorded = yaml.safe_load(lm.dump_yaml())
+    for section, key in (("train", "objective"), ("train", "dpo_beta"), ("train", "dpo_label_smoothing"),
+                         ("train", "simpo_beta"), ("train", "simpo_gamma"), ("data", "chosen_field"),
+                         ("data", "rejected_field")):
+        del recorded[section][key]
+    run.write_text(yaml.safe_dump(recorded), "config.yaml")
+    check_compatible(run, lm)
