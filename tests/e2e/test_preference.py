@@ -59,13 +59,17 @@ def test_lora_dpo_starts_at_ln2_and_records_trls_figures(straight):
     assert summary["first_eval_rewards/accuracies"] == evals[0]["eval_rewards/accuracies"]
 
 
-def test_the_first_step_loss_does_not_depend_on_the_micro_batch(tmp_path, cache_dir, base, straight):
-    one_by_one = tmp_path / "micro1"
-    run_cli("train", *tiny_overrides(one_by_one, cache_dir, **{"model.name_or_path": base, **DPO,
-                                                               "train.micro_batch_size": 1, "train.max_steps": 1}),
-            check=True)
-    a, b = _losses(straight)[1], _losses(one_by_one)[1]
-    assert abs(a - b) < 1e-5, (a, b)
+def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path, cache_dir, base, straight):
+    one_step = {"model.name_or_path": base, **DPO, "train.max_steps": 1}
+    one_by_one, two_ranks = tmp_path / "micro1", tmp_path / "ranks2"
+    run_cli("train", *tiny_overrides(one_by_one, cache_dir, **one_step, **{"train.micro_batch_size": 1}), check=True)
+    run_cli("train", *tiny_overrides(two_ranks, cache_dir, **one_step, **{"train.micro_batch_size": 2}),
+            "--nproc-per-node", "2", check=True)
+    first = _rows(straight)[0]
+    for out in (one_by_one, two_ranks):
+        row = _rows(out)[0]
+        assert abs(row["loss"] - first["loss"]) < 1e-5, (out.name, row["loss"], first["loss"])
+        assert abs(row["grad_norm"] - first["grad_norm"]) < 1e-5 * max(1.0, first["grad_norm"]), out.name
 
 
 def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, straight):
