@@ -103,3 +103,16 @@ def test_simpo_trains_full_weights(tmp_path, cache_dir, base):
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and "rewards/margins" in r for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["objective"] == "simpo" and summary["eval_rewards/accuracies"] is not None
+
+
+@pytest.mark.parametrize("records, message", [
+    ([{"prompt": "Q ", "chosen": "same", "rejected": "same"}] * 20, "no training pair in"),
+    ([{"prompt": "Q ", "chosen": "yes"}] * 20, "has no field 'rejected'"),
+])
+def test_pairs_that_teach_nothing_or_lack_a_field_stop_in_one_line(tmp_path, cache_dir, base, records, message):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir, **{
+        "model.name_or_path": base, **DPO, "data.source": data, "data.format": "preference"}))
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
