@@ -217,16 +217,15 @@ class Trainer:
                 if figures is not None:
                     figure_sums += figures.double()
         loss = float(loss_sum)
-        figures = None
-        if objective.names:  # the means over the global batch's pairs
-            sums = pg.all_reduce_sum(figure_sums.tolist())
-            figures = {name: float(v) / max(items, 1) for name, v in zip(objective.names, sums)}
         # One small all-reduce a step (none on one rank): is any rank's loss not finite, was any rank
         # asked to stop, is a timed checkpoint due by rank 0's clock? Every rank then skips or steps,
-        # stops or goes on, saves or not, at the same step.
+        # stops or goes on, saves or not, at the same step. The objective's figures (preference:
+        # TRL's rewards/…) ride along, summed over the global batch's pairs.
         time_due = self.ranks.is_main and self.checkpoints.time_due()
-        bad_losses, stops, save_due = pg.all_reduce_sum([0.0 if math.isfinite(loss) else 1.0,
-                                                         float(self.stop_request.requested), float(time_due)])
+        bad_losses, stops, save_due, *figure_totals = pg.all_reduce_sum([
+            0.0 if math.isfinite(loss) else 1.0, float(self.stop_request.requested), float(time_due),
+            *figure_sums.tolist()])
+        figures = {name: v / max(items, 1) for name, v in zip(objective.names, figure_totals)} or None
         grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
                                                 loss_finite=bad_losses == 0)
         # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
