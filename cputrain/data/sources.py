@@ -68,21 +68,24 @@ def _pydoc_instructions():
 def _pydoc_preferences():
     # Preference pairs from the same text, for the offline DPO demo (configs/demo-dpo.yaml): each
     # help topic's title asked about as builtin:pydoc-sft asks it, the chosen answer its own opening
-    # paragraph, the rejected one the opening paragraph of the topic after it (a fluent answer to
-    # another question). Conversations, so a chat model (the SFT demo's) reads them as it was tuned.
+    # paragraph, the rejected one the second paragraph of the next topic that has one (a fluent
+    # answer to another question). No chosen text is ever another pair's rejected one: a model
+    # cannot then pass held-out pairs by preferring paragraphs it was trained to prefer elsewhere.
+    # Conversations, so a chat model (the SFT demo's) reads them as it was tuned.
     from pydoc_data.topics import topics
 
-    answers = []
+    topics_paragraphs = []
     for name in sorted(topics):
         title, _, body = topics[name].strip().partition("\n")
-        paragraphs = [" ".join(p.split()) for p in body.split("\n\n") if len(p.strip()) > 40 and "*" * 5 not in p]
+        paragraphs = [" ".join(p.split())[:300] for p in body.split("\n\n") if len(p.strip()) > 40 and "*" * 5 not in p]
         if paragraphs:
-            answers.append((title.strip(), paragraphs[0][:300]))
-    for i, (title, answer) in enumerate(answers):
-        other = answers[(i + 1) % len(answers)][1]
-        if other != answer:
+            topics_paragraphs.append((title.strip(), paragraphs))
+    n = len(topics_paragraphs)
+    for i, (title, paragraphs) in enumerate(topics_paragraphs):
+        other = next((p[1] for _, p in (topics_paragraphs[(i + k) % n] for k in range(1, n)) if len(p) > 1), None)
+        if other is not None and other != paragraphs[0]:
             yield {"prompt": [{"role": "user", "content": f"What is {title} in Python?"}],
-                   "chosen": [{"role": "assistant", "content": answer}],
+                   "chosen": [{"role": "assistant", "content": paragraphs[0]}],
                    "rejected": [{"role": "assistant", "content": other}]}
 
 
@@ -127,9 +130,12 @@ def fingerprint(cfg: DataConfig) -> str:
             st = p.stat()
             h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
     elif cfg.source in BUILTINS:
+        import inspect
         import sys
 
+        # Python's docs change with its version; the records made of them change with their code.
         h.update(sys.version.encode())
+        h.update(inspect.getsource(BUILTINS[cfg.source]).encode())
     return h.hexdigest()[:16]
 
 
@@ -246,7 +252,10 @@ def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpu
         raise DataError(f"unknown built-in dataset '{cfg.source}'; the built-in ones are {', '.join(BUILTINS)}")
     try:
         if cfg.source in BUILTINS:
-            ds, skipped = datasets.Dataset.from_generator(BUILTINS[cfg.source], cache_dir=cache), 0
+            # datasets keys a generator's cache by its name, not its code: the fingerprint (the
+            # Python version and the generator's code) makes a changed built-in a new dataset.
+            ds, skipped = datasets.Dataset.from_generator(BUILTINS[cfg.source], cache_dir=cache,
+                                                          fingerprint=fingerprint(cfg)), 0
         else:
             ds, skipped = _load(cfg, cache)
     except DataError:
