@@ -235,15 +235,15 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def run_cli(*args, cwd=None, env=None, timeout=600, check=False) -> subprocess.CompletedProcess:
+def run_cli(*args, cwd=None, env=None, timeout=600, check=False, fresh=False) -> subprocess.CompletedProcess:
     """`python -m cputrain ARGS` in a process of its own, as a user would run it: forked from a
     warm interpreter (tests/warm_interpreter.py) that has imported torch and transformers, or a
-    fresh interpreter where the call sets its own environment or the test is marked
-    `fresh_interpreter` (it measures a process's memory)."""
+    fresh interpreter where the call sets its own environment, asks for one (`fresh`), or the test
+    is marked `fresh_interpreter` (it measures a process's memory)."""
     if not _TIER["slow"] and _starts_training(args):
         pytest.fail("this test starts a training process: mark it @pytest.mark.slow (or move it to tests/e2e)")
     argv = [str(a) for a in args]
-    if env is None and not _TIER["fresh"]:
+    if env is None and not fresh and not _TIER["fresh"]:
         proc = _warm().run(argv, cwd or REPO, timeout)
     else:
         proc = subprocess.run(
