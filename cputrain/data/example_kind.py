@@ -45,6 +45,12 @@ def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSp
                        data_cfg.seq_len, data_cfg.truncation)
 
 
+def sequence_streams(token_dtype: str) -> dict[str, str]:
+    """The files of an entry of sequences with trained masks (examples, and pairs' two sequences)."""
+    return {f"{split}{suffix}": dtype for split in ("train", "val")
+            for suffix, dtype in ((".bin", token_dtype), (".mask.bin", "uint8"), (".lengths.bin", "uint32"))}
+
+
 class ExampleKind:
     what = "examples"
     counters = tokenize_examples.COUNTERS
@@ -63,8 +69,7 @@ class ExampleKind:
                                                                                spec.completion_field)
 
     def streams(self, token_dtype: str) -> dict[str, str]:
-        return {f"{split}{suffix}": dtype for split in ("train", "val")
-                for suffix, dtype in ((".bin", token_dtype), (".mask.bin", "uint8"), (".lengths.bin", "uint32"))}
+        return sequence_streams(token_dtype)
 
     def worker(self, corpus, token_dtype: str) -> Worker:
         tok = self.tokenizer

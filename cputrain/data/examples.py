@@ -127,21 +127,28 @@ def _stream(path: Path, dtype, n: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.empty(0, dtype=dtype)
 
 
-def _rows(folder: Path, split: str, stats: dict, seq_len: int, packing: bool, pad_id: int) -> ExampleRows:
-    tokens, examples = stats[f"{split}_tokens"], stats[f"{split}_examples"]
-    lengths = np.fromfile(folder / f"{split}.lengths.bin", dtype=np.uint32, count=examples) if examples else \
-        np.empty(0, dtype=np.uint32)
-    return ExampleRows(_stream(folder / f"{split}.bin", stats["token_dtype"], tokens),
-                       _stream(folder / f"{split}.mask.bin", np.uint8, tokens), lengths, seq_len, packing, pad_id)
-
-
-def open_examples(folder: Path, packing: bool) -> ExampleData:
+def open_rows(folder: Path, packing: bool, rows_class, sequences_of) -> tuple:
+    """(train rows, val rows, stats) of a complete entry of the examples' streams: `rows_class`
+    (ExampleRows, pairs.PairRows) over each split's memory-mapped ids and mask and its lengths,
+    `sequences_of(stats, split)` sequences long; the stats with packing's figures added."""
     stats = json.loads((folder / "stats.json").read_text())
     seq_len, pad_id = stats["seq_len"], stats["pad_id"]
-    train = _rows(folder, "train", stats, seq_len, packing, pad_id)
-    val = _rows(folder, "val", stats, seq_len, packing, pad_id)
+
+    def rows_of(split: str):
+        tokens, sequences = stats[f"{split}_tokens"], sequences_of(stats, split)
+        lengths = np.fromfile(folder / f"{split}.lengths.bin", dtype=np.uint32, count=sequences) if sequences else \
+            np.empty(0, dtype=np.uint32)
+        return rows_class(_stream(folder / f"{split}.bin", stats["token_dtype"], tokens),
+                          _stream(folder / f"{split}.mask.bin", np.uint8, tokens), lengths, seq_len, packing, pad_id)
+
+    train, val = rows_of("train"), rows_of("val")
     rows = len(train) * seq_len
     stats = {**stats, "packing": packing, "train_sequences": len(train), "val_sequences": len(val),
              # tokens that are examples, of all the row positions packing fills (the rest is padding)
              "packing_efficiency": round(train.tokens / rows, 4) if packing and rows else None}
+    return train, val, stats
+
+
+def open_examples(folder: Path, packing: bool) -> ExampleData:
+    train, val, stats = open_rows(folder, packing, ExampleRows, lambda stats, split: stats[f"{split}_examples"])
     return ExampleData(train, val, stats, folder)

@@ -11,7 +11,6 @@ objective sums each sequence's log-probabilities. Without packing a row is one p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX, Batch
-from cputrain.data.examples import _stream, pack_bounds
+from cputrain.data.examples import open_rows, pack_bounds
 
 
 class PairRows:
@@ -111,20 +110,7 @@ class PreferenceData:
                 f"whose two sequences exceed data.seq_len")
 
 
-def _rows(folder: Path, split: str, stats: dict, seq_len: int, packing: bool, pad_id: int) -> PairRows:
-    tokens, sequences = stats[f"{split}_tokens"], 2 * stats[f"{split}_pairs"]
-    lengths = np.fromfile(folder / f"{split}.lengths.bin", dtype=np.uint32, count=sequences) if sequences else \
-        np.empty(0, dtype=np.uint32)
-    return PairRows(_stream(folder / f"{split}.bin", stats["token_dtype"], tokens),
-                    _stream(folder / f"{split}.mask.bin", np.uint8, tokens), lengths, seq_len, packing, pad_id)
-
-
 def open_pairs(folder: Path, packing: bool) -> PreferenceData:
-    stats = json.loads((folder / "stats.json").read_text())
-    seq_len, pad_id = stats["seq_len"], stats["pad_id"]
-    train = _rows(folder, "train", stats, seq_len, packing, pad_id)
-    val = _rows(folder, "val", stats, seq_len, packing, pad_id)
-    rows = len(train) * seq_len
-    stats = {**stats, "packing": packing, "train_sequences": len(train), "val_sequences": len(val),
-             "packing_efficiency": round(train.tokens / rows, 4) if packing and rows else None}
+    # two sequences a pair: its chosen, then its rejected
+    train, val, stats = open_rows(folder, packing, PairRows, lambda stats, split: 2 * stats[f"{split}_pairs"])
     return PreferenceData(train, val, stats, folder)

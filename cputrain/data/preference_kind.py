@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cputrain.config import DataConfig
 from cputrain.data import tokenize_preferences
+from cputrain.data.example_kind import sequence_streams
 from cputrain.data.kind import BuildFacts, Worker
 from cputrain.data.pairs import PreferenceData, open_pairs
 from cputrain.data.tokenize_preferences import PreferenceSpec
@@ -41,8 +42,7 @@ class PreferenceKind:
         return self.spec.chosen_field, self.spec.rejected_field
 
     def streams(self, token_dtype: str) -> dict[str, str]:
-        return {f"{split}{suffix}": dtype for split in ("train", "val")
-                for suffix, dtype in ((".bin", token_dtype), (".mask.bin", "uint8"), (".lengths.bin", "uint32"))}
+        return sequence_streams(token_dtype)
 
     def worker(self, corpus, token_dtype: str) -> Worker:
         tok = self.tokenizer

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cputrain.data.chat_template import ROLES, assistant_spans, content_text, renders_tools
+from cputrain.data.chat_template import (
+    ROLES,
+    assistant_spans,
+    content_text,
+    renders_tools,
+)
 from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow
 from cputrain.errors import DataError
 
@@ -241,6 +246,11 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
         lengths_out.append(len(ids))
         counts["val_examples" if is_val else "train_examples"] += 1
         counts["val_trained_tokens" if is_val else "trained_tokens"] += int(sum(mask))
+    return finish_chunk(s, start, stop, split, counts, dtype)
+
+
+def finish_chunk(s: dict, start: int, stop: int, split: dict, counts, dtype) -> ExampleChunk:
+    """A worker's chunk of sequences as the streams' arrays (`split`: name → ids, masks, lengths)."""
     # Pages of a mapped file that were read stay in the RSS until unmapped: remap now and then, so a
     # worker's memory does not grow with the corpus (as tokenize_chunk does for text).
     s["chars_since_open"] += counts["text_chars"]

@@ -25,8 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from cputrain.data.chat_template import assistant_spans, content_text
-from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow
-from cputrain.data.tokenize_examples import ExampleChunk, _messages, _record_error, _Skipped
+from cputrain.data.tokenize_chunk import open_arrow
+from cputrain.data.tokenize_examples import (
+    ExampleChunk,
+    _messages,
+    _record_error,
+    _Skipped,
+    finish_chunk,
+)
 from cputrain.errors import DataError
 
 _state: dict = {}  # set once per process by init_worker
@@ -179,13 +185,4 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
             lengths_out.append(len(ids))
             counts["val_trained_tokens" if is_val else "trained_tokens"] += int(sum(mask))
         counts["val_pairs" if is_val else "train_pairs"] += 1
-    s["chars_since_open"] += counts["text_chars"]
-    if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
-        s["dataset"] = None
-        s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
-    parts = {}
-    for name, (ids_out, masks_out, lengths_out) in split.items():
-        parts[f"{name}.bin"] = np.asarray(ids_out, dtype=dtype)
-        parts[f"{name}.mask.bin"] = np.asarray(masks_out, dtype=np.uint8)
-        parts[f"{name}.lengths.bin"] = np.asarray(lengths_out, dtype=np.uint32)
-    return ExampleChunk(start, stop, parts, counts)
+    return finish_chunk(s, start, stop, split, counts, dtype)

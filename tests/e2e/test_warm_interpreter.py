@@ -7,18 +7,11 @@ import json
 import subprocess
 
 import pytest
-
-import conftest
-from conftest import run_cli
+from conftest import run_cli, tiny_overrides
 
 
-def _both(*args, **kw) -> dict[str, subprocess.CompletedProcess]:
-    got = {}
-    for fresh in (False, True):
-        conftest._TIER["fresh"] = fresh
-        got["fresh" if fresh else "warm"] = run_cli(*args, **kw)
-    conftest._TIER["fresh"] = False
-    return got
+def _both(*args) -> dict[str, subprocess.CompletedProcess]:
+    return {"warm": run_cli(*args), "fresh": run_cli(*args, fresh=True)}
 
 
 def test_a_refusal_and_a_report_are_the_same_from_either_interpreter():
@@ -33,7 +26,7 @@ def test_a_refusal_and_a_report_are_the_same_from_either_interpreter():
 
 def test_a_command_past_its_timeout_is_killed_as_subprocess_kills_it(tmp_path, cache_dir):
     with pytest.raises(subprocess.TimeoutExpired):
-        run_cli("train", *conftest.tiny_overrides(tmp_path / "run", cache_dir, **{"train.max_steps": 10**6}),
+        run_cli("train", *tiny_overrides(tmp_path / "run", cache_dir, **{"train.max_steps": 10**6}),
                 timeout=3)
     # the server is free again: the next command runs
     assert run_cli("train", "no.such.key=1").returncode == 2
