@@ -7,7 +7,7 @@
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
-EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer
+EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer,eval
 
 .PHONY: demo demo-sft demo-dpo test test-fast install install-test
 
