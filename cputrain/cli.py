@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   cputrain generate runs/default --prompt "The list"
   cputrain generate runs/demo-sft --chat "What is the assert statement in Python?"
   cputrain eval runs/default
+  cputrain eval runs/default --tasks hellaswag,arc_easy --limit 100   # lm-evaluation-harness benchmarks
   cputrain export runs/lora --merge                # a LoRA run's adapters folded into a plain model
 """
 
@@ -79,13 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
                      "(the reply stops at the end of its turn); replaces --prompt")
     _add_common(gen)
 
-    ev = sub.add_parser("eval", help="validation loss and perplexity of a run or model on a dataset")
+    ev = sub.add_parser("eval", help="validation loss and perplexity of a run or model on a dataset, "
+                        "or benchmark tasks through lm-evaluation-harness (--tasks)")
     ev.add_argument("path", help="run folder (its model/ is used) or Hugging Face model folder")
     ev.add_argument("config", nargs="?", help="YAML config whose data: section names the dataset "
                     "(default: the run's own config.yaml, else the built-in data)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.source=val.jsonl")
     ev.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: %(default)s)")
     ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences")
+    bench = ev.add_argument_group("benchmark tasks (lm-evaluation-harness: pip install 'cputrain[eval]')")
+    bench.add_argument("--tasks", metavar="NAMES", help="comma-separated harness task names, task YAML files or "
+                       "folders of them; results go to RUN/eval/<task>.json (an existing one is kept: "
+                       "<task>-2.json …) and are printed as a table")
+    bench.add_argument("--limit", type=int, help="evaluate at most this many documents per task")
+    bench.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: the task's own)")
+    bench.add_argument("--batch-size", type=int, help="sequences per forward (default: the run's "
+                       "train.micro_batch_size)")
     _add_common(ev)
 
     exp = sub.add_parser(
@@ -224,6 +234,12 @@ def cmd_eval(args) -> int:
         args.overrides, args.config = [args.config, *args.overrides], None  # `eval RUN key=value …`: no config named
     run_config = Path(args.path) / "config.yaml"
     config_path = args.config or (str(run_config) if run_config.is_file() else None)
+    if args.tasks is not None:
+        return _eval_tasks(args, config_path)
+    given = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                      ("--batch-size", args.batch_size)) if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --tasks (benchmark tasks); validation loss takes --max-sequences")
     cfg = _resolved_here(config_path, args.overrides)
     model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)
     _, data = prepare(cfg, tokenizer)
@@ -235,6 +251,34 @@ def cmd_eval(args) -> int:
     from cputrain.metrics.finite_json import dumps
 
     print(dumps(result, indent=2))  # a diverged model's NaN loss is null: NaN is not JSON
+    return 0
+
+
+def _eval_tasks(args, config_path) -> int:
+    """`eval RUN --tasks …`: the model on this machine with the run's precision and threads (its
+    config.yaml; key=value overrides change them), through lm-evaluation-harness."""
+    from pathlib import Path
+
+    from cputrain import lm_harness
+    from cputrain.config.file import load_config
+    from cputrain.hardware import detect
+    from cputrain.inference import model_folder
+    from cputrain.resolve import resolve
+
+    for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
+                               ("--batch-size", args.batch_size, 1)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be at least {least}")
+    model_folder(args.path)  # a run without a model is refused first: nothing to evaluate
+    lm_harness.require_lm_eval()  # then a machine without the harness, before a model is loaded
+    selection = lm_harness.select_tasks(args.tasks)
+    # Only the machine's keys are needed (precision, threads): the data's "auto"s are not decided.
+    cfg = resolve(load_config(config_path, args.overrides), detect(), world_size=1, local_world_size=1).config
+    settings_from = config_path or "this machine's defaults"
+    results, written = lm_harness.evaluate_run(args.path, selection, cfg, settings_from, limit=args.limit,
+                                               num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                                               out_dir=Path(args.path) / "eval")
+    print("\n".join(lm_harness.table_lines(results, written)))
     return 0
 
 

@@ -24,7 +24,7 @@ LAYERS = [
     ["metrics", "model_converter"],  # a run's figures; what a run does to the model (identity)
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
     ["evaluation", "inference"],  # validation loss; a finished model for sampling
-    ["objectives"],  # what a step minimises: the language-model loss, DPO, SimPO
+    ["objectives", "lm_harness"],  # what a step minimises: the LM loss, DPO, SimPO; benchmarks via lm-eval
     ["plan", "preflight"],  # memory per rank; what is refused before any work
     ["trainer", "run_choices"],  # the training loop; the "auto"s beyond the hardware
     ["worker", "launch", "k8s"],  # what a rank runs; ranks here or through the agent; manifests
