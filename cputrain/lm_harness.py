@@ -45,8 +45,9 @@ class TaskSelection:
     needs_registry: bool
 
 
-def _yaml_task_name(path: Path) -> str | None:
-    """The `task:` of a harness task YAML (None for a group or a template without one). Read with
+def _yaml_task_name(path: Path, groups: bool = False) -> str | None:
+    """The `task:` of a harness task YAML (with `groups`, a group YAML's `group:`), else None (a
+    template without a name, or a group where only tasks are asked for). Read with
     a loader that keeps the harness's own tags (`!function …`) as plain text: only the name is
     needed here, and the harness resolves the rest itself."""
     import yaml
@@ -59,23 +60,26 @@ def _yaml_task_name(path: Path) -> str | None:
         cfg = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"task file '{path}' could not be read: {first_line(exc)}") from None
-    name = cfg.get("task") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        return None
+    name = cfg.get("group") if groups and isinstance(cfg.get("group"), str) else cfg.get("task")
     return name if isinstance(name, str) else None
 
 
 def select_tasks(tasks: str) -> TaskSelection:
-    """--tasks a,b,path.yaml,folder/: registry names as they are; a YAML file is its task; a
-    folder is every task YAML under it (groups and templates without a `task:` name are read by
-    the harness where a task includes them, not evaluated on their own)."""
+    """--tasks a,b,path.yaml,folder/: registry names as they are; a YAML file is its task or
+    group; a folder is every task YAML under it (its groups and templates are read by the harness
+    where they are named or included, not evaluated on their own: a group would run its tasks twice)."""
     names, include, registry = [], [], False
     for word in (w.strip() for w in tasks.split(",")):
         if not word:
             continue
         path = Path(word).expanduser()
         if path.is_file():
-            name = _yaml_task_name(path)
+            name = _yaml_task_name(path, groups=True)
             if name is None:
-                raise ConfigError(f"task file '{path}' names no task (a harness task YAML has a `task:` key)")
+                raise ConfigError(f"task file '{path}' names no task (a harness task YAML has a `task:` key, "
+                                  "a group's a `group:` key)")
             names.append(name)
             include.append(str(path.resolve().parent))
         elif path.is_dir():
@@ -91,7 +95,10 @@ def select_tasks(tasks: str) -> TaskSelection:
             registry = True
     if not names:
         raise ConfigError("--tasks names no task; give task names or a task YAML, comma-separated")
-    return TaskSelection(list(dict.fromkeys(names)), list(dict.fromkeys(include)), registry)
+    # A folder inside another given one is indexed once (twice, the harness warns of every task in it).
+    folders = sorted(set(include), key=len)
+    outer = [f for i, f in enumerate(folders) if not any(Path(f).is_relative_to(o) for o in folders[:i])]
+    return TaskSelection(list(dict.fromkeys(names)), outer, registry)
 
 
 @contextlib.contextmanager
@@ -105,23 +112,40 @@ def _logger_level(name: str, level: int):
         logger.setLevel(before)
 
 
-def task_manager(selection: TaskSelection):
-    """The harness's task index for `selection`, every name checked before a model is loaded."""
+def load_tasks(selection: TaskSelection) -> tuple[object, list]:
+    """The harness's task index for `selection` and its tasks built (each reads its data then), so
+    an unknown name, a task file the harness refuses or data that cannot be read is said before
+    a model is loaded."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     with _logger_level("lm_eval", logging.WARNING):
         manager = TaskManager(include_path=selection.include_paths or None,
                               include_defaults=selection.needs_registry)
-    unknown = [n for n in selection.names if n not in manager.all_tasks]
-    if unknown:
-        where = "lm-evaluation-harness's registry" if selection.needs_registry else "the task files given"
-        raise ConfigError(f"unknown task {', '.join(repr(n) for n in unknown)}: not in {where}; "
-                          "give a registry name, a task YAML or a folder of them")
-    return manager
+        unknown = [n for n in selection.names if n not in manager.all_tasks]
+        if unknown:
+            where = "lm-evaluation-harness's registry" if selection.needs_registry else "the task files given"
+            raise ConfigError(f"unknown task {', '.join(repr(n) for n in unknown)}: not in {where}; "
+                              "give a registry name, a task YAML or a folder of them")
+        items = []
+        for name in selection.names:
+            try:
+                loaded = manager.load([name])
+            except OSError as exc:  # ConnectionError (a registry task without a hub), FileNotFoundError
+                raise DataError(f"task '{name}': its data could not be loaded: {first_line(exc)}") from exc
+            except (ValueError, KeyError, TypeError) as exc:  # the chain stays for --debug
+                raise ConfigError(f"task '{name}' could not be built by lm-evaluation-harness: "
+                                  f"{first_line(exc)}") from exc
+            # a group as itself (its aggregate is reported); a task, or a tag's tasks, one by one
+            items += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+        try:
+            manager.load(items)  # what simple_evaluate does with them first: refuses a task asked twice
+        except ValueError as exc:
+            raise ConfigError(f"--tasks: {first_line(exc)}") from exc
+    return manager, items
 
 
-def run_tasks(model, tokenizer, names: list[str], manager, *, limit: int | None, num_fewshot: int | None,
+def run_tasks(model, tokenizer, manager, items: list, *, limit: int | None, num_fewshot: int | None,
               batch_size: int, bf16: bool) -> dict:
     """simple_evaluate on the model object, under the autocast training used (bf16 runs compute
     in bf16 on fp32 weights), samples kept (each answer's log-likelihood, for checking a result)."""
@@ -134,13 +158,9 @@ def run_tasks(model, tokenizer, names: list[str], manager, *, limit: int | None,
         # Its one warning here says the model is an object, not a hub id: that is on purpose.
         with _logger_level("lm_eval.models.huggingface", logging.ERROR):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-        try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                return simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                       task_manager=manager, log_samples=True)
-        except OSError as exc:  # ConnectionError and FileNotFoundError among them
-            # A registry task's data on a machine without a hub, or a local task's missing file.
-            raise DataError(f"a task's data could not be loaded: {first_line(exc)}") from None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return simple_evaluate(model=lm, tasks=items, num_fewshot=num_fewshot, limit=limit,
+                                   task_manager=manager, log_samples=True)
 
 
 def _metric_rows(task_result: dict) -> list[tuple[str, float, float | None]]:
@@ -183,32 +203,42 @@ def write_results(results: dict, out_dir: Path, settings: dict) -> dict[str, Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for task, task_result in results["results"].items():
-        if task not in results.get("configs", {}):
-            continue  # a group's aggregate: its tasks have files of their own
         path = _free_name(out_dir, task.replace(os.sep, "_"))
         record = {
             "task": task,
             "metrics": {m: {"value": v, "stderr": s} for m, v, s in _metric_rows(task_result)},
-            "n_samples": results.get("n-samples", {}).get(task),
+            "n_samples": _n_samples(results, task),
             **settings,
             "version": results.get("versions", {}).get(task),
             "lm_eval_version": results.get("lm_eval_version"),
-            "task_config": results["configs"][task],
         }
+        if task in results.get("configs", {}):
+            record["task_config"] = results["configs"][task]
+        else:  # a group: its metrics aggregate its tasks', which have files of their own
+            record["group_tasks"] = results.get("group_subtasks", {}).get(task, [])
         path.write_text(dumps(json.loads(json.dumps(record, default=handle_non_serializable)), indent=2) + "\n")
-        samples = results.get("samples", {}).get(task, [])
-        with open(path.with_suffix(".samples.jsonl"), "w") as f:
-            for sample in samples:
-                f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
+        if task in results.get("samples", {}):
+            with open(path.with_suffix(".samples.jsonl"), "w") as f:
+                for sample in results["samples"][task]:
+                    f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
         written[task] = path
     return written
+
+
+def _n_samples(results: dict, task: str) -> dict | None:
+    """{"original": documents in the task, "effective": documents evaluated (--limit)}; a group's
+    effective count is its tasks' together."""
+    counts = results.get("n-samples", {}).get(task)
+    if counts is None and "sample_len" in results["results"].get(task, {}):
+        counts = {"effective": results["results"][task]["sample_len"]}
+    return counts
 
 
 def table_lines(results: dict, written: dict[str, Path]) -> list[str]:
     """task | n | metric | value | stderr, one row per metric, then where each file went."""
     rows = [("task", "n", "metric", "value", "stderr")]
     for task in written:
-        n = (results.get("n-samples", {}).get(task) or {}).get("effective", "")
+        n = (_n_samples(results, task) or {}).get("effective", "")
         for metric, value, stderr in _metric_rows(results["results"][task]):
             rows.append((task, str(n), metric, f"{value:.4f}", "" if stderr is None else f"{stderr:.4f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -227,7 +257,7 @@ def evaluate_run(path: str, selection: TaskSelection, cfg, settings_from: str, *
     from cputrain.lora.adapter_folder import is_adapter_folder
 
     folder = model_folder(path)  # a run without a model is refused here, before anything loads
-    manager = task_manager(selection)  # and an unknown task
+    manager, items = load_tasks(selection)  # and an unknown task or unreadable data
     threads, precision = cfg.hardware.threads, cfg.hardware.precision
     batch_size = batch_size or cfg.train.micro_batch_size
     torch.set_num_threads(threads)
@@ -236,7 +266,7 @@ def evaluate_run(path: str, selection: TaskSelection, cfg, settings_from: str, *
     compute = "bf16 autocast on fp32 weights" if precision == "bf16" else "fp32"
     log.info("eval: %s (%s), %s, %d thread(s), batch %d (from %s)", folder, kind, compute, threads, batch_size,
              settings_from)
-    results = run_tasks(model, tokenizer, selection.names, manager, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
+    results = run_tasks(model, tokenizer, manager, items, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size,
                         bf16=precision == "bf16")
     settings = {"model": folder, "precision": precision, "threads": threads, "batch_size": batch_size,
                 "limit": limit, "num_fewshot": num_fewshot}
