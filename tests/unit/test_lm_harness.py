@@ -126,11 +126,15 @@ def test_tasks_print_a_table_and_write_what_the_run_model_scores(run_dir, tmp_pa
     assert result["metrics"]["acc"]["value"] == pytest.approx(
         sum(max(range(4), key=row.__getitem__) == q["answer"] for row, q in zip(expected, QUESTIONS)) / len(QUESTIONS))
 
-    # Again with --limit: a new file beside the first, which is kept as it was.
+    # Again with --limit and one example in each prompt: a new file beside the first, kept as it was.
     first = (run_dir / "eval" / f"{TASK}.json").read_text()
-    proc = run_cli_here("eval", run_dir, "--tasks", task, "--limit", "5", "hardware.threads=1", check=True)
+    proc = run_cli_here("eval", run_dir, "--tasks", task, "--limit", "5", "--num-fewshot", "1", "hardware.threads=1",
+                        check=True)
     assert f"{TASK}-2.json" in proc.stdout
-    assert json.loads((run_dir / "eval" / f"{TASK}-2.json").read_text())["n_samples"]["effective"] == 5
+    again = json.loads((run_dir / "eval" / f"{TASK}-2.json").read_text())
+    assert again["n_samples"]["effective"] == 5 and again["num_fewshot"] == 1
+    context = json.loads((run_dir / "eval" / f"{TASK}-2.samples.jsonl").read_text().splitlines()[0])["arguments"][0][0]
+    assert context.count("Question:") == 2, context
     assert (run_dir / "eval" / f"{TASK}.json").read_text() == first
 
 
