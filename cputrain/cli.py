@@ -274,7 +274,7 @@ def _eval_tasks(args, config_path) -> int:
     selection = lm_harness.select_tasks(args.tasks)
     # Only the machine's keys are needed (precision, threads): the data's "auto"s are not decided.
     cfg = resolve(load_config(config_path, args.overrides), detect(), world_size=1, local_world_size=1).config
-    settings_from = config_path or "this machine's defaults"
+    settings_from = (config_path or "this machine's defaults") + (" and key=value overrides" if args.overrides else "")
     results, written = lm_harness.evaluate_run(args.path, selection, cfg, settings_from, limit=args.limit,
                                                num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                                                out_dir=Path(args.path) / "eval")
