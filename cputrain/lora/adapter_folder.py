@@ -4,7 +4,8 @@
             peft.PeftModel.from_pretrained loads it onto the base), the tokenizer's files
 
 load_adapted puts it on its base for generate and eval; merge_into_base writes a plain Hugging
-Face model with the adapters folded into the weights (`cputrain export RUN --merge`).
+Face model with the adapters folded into the weights (`cputrain export RUN --merge`); merged_model
+is that model in memory (`cputrain export RUN --gguf TYPE` writes it as GGUF).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def load_adapted(folder: Path, dtype: torch.dtype | str = torch.float32, trust_r
         raise ModelError(f"could not load the LoRA adapter in '{folder}' onto '{base}': {one_line(exc)}") from None
 
 
+def merged_model(folder: Path):
+    """The base with the adapters merged into its weights, in memory, in the base's own dtype
+    (bf16 bases stay bf16: 16 GB for Llama-3-8B, not 32): a plain transformers model."""
+    return load_adapted(folder, dtype="auto").merge_and_unload()
+
+
 def merge_into_base(folder: Path, out: Path) -> Path:
     """Write `out`: the base with the adapters merged into its weights, in the base's own dtype,
     as a plain Hugging Face model folder (with the tokenizer). `out` must not exist yet."""
@@ -87,8 +94,7 @@ def merge_into_base(folder: Path, out: Path) -> Path:
 
     if out.exists():
         raise ModelError(f"'{out}' already exists; remove it or name another folder with --out")
-    model = load_adapted(folder, dtype="auto")  # bf16 bases stay bf16: 16 GB for Llama-3-8B, not 32
-    merged = model.merge_and_unload()
+    merged = merged_model(folder)
     tmp = fresh_staging(out)
     merged.save_pretrained(str(tmp), safe_serialization=True)
     load_tokenizer(str(folder)).save_pretrained(str(tmp))
