@@ -1,0 +1,82 @@
+"""From a run, a LoRA run or a Hugging Face Llama folder to one .gguf file.
+
+The file is written as `<out>.tmp` and renamed once whole: a killed export leaves no file that
+llama.cpp would take for a model, and an existing file is never overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from cputrain.errors import ModelError
+
+log = logging.getLogger("cputrain")
+
+
+def default_out(folder: Path, type_name: str) -> Path:
+    """RUN/model-TYPE.gguf beside RUN/model/ (a model folder named otherwise: inside it)."""
+    run = folder.parent if folder.name == "model" else folder
+    return run / f"model-{type_name}.gguf"
+
+
+def load_source(folder: Path):
+    """(state dict, config, tokenizer folder): a LoRA adapter folder merged onto its base in memory
+    (`export --merge`'s own merge), any other folder as transformers loads it, in its files' dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cputrain.errors import one_line
+    from cputrain.gguf_export.llama import check_llama
+    from cputrain.lora.adapter_folder import base_of, is_adapter_folder, merged_model
+
+    config_folder = base_of(folder) if is_adapter_folder(folder) else folder
+    try:
+        config = AutoConfig.from_pretrained(config_folder)
+    except Exception as exc:
+        raise ModelError(f"could not read the model config in '{config_folder}': {one_line(exc)}") from None
+    check_llama(config, config_folder)
+    if is_adapter_folder(folder):
+        model = merged_model(folder)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+        except Exception as exc:
+            raise ModelError(f"could not load the model in '{folder}': {one_line(exc)}") from None
+    return model.state_dict(), model.config, folder
+
+
+def export_gguf(folder: Path, type_name: str, out: Path) -> Path:
+    """Write `out` (which must not exist): the model in `folder` with its tokenizer as GGUF."""
+    import gguf
+
+    from cputrain.gguf_export.llama import ARCH, add_hyperparameters, gguf_tensors
+    from cputrain.gguf_export.types import convert, file_type
+    from cputrain.gguf_export.vocab import add_tokenizer
+
+    if out.exists():
+        raise ModelError(f"'{out}' already exists; remove it or name another file with --out")
+    if not out.parent.is_dir():
+        raise ModelError(f"folder '{out.parent}' does not exist; create it or name another file with --out")
+    state_dict, config, tokenizer_folder = load_source(folder)
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), ARCH)
+    try:
+        writer.add_name(folder.parent.name if folder.name == "model" else folder.name)
+        add_hyperparameters(writer, config)
+        writer.add_file_type(file_type(type_name))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_tokenizer(writer, tokenizer_folder, config.vocab_size)
+        for name, tensor in gguf_tensors(state_dict, config):
+            data, raw_dtype = convert(name, tensor, type_name)
+            writer.add_tensor(name, data, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    writer.close()
+    os.rename(tmp, out)
+    return out
