@@ -23,7 +23,20 @@ def default_out(folder: Path, type_name: str) -> Path:
 
 def load_source(folder: Path):
     """(state dict, config, tokenizer folder): a LoRA adapter folder merged onto its base in memory
-    (`export --merge`'s own merge), any other folder as transformers loads it, in its files' dtype."""
+    (`export --merge`'s own merge), any other folder as transformers loads it, in its files' dtype.
+    Without transformers' progress bar: a refusal after loading is then still one line on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return _load_source(folder)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _load_source(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cputrain.errors import one_line

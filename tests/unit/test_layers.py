@@ -23,7 +23,7 @@ LAYERS = [
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
     ["metrics", "model_converter"],  # a run's figures; what a run does to the model (identity)
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
-    ["evaluation", "inference"],  # validation loss; a finished model for sampling
+    ["evaluation", "inference", "gguf_export"],  # validation loss; a finished model for sampling; as GGUF
     ["objectives", "lm_harness"],  # what a step minimises: the LM loss, DPO, SimPO; benchmarks via lm-eval
     ["plan", "preflight"],  # memory per rank; what is refused before any work
     ["trainer", "run_choices"],  # the training loop; the "auto"s beyond the hardware
