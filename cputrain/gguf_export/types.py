@@ -8,14 +8,10 @@ a bf16 file, with the importance-aware choices this module would otherwise have 
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from cputrain.errors import ModelError, UserError
-
-log = logging.getLogger("cputrain")
 
 # What this export writes: every matrix in that type, every 1-D tensor in f32.
 TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -63,7 +59,5 @@ def convert(gguf_name: str, tensor: torch.Tensor, type_name: str) -> tuple[np.nd
     qtype = gguf.GGMLQuantizationType.BF16 if type_name == "bf16" else gguf.GGMLQuantizationType.Q8_0
     try:
         return gguf.quants.quantize(data, qtype), qtype
-    except gguf.quants.QuantError:  # a row not a whole number of 32-value blocks
-        log.warning("gguf: %s %s has rows of %d values, not a multiple of q8_0's 32-value block: kept in f32",
-                    gguf_name, tuple(data.shape), data.shape[-1])
+    except gguf.quants.QuantError:  # rows not a whole number of q8_0's 32-value blocks: kept exact
         return data, None

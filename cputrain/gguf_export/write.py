@@ -80,9 +80,15 @@ def export_gguf(folder: Path, type_name: str, out: Path) -> Path:
         writer.add_file_type(file_type(type_name))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_tokenizer(writer, tokenizer_folder, config.vocab_size)
+        kept_f32 = []
         for name, tensor in gguf_tensors(state_dict, config):
             data, raw_dtype = convert(name, tensor, type_name)
             writer.add_tensor(name, data, raw_dtype=raw_dtype)
+            if tensor.dim() == 2 and type_name != "f32" and raw_dtype is None and data.dtype == "float32":
+                kept_f32.append(f"{name} (rows of {tensor.shape[-1]})")
+        if kept_f32:
+            log.warning("gguf: %d matri%s kept in f32, rows not a multiple of q8_0's 32-value block: %s",
+                        len(kept_f32), "x" if len(kept_f32) == 1 else "ces", ", ".join(kept_f32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

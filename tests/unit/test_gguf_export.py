@@ -305,3 +305,15 @@ def test_f16_is_refused_where_a_weight_overflows_it(tmp_path, tiny_model_dir):
     line = refused(folder, "--gguf", "f16", outputs=[folder / "model-f16.gguf"])
     assert "blk.1.ffn_up.weight" in line and "bf16" in line
     assert export(folder, "--gguf", "bf16").is_file()  # bf16 has float32's range
+
+
+def test_q8_0_keeps_in_f32_a_matrix_whose_rows_are_not_whole_blocks(tmp_path, tiny_model):
+    """Rows of 48 values are not a whole number of q8_0's 32-value blocks: such matrices stay exact
+    in f32 (one warning line names them), the others are quantized."""
+    folder = tmp_path / "narrow"
+    shutil.copytree(tiny_model(hidden=48), folder)  # intermediate 96: ffn_down's rows are whole blocks
+    proc = run_cli_here("export", folder, "--gguf", "q8_0", check=True)
+    assert "kept in f32" in proc.stderr and "blk.0.attn_q.weight (rows of 48)" in proc.stderr
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(folder / "model-q8_0.gguf").tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == types["token_embd.weight"] == "F32"
