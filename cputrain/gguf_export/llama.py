@@ -28,13 +28,6 @@ def permute_for_llama_cpp(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of permute_for_llama_cpp (to compare a file's tensor with the model's)."""
-    rows = weight.shape[0]
-    return (weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
-
-
 def check_llama(config, folder) -> None:
     if getattr(config, "model_type", None) != "llama":
         raise ModelError(f"'{folder}' holds a {getattr(config, 'model_type', None) or 'non-Llama'} model; "

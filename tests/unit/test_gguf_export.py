@@ -18,7 +18,9 @@ from conftest import run_cli_here
 
 gguf = pytest.importorskip("gguf")
 
-from cputrain.gguf_export.llama import permute_for_llama_cpp, unpermute  # noqa: E402
+from cputrain.errors import ModelError  # noqa: E402
+from cputrain.gguf_export.llama import permute_for_llama_cpp  # noqa: E402
+from cputrain.gguf_export.vocab import LLAMA3_SPLIT, pre_tokenizer_name  # noqa: E402
 
 # llama.cpp's tensor names for one block of the tiny model, and what each is in transformers.
 BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -57,6 +59,12 @@ def hf_name(gguf_name: str) -> str:
         return "model.norm.weight"
     _, block, part, _ = gguf_name.split(".")
     return f"model.layers.{block}.{BLOCK[part]}.weight"
+
+
+def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """permute_for_llama_cpp undone: row (h, i, half) back to (h, half, i)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def as_model_layout(name: str, values: np.ndarray, config) -> torch.Tensor:
@@ -317,3 +325,19 @@ def test_q8_0_keeps_in_f32_a_matrix_whose_rows_are_not_whole_blocks(tmp_path, ti
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(folder / "model-q8_0.gguf").tensors}
     assert types["blk.0.ffn_down.weight"] == "Q8_0"
     assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == types["token_embd.weight"] == "F32"
+
+
+def test_pre_tokenizer_is_named_from_tokenizer_json():
+    """GPT-2's byte-level split (cputrain's tokenizers) is llama.cpp's gpt-2; Llama 3's split
+    regex then a byte-level step without one is llama-bpe; anything else is refused, not guessed."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    assert pre_tokenizer_name({"pre_tokenizer": byte_level}, "f") == "gpt-2"
+    llama3 = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+        dict(byte_level, use_regex=False)]}
+    assert pre_tokenizer_name({"pre_tokenizer": llama3}, "f") == "llama-bpe"
+    for other in ({"type": "Metaspace", "replacement": "▁"}, dict(byte_level, add_prefix_space=True),
+                  {"type": "Sequence", "pretokenizers": [dict(llama3["pretokenizers"][0], pattern={"Regex": r"\s+"}),
+                                                         dict(byte_level, use_regex=False)]}):
+        with pytest.raises(ModelError, match="pre-tokenizer"):
+            pre_tokenizer_name({"pre_tokenizer": other}, "f")
