@@ -14,6 +14,7 @@ template (SpecialVocab reads them from the folder's tokenizer files). Written he
   what tokenizer.json says the pre-tokenizer is: a plain ByteLevel with its regex (cputrain's:
   tokenizers' ByteLevel(add_prefix_space=False)) splits with GPT-2's regex, which is llama.cpp's
   "gpt-2"; Llama 3's Split regex followed by a ByteLevel without one is its "llama-bpe".
+- the end-of-turn token (tokenizer.ggml.eot_token_id), where the chat template uses one.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> None:
     """tokenizer.ggml.*: model, pre, tokens, token types, merges, special ids; the chat template."""
     import gguf
 
+    from cputrain.data.chat_template import end_of_turn_ids
     from cputrain.data.tokenizer import load_tokenizer
 
     path = folder / "tokenizer.json"
@@ -98,4 +100,9 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> None:
     special.add_special_token.update(bos=add_bos, eos=add_eos)
     template = getattr(tokenizer, "chat_template", None)
     special.chat_template = template if isinstance(template, str) and template else None
+    # The end of a chat turn (ChatML's <|im_end|>, Llama 3's <|eot_id|>) named, not left to llama.cpp's
+    # guess by token text: generation stops there, as `cputrain generate --chat` stops.
+    ends = [i for i in end_of_turn_ids(tokenizer) if i != tokenizer.eos_token_id and by_id.get(i, "") in (template or "")]
+    if ends:
+        special.special_token_ids["eot"] = ends[0]
     special.add_to_gguf(writer, quiet=True)

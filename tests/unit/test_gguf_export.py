@@ -214,6 +214,7 @@ def test_tokenizer_and_chat_template_round_trip(run):
                if ty == gguf.TokenType.CONTROL}
     assert control == {"<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"}
     assert meta["tokenizer.chat_template"] == hf.chat_template
+    assert meta["tokenizer.ggml.eot_token_id"] == hf.convert_tokens_to_ids("<|im_end|>")  # a chat turn ends there
     rebuilt = tokenizer_from_file(meta)
     for text in TEXTS:
         ids = hf(text, add_special_tokens=False)["input_ids"]
