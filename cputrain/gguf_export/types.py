@@ -3,7 +3,8 @@
 Only matrices take the chosen type: 1-D tensors (the RMSNorm weights) stay f32, as llama.cpp's
 own converter keeps them (they are tiny, and llama.cpp adds them in f32). K-quants (Q4_K_M …) are
 not written here: gguf.quants can only read them, and llama.cpp's `llama-quantize` makes them from
-a bf16 file, with the importance-aware choices this module would otherwise have to copy.
+a bf16 file with its per-tensor mixture (Q4_K_M keeps some attention and FFN matrices in Q6_K),
+which this module would otherwise have to copy.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from cputrain.errors import ModelError, UserError
 # What this export writes: every matrix in that type, every 1-D tensor in f32.
 TYPES = ("f32", "f16", "bf16", "q8_0")
 F16_MAX = 65504.0  # the largest finite float16
-# What llama-quantize makes from a bf16 or f32 file (its own names, lower-cased).
-K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q4_0", "q4_1",
+# Left to llama-quantize, which makes them from a bf16 file (its own names, lower-cased): the K-quants,
+# and the 4/5-bit block types, which it writes with the same per-tensor mixture.
+LLAMA_QUANTIZE_TYPES = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "q4_0", "q4_1",
             "q5_0", "q5_1", "iq4_nl", "iq4_xs")
 
 
@@ -32,7 +34,7 @@ def check_type(name: str, source: str, out_bf16: str) -> None:
     """Refuse a type this export does not write, in one line; a K-quant's line gives the commands."""
     if name in TYPES:
         return
-    if name.lower() in K_QUANTS:
+    if name.lower() in LLAMA_QUANTIZE_TYPES:
         raise UserError(f"--gguf {name} is made by llama.cpp's llama-quantize from a bf16 file: "
                         f"cputrain export {source} --gguf bf16 && llama-quantize {out_bf16} "
                         f"{out_bf16.removesuffix('-bf16.gguf')}-{name.lower()}.gguf {name.upper()}")
