@@ -359,6 +359,12 @@ class TrainConfig(Section):
     <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set) and wandb (offline unless WANDB_MODE is
     set) each need their extra, e.g. pip install 'cputrain[tensorboard]'. Rank 0 writes them."""
 
+    progress_every_s: float = Field(5.0, ge=1.0)
+    """Inside a Kubeflow TrainJob (where the Trainer controller sets KUBEFLOW_TRAINER_SERVER_URL),
+    rank 0 reports the job's progress, remaining time and latest metrics at most this often, and
+    once at the end; each report is a write through the Kubernetes API, hence the floor of 1 s.
+    Elsewhere nothing is sent."""
+
     objective: Literal["lm", "dpo", "simpo"] = "lm"
     """What a step minimises. lm: the next-token loss on the trained tokens. dpo: Direct Preference
     Optimization's sigmoid loss on preference pairs (data.format=preference), against a reference:
