@@ -343,6 +343,7 @@ class Trainer:
             write_summary(self.run, summary)
         except Exception as exc:  # the ending's own error is what the user must see
             log.warning("summary.json was not written (%s)", one_line(exc))
+        self.metrics.end_progress(status)
 
     def _fit(self) -> dict:
         self._warn_if_no_validation()
@@ -417,6 +418,7 @@ class Trainer:
         self.exported = True
         if self.ranks.is_main:
             write_summary(self.run, summary)
+        self.metrics.end_progress("finished")  # after the export: 100% says the model is there
         return summary
 
     def _write_model(self, folder: str, is_writer: bool) -> None:

@@ -5,7 +5,9 @@ step peak" is a step alone; what evaluation and checkpoint saves add between ste
 the run's peak, which is never understated). Per logged step: the throughput window (steps and
 seconds since the last record, evaluation and saves left out), MFU against the theoretical peak
 of the cores this rank was given and against the measured matmul peak of this machine, the
-communication meter's window, and the record sent to metrics.jsonl and the report_to sinks.
+communication meter's window, and the record sent to metrics.jsonl and the report_to sinks;
+inside a Kubeflow TrainJob, the job's progress (trainjob_progress) at most every
+train.progress_every_s and at the end.
 At the end: summary.json's figures, from the steady records (the first window holds warm-up).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +28,7 @@ from cputrain.config.resolved import ResolvedConfig
 from cputrain.distributed import comm, process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts
-from cputrain.metrics import flops, memory
+from cputrain.metrics import flops, memory, trainjob_progress
 from cputrain.metrics.jsonl import MetricsJsonl
 from cputrain.metrics.measured_peak import measured_peak_flops
 from cputrain.metrics.sinks import ReportSinks
@@ -41,6 +44,7 @@ class RunMetrics:
         self.meter, self.total_steps = meter, total_steps
         self.sinks: ReportSinks | None = None  # rank 0's, opened by open_sinks() once the resume step is known
         self.guard: Callable[[], None] = lambda: None  # raises if this run no longer owns its folder
+        self.progress: trainjob_progress.TrainJobProgress | None = None  # rank 0's, inside a TrainJob
         self.flops_per_token = flops.flops_per_token(
             counts["non_embedding"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len,
             trained_params=counts["trained_non_embedding"],  # LoRA: weight gradients of the adapters only
@@ -51,7 +55,7 @@ class RunMetrics:
         measured, self.measured_peak_how = measured_peak_flops(hw.cpu_model, hw.flags, cfg.hardware.threads,
                                                                cfg.hardware.dtype)
         self.measured_peak_flops = measured * ranks.world_size
-        self.start_step = 0
+        self.start_step = self._step = 0
         self.steps_this_session = 0
         self.step_peak_gib = self.run_peak_gib = 0.0
         self.last_val_loss: float | None = None
@@ -67,15 +71,31 @@ class RunMetrics:
         """Rank 0: metrics.jsonl loses the rows of steps trained again; the report_to sinks open."""
         if self.ranks.is_main:
             self.sinks, self.guard = ReportSinks(self.run, self.cfg, resumed_step), guard
+            self.progress = trainjob_progress.from_env(os.environ, self.cfg.train.progress_every_s, self.total_steps)
+            if self.progress is not None:
+                log.info("TrainJob progress: reported to %s at most every %g s", self.progress.url,
+                         self.progress.every_s)
+
+    def end_progress(self, status: str) -> None:
+        """Rank 0, inside a TrainJob: the ending's report (100% once finished, else the step and
+        the status: stopped, diverged, failed, interrupted)."""
+        if self.progress is not None:
+            self.progress.end(self._step, status)
+            self.progress = None
 
     def close_sinks(self) -> None:
         if self.sinks is not None:  # flushes the sinks' files, also on an error exit
             self.sinks.close()
             self.sinks = None
+        if self.progress is not None:  # an exit before any ending was reported
+            self.progress.close()
+            self.progress = None
 
     # --------------------------------------------------------------------------------------
     def start(self, step: int) -> None:
-        self.start_step = step
+        self.start_step = self._step = step
+        if self.progress is not None:
+            self.progress.start(step)
         self._bar = tqdm(total=self.total_steps, initial=step, disable=not self._live, desc="train", unit="step",
                          dynamic_ncols=True, mininterval=1.0)
         self._wall0 = self._window_t0 = time.perf_counter()
@@ -97,6 +117,7 @@ class RunMetrics:
         the row of a logged step (every train.log_every and the last), None between them. Every
         rank calls it: the loss is averaged over the ranks. `figures`: the objective's, of the
         step's global batch (preference: TRL's rewards/… and logps/…), already the same on every rank."""
+        self._step = step
         self._window_trained += trained
         self._window_tokens += tokens
         if step % self.cfg.train.log_every != 0 and step != self.total_steps:
@@ -152,6 +173,8 @@ class RunMetrics:
         if row and self.sinks is not None:
             self.guard()  # another run took the folder over: stop before writing beside it
             self.sinks.log(row)
+        if self.progress is not None:  # every step: between reports it only reads a clock
+            self.progress.step(self._step, row)
         self._bar.update(1)
 
     def stop(self) -> None:
