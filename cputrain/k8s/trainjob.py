@@ -8,6 +8,12 @@ Pod-level settings (volumes, node selection, the do-not-disrupt annotation) go i
 runtime patch on the runtime's "node" job. The patch can set the pods' grace period but not the
 Job's podFailurePolicy (the TrainJob API has no such field): whether a stopped pod (exit 75)
 restarts is the runtime's JobSet failure policy, which the cluster's ClusterTrainingRuntime owns.
+Progress (cputrain.metrics.trainjob_progress) needs nothing rendered here: where the controller
+runs with the TrainJobStatus feature gate, its plugin adds to every trainer container the
+KUBEFLOW_TRAINER_SERVER_URL/_CA_CERT/_TOKEN variables and the projected volume they name (at
+/var/run/secrets/kubeflow/trainer: a token whose audience is this TrainJob, and the CA from a
+ConfigMap it makes), so none of the patch's volume names may be `kubeflow-trainer-token`.
+Without the gate there is no endpoint, and an Indexed Job has none either.
 """
 
 from __future__ import annotations

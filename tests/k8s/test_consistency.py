@@ -111,3 +111,17 @@ def test_a_broken_deepspeed_file_stops_the_render(tmp_path):
     bad.write_text('{"zero_optimization": {"stage": 3,}}')
     with pytest.raises(ConfigError, match="not valid JSON"):
         render_case("trainjob-zero3-recipe", extra_overrides=(f"parallel.deepspeed_config={bad}",))
+
+
+def test_trainjob_leaves_the_progress_endpoint_to_the_controller():
+    """The controller's TrainJobStatus plugin upserts its variables, its volume and its mount into
+    the trainer container (cputrain.k8s.trainjob): the rendered pods must not take those names."""
+    from cputrain.metrics import trainjob_progress
+
+    tj = next(o for o in render_case("trainjob-fsdp-2x2").objects if o["kind"] == "TrainJob")
+    spec, _ = _pod_spec(tj)
+    assert "kubeflow-trainer-token" not in {v["name"] for v in spec["volumes"]}
+    mounts = [m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])]
+    assert not any(path.startswith("/var/run/secrets/kubeflow") for path in mounts)
+    ours = {e["name"] for e in tj["spec"]["trainer"]["env"]}
+    assert not ours & {trainjob_progress.ENV_URL, trainjob_progress.ENV_CA_CERT, trainjob_progress.ENV_TOKEN}
