@@ -315,6 +315,7 @@ class Trainer:
         with the ending's status, reason and exit code, for a pipeline to read."""
         if self.step >= self.total_steps:
             log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
+            self.metrics.end_progress(self.step, "finished")  # a TrainJob whose pods restarted after the end
             return read_summary(self.run) or {}
         try:
             return self._fit()
@@ -343,7 +344,7 @@ class Trainer:
             write_summary(self.run, summary)
         except Exception as exc:  # the ending's own error is what the user must see
             log.warning("summary.json was not written (%s)", one_line(exc))
-        self.metrics.end_progress(status)
+        self.metrics.end_progress(self.step, status)
 
     def _fit(self) -> dict:
         self._warn_if_no_validation()
@@ -418,7 +419,7 @@ class Trainer:
         self.exported = True
         if self.ranks.is_main:
             write_summary(self.run, summary)
-        self.metrics.end_progress("finished")  # after the export: 100% says the model is there
+        self.metrics.end_progress(self.step, "finished")  # after the export: 100% says the model is there
         return summary
 
     def _write_model(self, folder: str, is_writer: bool) -> None:

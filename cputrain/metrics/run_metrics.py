@@ -76,11 +76,11 @@ class RunMetrics:
                 log.info("TrainJob progress: reported to %s at most every %g s", self.progress.url,
                          self.progress.every_s)
 
-    def end_progress(self, status: str) -> None:
+    def end_progress(self, step: int, status: str) -> None:
         """Rank 0, inside a TrainJob: the ending's report (100% once finished, else the step and
         the status: stopped, diverged, failed, interrupted)."""
         if self.progress is not None:
-            self.progress.end(self._step, status)
+            self.progress.end(step, status)
             self.progress = None
 
     def close_sinks(self) -> None:

@@ -94,11 +94,12 @@ class TrainJobProgress:
             self._submit(self._body(step, self._remaining_s(step, now)))
 
     def end(self, step: int, status: str) -> None:
-        """The run's last word: 100% when it finished, else where it stopped and why (the metric
-        `status`); waits for that POST at most the timeout, then the reporter is closed."""
+        """The session's last word: 100% when the run finished its last step, else where it
+        ended and why (the metric `status`; a session ended by train.stop_at_step is `finished`
+        short of 100); waits for that POST at most the timeout, then the reporter is closed."""
         self._metrics["status"] = status
-        finished = status == "finished"
-        self._submit(self._body(self.total_steps if finished else step, 0 if finished else None, finished=finished))
+        complete = status == "finished" and step >= self.total_steps
+        self._submit(self._body(step, 0 if complete else None, complete=complete))
         self.close()
 
     def close(self) -> None:
@@ -119,9 +120,9 @@ class TrainJobProgress:
         per_step_s = (now - first_s) / (step - first_step)
         return min(INT32_MAX, max(0, round(per_step_s * (self.total_steps - step))))
 
-    def _body(self, step: int, remaining_s: int | None = None, finished: bool = False) -> bytes:
-        # Below 100% until the run has finished: 100 says the job is done (transformers does the same).
-        percent = 100 if finished else min(99, max(0, 100 * step // self.total_steps))
+    def _body(self, step: int, remaining_s: int | None = None, complete: bool = False) -> bytes:
+        # Below 100% until the run is complete: 100 says the job is done (transformers does the same).
+        percent = 100 if complete else min(99, max(0, 100 * step // self.total_steps))
         metrics = {**self._metrics, "current_step": str(step), "total_steps": str(self.total_steps)}
         status = {
             "progressPercentage": percent,

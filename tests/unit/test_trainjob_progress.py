@@ -131,7 +131,7 @@ def test_the_body_is_the_trainjob_status_format_with_token_and_ca(server, certif
     clock.now += 2  # then 2 s a step: 8 steps left, 16 s
     reporter.step(2, ROW)
     server.wait_for(3)
-    reporter.end(2, "finished")
+    reporter.end(10, "finished")
     server.wait_for(4)
 
     first, after_warmup, mid, final = server.bodies()
@@ -150,13 +150,17 @@ def test_the_body_is_the_trainjob_status_format_with_token_and_ca(server, certif
     assert reporter.posted == 4 and reporter.failed == 0
 
 
-def test_a_run_that_stops_says_where_and_why_never_100(server, certificate, token_file):
+@pytest.mark.parametrize("step, status, percent", [
+    (10, "stopped", 99),  # even at the last step: 100 is for a run that finished it
+    (5, "finished", 50),  # a session ended by train.stop_at_step
+])
+def test_an_ending_short_of_the_last_step_says_where_and_why(server, certificate, token_file, step, status, percent):
     reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=60.0, total_steps=10)
-    reporter.end(10, "stopped")  # even at the last step: 100 is for a finished run
+    reporter.end(step, status)
     server.wait_for(1)
     (body,) = server.bodies()
-    assert body["progressPercentage"] == 99 and "estimatedRemainingSeconds" not in body
-    assert _metrics(body)["status"] == "stopped"
+    assert body["progressPercentage"] == percent and "estimatedRemainingSeconds" not in body
+    assert _metrics(body)["status"] == status and _metrics(body)["current_step"] == str(step)
 
 
 def test_a_rotated_token_file_is_read_again(server, certificate, token_file):
@@ -182,7 +186,7 @@ def test_at_most_one_post_per_interval_and_one_at_the_end(server, certificate, t
         step += 1
         reporter.step(step, ROW)
         time.sleep(0.005)
-    reporter.end(step, "finished")
+    reporter.end(1000, "finished")
     times = [r["at"] for r in server.requests]
     assert 3 <= len(times) <= 7, len(times)  # ~1.1 s / 0.25 s, plus the start and the end
     gaps = [b - a for a, b in zip(times[:-1], times[1:-1])]  # the end's POST is not held back
