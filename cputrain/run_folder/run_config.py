@@ -23,7 +23,7 @@ IDENTITY_KEYS = (
     "data.source",
     "data.hf_config",
     "data.text_field",
-    # what is trained of it: a resumed run trains the same tokens (README: "Resuming")
+    # what is trained of it: a resumed run trains the same tokens (docs/guides/sft.md: "A resumed run trains what it trained before")
     "data.format",
     "data.train_on",
     "data.chat_template",

@@ -1,6 +1,6 @@
 """What a cluster does to a single-rank run: a SIGTERM mid-run (a spot node reclaimed), a loss that
 diverges, a damaged checkpoint, a disk that fills during a save; and settings a resumed run must
-honour. Each ends with one line and a documented exit code (README "Stops and faults"), and loses
+honour. Each ends with one line and a documented exit code (docs/guides/faults-and-resume.md), and loses
 no finished work."""
 
 from __future__ import annotations
