@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from cputrain.config.sections import Config
 from cputrain.errors import ConfigError
@@ -150,15 +151,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(apply_overrides(raw, list(overrides or [])))
 
 
-def describe_fields(model_cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every leaf field: the reference printed by --help-config."""
+def config_fields(model_cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    """(dotted key, pydantic field) for every leaf field, in the order the sections declare them:
+    the one walk behind --help-config and the configuration reference (`config.reference`)."""
     rows = []
     for name, field in model_cls.model_fields.items():
         ann = field.annotation
         dotted = f"{prefix}{name}"
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe_fields(ann, dotted + "."))
+            rows.extend(config_fields(ann, dotted + "."))
         else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((dotted, repr(default), " ".join((field.description or "").split())))
+            rows.append((dotted, field))
     return rows
+
+
+def field_default(field: FieldInfo) -> Any:
+    return field.get_default(call_default_factory=True)
+
+
+def field_doc(field: FieldInfo) -> str:
+    """The docstring under a field, on one line."""
+    return " ".join((field.description or "").split())
+
+
+def describe_fields(model_cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field: the reference printed by --help-config."""
+    return [(dotted, repr(field_default(field)), field_doc(field)) for dotted, field in config_fields(model_cls, prefix)]
