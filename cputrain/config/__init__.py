@@ -1,6 +1,7 @@
 """The config: its typed sections (sections), a YAML file with key=value overrides (file), the
 read-only config after every "auto" is decided (resolved), a model folder's config.json
-checked (model_file), and the configuration reference page rendered from the fields' docs (reference). The sections' names are handed on here, as `from cputrain.config import Config`."""
+checked (model_file), and the configuration reference page rendered from the fields' docs
+(reference). The sections' names are handed on here, as `from cputrain.config import Config`."""
 
 from cputrain.config.sections import (DEFAULT_ARCH, LLAMA_PROJECTIONS, Config, DataConfig,  # noqa: F401
                                       HardwareConfig, LaunchConfig, LoraConfig, ModelConfig, ParallelConfig,
