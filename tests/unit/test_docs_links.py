@@ -115,3 +115,25 @@ def test_the_docs_exist_and_readme_links_every_page():
 def test_relative_links_resolve(page):
     problems = broken_links(page)
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_readme_stays_short_and_keeps_the_commands_ci_and_users_run():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "README.md is the front page (≤ 250 lines): move the detail to a page under docs/"
+    setup = _section(text, "## Two commands")
+    assert "make demo    # installs into .venv, then trains the built-in demo" in setup
+    assert "make test    # installs with the test tools, then runs the test suite" in setup
+    # .ci/run runs "the README's test command"; the Makefile points at "README, Tests" for the budget
+    tests = _section(text, "## Tests")
+    assert "make test " in tests and "make test-fast" in tests
+    assert "**Budget.**" in tests and "≤ 30 minutes" in tests
+    for folder in ("tests/unit", "tests/k8s", "tests/e2e", "tests/distributed"):
+        assert f"| `{folder}` |" in tests, folder
+    assert "the README's test command" in (REPO / ".ci" / "run").read_text()
+    assert "make test" in (REPO / ".ci" / "run").read_text()
