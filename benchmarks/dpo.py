@@ -12,9 +12,10 @@ length, as real pairs do), plain strings (TRL's "standard" preference format).
 
 cputrain    `cputrain train`, data.format=preference, train.objective=dpo, β 0.1: the pairs packed
             into rows of 1,024 tokens without cross-talk, 2 rows per step (2 micro-batches of 1).
-            LoRA: the reference is the base with the adapters off, in the same forward pass's
-            model. Full weights: the reference log-probs are computed once before the first step
-            (no second model in memory).
+            The reference log-probs computed once before the first step (train.dpo_reference=
+            precompute, the default: with LoRA the base with the adapters off, with full weights
+            the starting weights; no second model in memory); `LoRA, live` runs the base with the
+            adapters off on every micro-batch instead (train.dpo_reference=live).
 TRL         DPOTrainer, the same β, as many pairs per step as cputrain's 2 rows held on average
             (P = 2 × ceil(P/2): 2 micro-batches), max_length 1,024, so both sides take an
             optimizer step per as many pairs:
@@ -82,11 +83,12 @@ def write_pairs(path: Path, n: int, seed: int = SEED) -> None:
 # cputrain
 
 
-def run_cputrain(base: str, data: Path, lora: bool, steps: int, warmup: int, cache_dir: str) -> dict:
+def run_cputrain(base: str, data: Path, lora: bool, steps: int, warmup: int, cache_dir: str,
+                 reference: str = "precompute") -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "cputrain", "train", f"output_dir={out}", f"model.name_or_path={base}",
                f"data.source={data}", "data.format=preference", f"data.seq_len={SEQ_LEN}", "data.val_fraction=0",
-               f"data.cache_dir={cache_dir}", "train.objective=dpo", f"train.dpo_beta={BETA}",
+               f"data.cache_dir={cache_dir}", "train.objective=dpo", f"train.dpo_beta={BETA}", f"train.dpo_reference={reference}",
                f"train.max_steps={steps}", f"train.global_batch_size={ROWS_PER_STEP}",
                f"train.micro_batch_size={ROWS_PER_STEP // ACCUM}", f"train.lr={LR}", "train.warmup_steps=0", "train.log_every=1",
                "train.eval_every=100000", "train.checkpoint_every=100000", "train.sample_tokens=0", f"seed={SEED}"]
@@ -227,6 +229,7 @@ def main() -> None:
 
     sides = {
         "cputrain LoRA": lambda: run_cputrain(folder, data, True, steps, warmup, cache_dir),
+        "cputrain LoRA, live": lambda: run_cputrain(folder, data, True, steps, warmup, cache_dir, "live"),
         "TRL LoRA, default": lambda: run_trl(folder, data, True, False, steps, warmup, bf16, pairs_per_step()),
         "TRL LoRA, precompute": lambda: run_trl(folder, data, True, True, steps, warmup, bf16, pairs_per_step()),
         "cputrain full": lambda: run_cputrain(folder, data, False, steps, warmup, cache_dir),

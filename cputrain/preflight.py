@@ -30,8 +30,9 @@ def check_objective_fits(cfg: Config) -> None:
     take minutes): each rank checks it again once its format is decided."""
     from cputrain.data.sources import HF_PREFIX, format_choice
     from cputrain.errors import DataError
-    from cputrain.objectives.objective import check_objective
+    from cputrain.objectives.objective import check_objective, check_reference
 
+    check_reference(cfg.train, cfg.model.lora.enabled)
     data = cfg.data
     if data.format == "auto" and data.source.startswith(HF_PREFIX):
         fmt = "preference" if cfg.train.objective != "lm" else "text"  # decided by the rank

@@ -136,8 +136,8 @@ class Trainer:
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)
-        # Full-weight DPO: the reference log-probabilities of every pair, from the weights as
-        # loaded, before a checkpoint (trained weights) replaces them.
+        # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
+        # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them.
         self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
                                self.strategy.autocast)
 

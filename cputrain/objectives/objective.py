@@ -10,6 +10,7 @@ then the mean over the whole global batch whatever the micro-batch size and numb
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -18,7 +19,17 @@ import torch
 from cputrain.errors import ConfigError
 from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, sequence_logps, simpo_losses
 
+log = logging.getLogger("cputrain")
+
 PREFERENCE_OBJECTIVES = ("dpo", "simpo")
+
+
+def check_reference(train_cfg, lora: bool) -> None:
+    """Refuse, in one line, a live DPO reference where there is no base to run it on."""
+    if train_cfg.objective == "dpo" and train_cfg.dpo_reference == "live" and not lora:
+        raise ConfigError("train.dpo_reference=live runs the base with the LoRA adapters off on every step, but "
+                          "this run trains full weights (no base left to run); use train.dpo_reference=precompute "
+                          "or model.lora.enabled=true")
 
 
 def check_objective(objective: str, data_format: str) -> None:
@@ -55,10 +66,10 @@ class LmObjective:
 
 
 class PreferenceObjective:
-    """DPO against a reference, or SimPO, on pairs. DPO's reference is the converter's where it
-    has one (LoRA: the base with the adapters off, computed live on each micro-batch); full weights
-    have none left once training starts, so their reference log-probabilities are computed once,
-    from the starting weights, before training (prepare)."""
+    """DPO against a reference, or SimPO, on pairs. The reference log-probabilities are computed
+    once, before training (prepare, train.dpo_reference=precompute): from the starting weights,
+    with LoRA through the converter's reference (the base with the adapters off). With LoRA and
+    train.dpo_reference=live, the base runs on each micro-batch instead."""
 
     names = STAT_NAMES
 
@@ -68,12 +79,25 @@ class PreferenceObjective:
 
     @torch.no_grad()
     def prepare(self, model, rows: list, micro_batch: int, autocast) -> None:
-        """Full-weight DPO: the reference log-probabilities of every sequence of `rows` (each a
-        PairRows), from the weights as loaded, before any checkpoint replaces them (a resumed run
-        computes them again from the same starting weights). Every rank computes all of them: the
-        same forwards on every rank, which sharded strategies need, and no collective."""
-        if self.kind != "dpo" or self.reference is not None:
+        """DPO's reference log-probabilities of every sequence of `rows` (each a PairRows), from
+        the weights as loaded, before any checkpoint replaces them (a resumed run computes them
+        again from the same starting weights); with LoRA inside the converter's reference context,
+        so the base alone whatever the adapters hold. Every rank computes all of them: the same
+        forwards on every rank, which sharded strategies need, and no collective."""
+        if self.kind != "dpo" or (self.reference is not None and self.cfg.dpo_reference == "live"):
             return
+        import time
+
+        started_s = time.perf_counter()
+        base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
+        with base:
+            self._reference_table(model, rows, micro_batch, autocast)
+        pairs = sum(split.pairs for split in rows)
+        log.info("DPO reference: the log-probabilities of %d pairs computed before training in %.1f s "
+                 "(train.dpo_reference=precompute%s)", pairs, time.perf_counter() - started_s,
+                 ": the base, adapters off" if self.reference is not None else ": the weights as loaded")
+
+    def _reference_table(self, model, rows: list, micro_batch: int, autocast) -> None:
         model.eval()
         for split in rows:
             split.reference_logps = None

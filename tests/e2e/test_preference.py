@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from conftest import run_cli, run_cli_here, tiny_overrides
 
 DPO = {"data.source": "builtin:pydoc-dpo", "data.format": "auto", "data.seq_len": 256, "data.val_fraction": 0.1,
        "train.objective": "dpo", "model.lora.enabled": "true",
@@ -37,7 +37,8 @@ def base(tiny_model):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache_dir, base):
     out = tmp_path_factory.mktemp("dpo") / "straight"
-    run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO}), check=True)
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO}), check=True)
+    assert "DPO reference: the log-probabilities of" in proc.stderr  # precomputed by default, LoRA too
     return out
 
 
@@ -116,3 +117,23 @@ def test_pairs_that_teach_nothing_or_lack_a_field_stop_in_one_line(tmp_path, cac
         "model.name_or_path": base, **DPO, "data.source": data, "data.format": "preference"}))
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_lora_reference_precomputed_or_live_trains_alike(tmp_path, cache_dir, base, straight):
+    """The precomputed reference (the default) is the base with the adapters off, as the live one
+    run on every micro-batch: the same losses, step after step (fp32)."""
+    out = tmp_path / "live"
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO, "train.max_steps": 3,
+                                                               "train.dpo_reference": "live"}), check=True)
+    assert "DPO reference:" not in proc.stderr
+    precomputed, live = _losses(straight), _losses(out)
+    assert sorted(live) == [1, 2, 3]
+    for step in live:
+        assert live[step] == pytest.approx(precomputed[step], abs=1e-5), (step, live, precomputed)
+
+
+def test_a_live_reference_without_lora_is_refused_before_work(tmp_path, cache_dir, base):
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", cache_dir, **{
+        "model.name_or_path": base, **DPO, "model.lora.enabled": "false", "train.dpo_reference": "live"}))
+    assert proc.returncode == 2 and "train.dpo_reference=live" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
