@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
 
 from cputrain.errors import ConfigError
@@ -17,6 +18,11 @@ GIB = 2**30
 # on x86-64 Linux with torch 2.13 (0.33-0.35 GiB with the model code imported); it hardly
 # depends on the model.
 PROCESS_OVERHEAD_BYTES = int(0.35 * GIB)
+# What scipy adds to that where it is installed (the eval extra brings it, with
+# lm-evaluation-harness, and so do many environments): transformers imports scipy.optimize with
+# its modeling code whenever scipy can be imported. Measured 35 MiB of RSS after torch and
+# transformers' Llama (336 → 371 MiB, scipy 1.17, torch 2.13); the plan is of this installation.
+SCIPY_IMPORT_BYTES = 35 * 2**20 if importlib.util.find_spec("scipy") is not None else 0
 # What zero3 adds to that, independent of the model: importing deepspeed (0.02 GiB, measured as
 # the RSS of the import after torch and transformers) and deepspeed.initialize's engine, its
 # process subgroups and buffers (0.04-0.05 GiB, the "optimizer created" phase of a 0.1M-parameter
@@ -215,7 +221,8 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         activation_bytes=act.saved_bytes + act.weight_copy_bytes,
         optimizer_step_bytes=step_tmp,
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
-        process_overhead_bytes=PROCESS_OVERHEAD_BYTES + (DEEPSPEED_RUNTIME_BYTES if inp.strategy == "zero3" else 0)
+        process_overhead_bytes=PROCESS_OVERHEAD_BYTES + SCIPY_IMPORT_BYTES
+        + (DEEPSPEED_RUNTIME_BYTES if inp.strategy == "zero3" else 0)
         + (LORA_RUNTIME_BYTES if m.lora else 0),
         load_bytes=_load_bytes(m, inp, rank),
         # With optimizer offload DeepSpeed gives each sub-group's fp32 master a gradient buffer of
