@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -86,8 +87,6 @@ class PreferenceObjective:
         forwards on every rank, which sharded strategies need, and no collective."""
         if self.kind != "dpo" or (self.reference is not None and self.cfg.dpo_reference == "live"):
             return
-        import time
-
         started_s = time.perf_counter()
         base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
         with base:

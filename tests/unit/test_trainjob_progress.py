@@ -122,14 +122,19 @@ def _metrics(body: dict) -> dict[str, str]:
     return {m["name"]: m["value"] for m in body["metrics"]}
 
 
+def _reporter(server, certificate, token_file, every_s: float, total_steps: int, **kw) -> TrainJobProgress:
+    """A reporter posting to the test server with its token file and CA file."""
+    return TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=every_s, total_steps=total_steps,
+                            **kw)
+
+
 ROW = {"step": 2, "loss": 2.5, "lr": 3e-4, "grad_norm": 1.25, "tokens_per_s": 1234.5, "mfu": 0.125,
        "epoch": 0.5, "val_loss": float("nan"), "rss_gib": 1.0}
 
 
 def test_the_body_is_the_trainjob_status_format_with_token_and_ca(server, certificate, token_file):
     clock = Clock()
-    reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=1.0, total_steps=10,
-                                clock=clock)
+    reporter = _reporter(server, certificate, token_file, 1.0, 10, clock=clock)
     reporter.start(0)
     server.wait_for(1)
     clock.now += 30  # the first step: warm-up, left out of the pace
@@ -162,7 +167,7 @@ def test_the_body_is_the_trainjob_status_format_with_token_and_ca(server, certif
     (5, "finished", 50),  # a session ended by train.stop_at_step
 ])
 def test_an_ending_short_of_the_last_step_says_where_and_why(server, certificate, token_file, step, status, percent):
-    reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=60.0, total_steps=10)
+    reporter = _reporter(server, certificate, token_file, 60.0, 10)
     reporter.end(step, status)
     server.wait_for(1)
     (body,) = server.bodies()
@@ -172,8 +177,7 @@ def test_an_ending_short_of_the_last_step_says_where_and_why(server, certificate
 
 def test_a_rotated_token_file_is_read_again(server, certificate, token_file):
     clock = Clock()
-    reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=1.0, total_steps=10,
-                                clock=clock)
+    reporter = _reporter(server, certificate, token_file, 1.0, 10, clock=clock)
     reporter.start(0)
     server.wait_for(1)
     token_file.write_text("token-2\n")  # as the kubelet does before the old token expires
@@ -186,7 +190,7 @@ def test_a_rotated_token_file_is_read_again(server, certificate, token_file):
 
 def test_at_most_one_post_per_interval_and_one_at_the_end(server, certificate, token_file):
     every_s = 0.25
-    reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=every_s, total_steps=1000)
+    reporter = _reporter(server, certificate, token_file, every_s, 1000)
     reporter.start(0)
     t0, step = time.monotonic(), 0
     while time.monotonic() - t0 < 1.1:  # a step every 5 ms
@@ -202,7 +206,7 @@ def test_at_most_one_post_per_interval_and_one_at_the_end(server, certificate, t
 
 
 def test_a_failing_endpoint_costs_one_warning_and_never_raises(server, certificate, token_file, caplog):
-    reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=0.05, total_steps=100)
+    reporter = _reporter(server, certificate, token_file, 0.05, 100)
     caplog.set_level(logging.INFO, logger="cputrain")
 
     def steps(first: int, last: int) -> None:
@@ -232,8 +236,7 @@ def test_a_failing_endpoint_costs_one_warning_and_never_raises(server, certifica
 
 def test_a_hanging_endpoint_never_slows_a_step(server, certificate, token_file, caplog):
     server.delay_s = 1.0
-    reporter = TrainJobProgress(server.url, str(token_file), str(certificate[0]), every_s=0.05, total_steps=100,
-                                timeout_s=0.3)
+    reporter = _reporter(server, certificate, token_file, 0.05, 100, timeout_s=0.3)
     slowest_s = 0.0
     for step in range(1, 60):
         t0 = time.perf_counter()
