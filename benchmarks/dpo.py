@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.lora import make_base, run_measured, steady_median  # noqa: E402
 from benchmarks.report import machine_line, write_block  # noqa: E402
 from benchmarks.sft import ARCH_100M, QUICK_ARCH  # noqa: E402
-from benchmarks.step_timing import trainer_step_clock  # noqa: E402
+from benchmarks.step_timing import count_trainer_steps  # noqa: E402
 from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
 
 SEQ_LEN, LR, SEED, BETA = 1024, 5e-5, 1337, 0.1
@@ -122,20 +122,12 @@ def run_cputrain(base: str, data: Path, lora: bool, steps: int, warmup: int, cac
 def trl_child(opts: dict) -> dict:
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     t_start = time.perf_counter()
     torch.set_num_threads(physical_cores())  # the threads cputrain's `auto` gives one rank
     tok = AutoTokenizer.from_pretrained(opts["base"])
-    counts = {"trained": 0, "positions": 0, "padding": 0}
-    per_step: list[dict] = []
-
-    def close_step() -> None:  # the step's counts, from the batches its collator built
-        per_step.append(dict(counts))
-        counts.update(trained=0, positions=0, padding=0)
-
-    clock = trainer_step_clock(close_step)
     dtype = torch.bfloat16 if opts["bf16"] and opts["lora"] else torch.float32
     model = AutoModelForCausalLM.from_pretrained(opts["base"], dtype=dtype, attn_implementation="sdpa")
     peft_config = None
@@ -144,7 +136,6 @@ def trl_child(opts: dict) -> dict:
 
         peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none",
                                  task_type="CAUSAL_LM")
-    losses: list[float] = []
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(
             output_dir=out, max_steps=opts["steps"], per_device_train_batch_size=opts["micro_pairs"],
@@ -155,25 +146,16 @@ def trl_child(opts: dict) -> dict:
         )
         trainer = DPOTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
                              train_dataset=datasets.load_dataset("json", data_files=opts["data"], split="train"))
-        collate = trainer.data_collator
 
-        def counting(features):
-            batch = collate(features)
-            counts["trained"] += int(batch["completion_mask"].sum())
-            counts["positions"] += batch["input_ids"].numel()
-            counts["padding"] += int((batch["attention_mask"] == 0).sum())
-            return batch
+        def count(batch) -> dict[str, int]:
+            return {"trained": int(batch["completion_mask"].sum()), "positions": batch["input_ids"].numel(),
+                    "padding": int((batch["attention_mask"] == 0).sum())}
 
-        trainer.data_collator = counting
-        trainer.add_callback(clock)
-        trainer.add_callback(type("Losses", (TrainerCallback,), {
-            "on_log": lambda self, args, state, control, logs=None, **kw: losses.append(logs["loss"])
-            if logs and "loss" in logs else None})())
+        clock, per_step, losses = count_trainer_steps(trainer, count)
         # the reference pass (precompute) runs inside train(), before the first step's clock starts
         t0 = time.perf_counter()
         trainer.train()
-    marks = clock.marks
-    # the first step's start: when its batches began (the clock marks step ends only)
+    marks = clock.marks  # each step's end; the first step runs from t0
     times = [b - a for a, b in zip([t0] + marks[:-1], marks)]
     first_step_s = times[0]
     # TRL's precompute pass runs at the start of train(): counted as setup, not as the first step

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.lora import make_base, run_measured, steady_median  # noqa: E402
 from benchmarks.report import machine_line, write_block  # noqa: E402
-from benchmarks.step_timing import trainer_step_clock  # noqa: E402
+from benchmarks.step_timing import count_trainer_steps  # noqa: E402
 from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
 from cputrain.data.chat_template import MARKED_CHATML  # noqa: E402
 from cputrain.data.examples import open_examples  # noqa: E402
@@ -116,22 +116,12 @@ def run_cputrain(base: str, data: Path, template: Path, lora: bool, steps: int, 
 def trl_child(opts: dict) -> dict:
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(physical_cores())  # the threads cputrain's `auto` gives one rank
     tok = AutoTokenizer.from_pretrained(opts["base"])
     tok.chat_template = MARKED_CHATML
-    counts = {"trained": 0, "positions": 0, "padding": 0}
-    per_step: list[dict] = []
-
-    def close_step() -> None:  # the step's counts, from the batches its collator built
-        per_step.append(dict(counts))
-        counts.update(trained=0, positions=0, padding=0)
-
-    clock = trainer_step_clock(close_step)  # the same step peak cputrain's memory.json reads
-    marks, peaks = clock.marks, clock.peaks
-
     dtype = torch.bfloat16 if opts["bf16"] else torch.float32
     model = AutoModelForCausalLM.from_pretrained(opts["base"], dtype=torch.float32 if not opts["lora"] else dtype,
                                                  attn_implementation="sdpa")
@@ -141,7 +131,6 @@ def trl_child(opts: dict) -> dict:
 
         peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none",
                                  task_type="CAUSAL_LM")
-    losses: list[float] = []
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(
             output_dir=out, max_steps=opts["steps"], per_device_train_batch_size=4, gradient_accumulation_steps=4,
@@ -152,30 +141,22 @@ def trl_child(opts: dict) -> dict:
         )
         trainer = SFTTrainer(model=model, args=args, processing_class=tok, peft_config=peft_config,
                              train_dataset=datasets.load_dataset("json", data_files=opts["data"], split="train"))
-        collate = trainer.data_collator
 
-        def counting(features):
-            batch = collate(features)
+        def count(batch) -> dict[str, int]:
             labels = batch["labels"]
-            counts["trained"] += int((labels[:, 1:] != -100).sum())
-            counts["positions"] += labels.numel()
-            if "attention_mask" in batch:
-                counts["padding"] += int((batch["attention_mask"] == 0).sum())
-            return batch
+            padding = int((batch["attention_mask"] == 0).sum()) if "attention_mask" in batch else 0
+            return {"trained": int((labels[:, 1:] != -100).sum()), "positions": labels.numel(), "padding": padding}
 
-        trainer.data_collator = counting
-        trainer.add_callback(clock)
-        trainer.add_callback(type("Losses", (TrainerCallback,), {
-            "on_log": lambda self, args, state, control, logs=None, **kw: losses.append(logs["loss"])
-            if logs and "loss" in logs else None})())
+        clock, per_step, losses = count_trainer_steps(trainer, count)
         t0 = time.perf_counter()
         trainer.train()
+    marks = clock.marks
     times = [b - a for a, b in zip([t0] + marks[:-1], marks)]
     positions = sum(s["positions"] for s in per_step)
     return {"trained_tokens_per_s": steady_median([s["trained"] / t for s, t in zip(per_step, times)], opts["warmup"]),
             "tokens_per_s": steady_median([s["positions"] / t for s, t in zip(per_step, times)], opts["warmup"]),
             "padding_share": sum(s["padding"] for s in per_step) / max(1, positions),
-            "step_peak_rss_gib": max(peaks), "first_loss": losses[0] if losses else float("nan")}
+            "step_peak_rss_gib": max(clock.peaks), "first_loss": losses[0] if losses else float("nan")}
 
 
 def run_trl(base: str, data: Path, lora: bool, packing: bool, steps: int, warmup: int, bf16: bool) -> dict:
