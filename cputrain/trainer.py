@@ -52,6 +52,7 @@ class StepOutcome:
     save_due: bool  # train.checkpoint_every_s has passed on rank 0's clock
     weights_finite: bool = True  # False: the update left a trained weight at inf or nan (on some rank)
     figures: dict | None = None  # the objective's figures of the global batch (preference: TRL's rewards/…)
+    pairs: int | None = None  # preference pairs in the global batch (None: the objective counts none)
 
 
 class Trainer:
@@ -235,7 +236,7 @@ class Trainer:
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
-                           weights_finite, figures)
+                           weights_finite, figures, items if objective.names else None)
 
     def _weights_finite_on_every_rank(self) -> bool:
         """Each rank reads the trained weights it holds; one all-reduce of one number on several ranks."""
@@ -361,7 +362,7 @@ class Trainer:
                     self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
                 row = metrics.record(self.step, outcome.loss, outcome.grad_norm, self.schedule.get_last_lr()[0],
                                      self.order.epoch_of(self.step), outcome.trained, outcome.tokens,
-                                     outcome.figures)
+                                     outcome.figures, outcome.pairs)
                 if self._validation_due() and not outcome.stop_signal:
                     row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)

@@ -63,6 +63,7 @@ class RunMetrics:
         self._wall0 = self._window_t0 = 0.0
         self._window_steps = 0
         self._window_trained = self._window_tokens = 0  # of the global batches in the window
+        self._window_pairs = 0  # preference pairs of those global batches (0 for other objectives)
         self._bar: tqdm | None = None
         # A live bar where a person watches a terminal; plain log lines in CI logs and pod logs.
         self._live = ranks.is_main and sys.stderr.isatty()
@@ -112,14 +113,16 @@ class RunMetrics:
         self.steps_this_session += 1
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, epoch: float, trained: int,
-               tokens: int, figures: dict | None = None) -> dict | None:
+               tokens: int, figures: dict | None = None, pairs: int | None = None) -> dict | None:
         """Counts a step's trained targets and processed tokens (of the global batch), and returns
         the row of a logged step (every train.log_every and the last), None between them. Every
         rank calls it: the loss is averaged over the ranks. `figures`: the objective's, of the
-        step's global batch (preference: TRL's rewards/… and logps/…), already the same on every rank."""
+        step's global batch (preference: TRL's rewards/… and logps/…), already the same on every rank;
+        `pairs`: the preference pairs of the global batch (pairs_per_s), None for other objectives."""
         self._step = step
         self._window_trained += trained
         self._window_tokens += tokens
+        self._window_pairs += pairs or 0
         if step % self.cfg.train.log_every != 0 and step != self.total_steps:
             return None
         elapsed_s = time.perf_counter() - self._window_t0
@@ -133,6 +136,7 @@ class RunMetrics:
             "grad_norm": grad_norm,
             "tokens_per_s": tps,
             "trained_tokens_per_s": self._window_trained / elapsed_s,
+            **({"pairs_per_s": self._window_pairs / elapsed_s} if pairs is not None else {}),
             "mfu": mfu,
             "mfu_of_measured_peak": flops.mfu(tps, self.flops_per_token, self.measured_peak_flops),
             "step_time_s": elapsed_s / self._window_steps,
@@ -144,12 +148,12 @@ class RunMetrics:
         row.update(self.meter.window())
         self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
         if self.ranks.is_main and not self._live:
-            pairs = (f"  reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}"
-                     if "rewards/accuracies" in row else "")
+            pairs = (f"  {row['pairs_per_s']:.1f} pairs/s  reward acc {row['rewards/accuracies']:.2f} "
+                     f"margin {row['rewards/margins']:.4f}" if "rewards/accuracies" in row else "")
             log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%%s", step, self.total_steps,
                      row["loss"], row["lr"], f"{tps:,.0f}", 100 * mfu, pairs)
         self._window_t0, self._window_steps = time.perf_counter(), 0
-        self._window_trained = self._window_tokens = 0
+        self._window_trained = self._window_tokens = self._window_pairs = 0
         return row
 
     def with_validation(self, row: dict | None, step: int, val_loss: float, figures: dict | None = None) -> dict:
@@ -224,6 +228,8 @@ class RunMetrics:
         }
         summary.update(comm.summarize(steady))
         summary.update(_preference_figures(rows, cfg.train.objective))
+        if cfg.train.objective != "lm":
+            summary["pairs_per_s"] = steady_median("pairs_per_s")
         return summary
 
 

@@ -37,6 +37,8 @@ def summary_table(s: dict) -> list[str]:
         ("wall time (s)", fmt(s.get("wall_time_s"), ".1f")),
         ("ranks × threads", f"{s.get('world_size')} × {s.get('threads_per_rank')} ({s.get('strategy')}, {s.get('precision')})"),
     ]
+    if "pairs_per_s" in s:  # a preference run
+        rows.insert(6, ("preference pairs/s", fmt(s.get("pairs_per_s"), ",.1f")))
     if "comm_fraction" in s:
         rows.append(("time in communication", fmt(s.get("comm_fraction"), ".1%")))
     width = max(len(k) for k, _ in rows)
