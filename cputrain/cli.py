@@ -81,14 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "(the reply stops at the end of its turn); replaces --prompt")
     _add_common(gen)
 
-    ev = sub.add_parser("eval", help="validation loss and perplexity of a run or model on a dataset, "
+    ev = sub.add_parser("eval", help="validation loss and perplexity of a run or model on a dataset (a "
+                        "preference run: held-out reward accuracy and margin), "
                         "or benchmark tasks through lm-evaluation-harness (--tasks)")
     ev.add_argument("path", help="run folder (its model/ is used) or Hugging Face model folder")
     ev.add_argument("config", nargs="?", help="YAML config whose data: section names the dataset "
                     "(default: the run's own config.yaml, else the built-in data)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.source=val.jsonl")
     ev.add_argument("--split", choices=["val", "train"], default="val", help="which split (default: %(default)s)")
-    ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences")
+    ev.add_argument("--max-sequences", type=int, default=64, help="evaluate at most this many sequences "
+                    "(rows of packed pairs for a preference run)")
     bench = ev.add_argument_group("benchmark tasks (lm-evaluation-harness: pip install 'cputrain[eval]')")
     bench.add_argument("--tasks", metavar="NAMES", help="comma-separated harness task names, task YAML files or "
                        "folders of them; results go to RUN/eval/<task>.json (an existing one is kept: "
@@ -234,6 +236,7 @@ def cmd_eval(args) -> int:
     from cputrain.data.prepare import prepare, rows_of
     from cputrain.evaluation import evaluate_loss
     from cputrain.inference import load_for_inference, model_folder
+    from cputrain.objectives.objective import PREFERENCE_OBJECTIVES
 
     if args.max_sequences < 1:
         raise UserError("--max-sequences must be at least 1")
@@ -248,12 +251,26 @@ def cmd_eval(args) -> int:
     if given:
         raise UserError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --tasks (benchmark tasks); validation loss takes --max-sequences")
     cfg = _resolved_here(config_path, args.overrides)
-    model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)
+    preference = cfg.train.objective in PREFERENCE_OBJECTIVES
+    if preference:  # the models are loaded by evaluate_pairs, one after the other
+        from cputrain.data.tokenizer import load_tokenizer
+        from cputrain.objectives.held_out import require_reference
+
+        require_reference(args.path, cfg)
+
+        model, tokenizer = None, load_tokenizer(model_folder(args.path), cfg.model.trust_remote_code)
+    else:
+        model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)
     _, data = prepare(cfg, tokenizer)
     rows = rows_of(data, "val")
     if args.split != "val" or len(rows) == 0:
         rows = rows_of(data, "train")
-    result = evaluate_loss(model, rows, args.max_sequences, cfg.train.micro_batch_size)
+    if preference:  # held-out pairs: the objective's loss, reward accuracy and margin (TRL's names)
+        from cputrain.objectives.held_out import evaluate_pairs
+
+        result = evaluate_pairs(args.path, cfg, rows, args.max_sequences)
+    else:
+        result = evaluate_loss(model, rows, args.max_sequences, cfg.train.micro_batch_size)
     result.update({"model": model_folder(args.path), "data": cfg.data.source, "split": args.split})
     from cputrain.metrics.finite_json import dumps
 

@@ -100,18 +100,7 @@ class PreferenceObjective:
         model.eval()
         for split in rows:
             split.reference_logps = None
-            table = torch.zeros(2 * split.pairs, dtype=torch.float32)
-            done = 0
-            for start in range(0, len(split), micro_batch):
-                batch = split.batch(np.arange(start, min(start + micro_batch, len(split))))
-                inputs = batch.model_inputs()
-                del inputs["labels"]
-                with autocast():
-                    logps, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids,
-                                              2 * batch.pairs)
-                table[done : done + len(logps)] = logps
-                done += len(logps)
-            split.reference_logps = table
+            split.reference_logps = reference_table(model, split, micro_batch, autocast)
 
     def items(self, batch) -> int:
         return batch.pairs
@@ -151,6 +140,27 @@ class PreferenceObjective:
             total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().double().numpy()])
             pairs += batch.pairs
         return total, pairs
+
+
+@torch.no_grad()
+def reference_table(model, split, micro_batch: int, autocast, indices=None) -> torch.Tensor:
+    """The log-probabilities `model` gives every sequence of `split` (a PairRows without a table),
+    2k and 2k+1 for pair k; of the rows `indices` only (the others 0), when given."""
+    table = torch.zeros(2 * split.pairs, dtype=torch.float32)
+    indices = np.arange(len(split)) if indices is None else np.asarray(indices)
+    for start in range(0, len(indices), micro_batch):
+        chunk = indices[start : start + micro_batch]
+        batch = split.batch(chunk)
+        inputs = batch.model_inputs()
+        del inputs["labels"]
+        with autocast():
+            logps, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, 2 * batch.pairs)
+        at = 0
+        for row in chunk:  # the batch holds its rows' sequences in order
+            first, end = 2 * split.bounds[row], 2 * split.bounds[row + 1]
+            table[first:end] = logps[at : at + end - first]
+            at += end - first
+    return table
 
 
 def objective_for(train_cfg, reference) -> LmObjective | PreferenceObjective:

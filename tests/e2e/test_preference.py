@@ -49,6 +49,7 @@ def test_lora_dpo_starts_at_ln2_and_records_trls_figures(straight):
     # at step 1 the adapters are zero: the policy is its reference, every reward 0
     assert first["rewards/margins"] == pytest.approx(0, abs=1e-5) and first["rewards/accuracies"] == 0
     assert all(key in r for r in rows if "loss" in r for key in KEYS)
+    assert all(r["pairs_per_s"] > 0 for r in rows if "loss" in r)
     # after one update the adapters are no longer zero: the policy has moved away from its reference
     assert rows[1]["rewards/margins"] != 0 and rows[1]["loss"] != first["loss"]
     evals = [r for r in rows if "eval_rewards/accuracies" in r]
@@ -58,6 +59,23 @@ def test_lora_dpo_starts_at_ln2_and_records_trls_figures(straight):
     for key in KEYS:
         assert summary[key] is not None and summary[f"eval_{key}"] is not None
     assert summary["first_eval_rewards/accuracies"] == evals[0]["eval_rewards/accuracies"]
+    assert summary["pairs_per_s"] > 0
+
+
+def _evaluated_like_the_run(run) -> dict:
+    """`cputrain eval RUN` on the rows the run validated on (train.eval_batches 2 × micro-batch 4)
+    gives the run's own last validation figures: the same pairs, reference and weights."""
+    last = [r for r in _rows(run) if "eval_rewards/accuracies" in r][-1]
+    result = json.loads(run_cli("eval", run, "--max-sequences", 8, check=True).stdout)
+    assert result["objective"] == "dpo" and result["pairs"] > 0
+    assert result["loss"] == pytest.approx(last["val_loss"], abs=1e-5)
+    for key in KEYS:
+        assert result[key] == pytest.approx(last[f"eval_{key}"], abs=1e-5), key
+    return result
+
+
+def test_eval_of_a_lora_run_scores_held_out_pairs_against_the_base(straight):
+    assert _evaluated_like_the_run(straight)["reference"] == "the LoRA base, adapters off"
 
 
 def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path, cache_dir, base, straight):
@@ -93,6 +111,8 @@ def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(tmp_pat
     rows = [r for r in _rows(out) if "loss" in r]
     assert abs(rows[0]["loss"] - math.log(2)) < 1e-4 and rows[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert rows[1]["rewards/margins"] != 0  # the policy moved away from the reference kept in memory
+    # eval loads the reference from the folder the run started from, then the trained model
+    assert _evaluated_like_the_run(out)["reference"] == str(base)
 
 
 def test_simpo_trains_full_weights(tmp_path, cache_dir, base):
