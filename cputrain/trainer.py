@@ -137,10 +137,6 @@ class Trainer:
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
         self.phases.mark("sharded weights", model=self.model)
-        # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
-        # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them.
-        self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
-                               self.strategy.autocast)
 
         # 5. Optimizer and learning-rate schedule.
         self.optimizer = self.strategy.build_optimizer(self.model)
@@ -149,6 +145,12 @@ class Trainer:
 
         self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
         self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
+        # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
+        # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them;
+        # after the optimizer, because ZeRO-3's engine (which gathers each module's partitioned
+        # weights around its forward) exists from then on.
+        self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
+                               self.strategy.autocast)
 
         # 6. Resume from the newest complete checkpoint, if this run folder has one.
         self.checkpoints = Checkpoints(self.run, cfg, ranks)

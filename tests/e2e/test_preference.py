@@ -6,6 +6,7 @@ at ln 2 too; SimPO trains full weights."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -103,16 +104,35 @@ def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, stra
         assert a[step] == pytest.approx(b[step], abs=1e-6), step
 
 
-def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(tmp_path, cache_dir, base):
-    out = tmp_path / "full"
-    overrides = {"model.name_or_path": base, **DPO, "model.lora.enabled": "false", "train.lr": 1e-3,
-                 "train.max_steps": 2, "train.eval_every": 2}
-    run_cli("train", *tiny_overrides(out, cache_dir, **overrides), check=True)
-    rows = [r for r in _rows(out) if "loss" in r]
+FULL = {**DPO, "model.lora.enabled": "false", "train.lr": 1e-3, "train.max_steps": 2, "train.eval_every": 2}
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, cache_dir, base):
+    out = tmp_path_factory.mktemp("dpo") / "full"
+    run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **FULL}), check=True)
+    return out
+
+
+def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(full, base):
+    rows = [r for r in _rows(full) if "loss" in r]
     assert abs(rows[0]["loss"] - math.log(2)) < 1e-4 and rows[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert rows[1]["rewards/margins"] != 0  # the policy moved away from the reference kept in memory
     # eval loads the reference from the folder the run started from, then the trained model
-    assert _evaluated_like_the_run(out)["reference"] == str(base)
+    assert _evaluated_like_the_run(full)["reference"] == str(base)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="zero3 needs the deepspeed extra")
+def test_full_weight_dpo_on_zero3_two_ranks_takes_one_ranks_first_step(tmp_path, cache_dir, base, full):
+    """ZeRO-3 partitions every weight; its engine gathers them around each forward, the reference
+    pass before training included: two ranks' first step is the single rank's."""
+    out = tmp_path / "zero3"
+    run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **FULL, "train.max_steps": 1,
+                                                        "parallel.strategy": "zero3"}),
+            "--nproc-per-node", "2", check=True)
+    one, two = _rows(full)[0], _rows(out)[0]
+    for key in ("loss", "grad_norm", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5), key
 
 
 def test_simpo_trains_full_weights(tmp_path, cache_dir, base):
