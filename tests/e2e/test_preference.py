@@ -122,13 +122,16 @@ def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(full, b
     assert _evaluated_like_the_run(full)["reference"] == str(base)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="zero3 needs the deepspeed extra")
-def test_full_weight_dpo_on_zero3_two_ranks_takes_one_ranks_first_step(tmp_path, cache_dir, base, full):
-    """ZeRO-3 partitions every weight; its engine gathers them around each forward, the reference
-    pass before training included: two ranks' first step is the single rank's."""
-    out = tmp_path / "zero3"
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_full_weight_dpo_on_two_sharded_ranks_takes_one_ranks_first_step(tmp_path, cache_dir, base, full, strategy):
+    """FSDP2 and ZeRO-3 shard every weight and gather it around each forward, the reference pass
+    before training included (ZeRO-3's engine exists only once the optimizer does): two ranks'
+    first step is the single rank's."""
+    if strategy == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("zero3 needs the deepspeed extra")
+    out = tmp_path / strategy
     run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **FULL, "train.max_steps": 1,
-                                                        "parallel.strategy": "zero3"}),
+                                                        "parallel.strategy": strategy}),
             "--nproc-per-node", "2", check=True)
     one, two = _rows(full)[0], _rows(out)[0]
     for key in ("loss", "grad_norm", "rewards/accuracies", "logps/chosen", "logps/rejected"):
