@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from cputrain.errors import DataError, one_line
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -121,6 +123,22 @@ def render(template: str, messages: list[dict], variables: dict, add_generation_
     except Exception as exc:  # jinja's own message names the problem
         raise DataError(f"the chat template failed to render a conversation: {one_line(exc)}") from None
     return rendered[0]
+
+
+ANSWER_MASK_RULE = "overlap"  # part of the token cache's key (data/packing.cache_key)
+
+
+def answer_mask(offsets, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token that holds a character of an answer span, else 0. `offsets`: each token's
+    (start, end) characters in the rendered text. A token the tokenizer merged across a span's
+    edge (a template's newline and the spaces an indented answer starts with) is trained: it holds
+    the answer's first characters, which the model must learn to write; TRL marks tokens the same
+    way (transformers' assistant mask maps every answer character to its token)."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    for a, b in spans:
+        mask[(offsets[:, 0] < b) & (offsets[:, 1] > a)] = 1
+    return mask
 
 
 def assistant_spans(template: str, messages: list[dict], variables: dict) -> tuple[str, list[tuple[int, int]]]:

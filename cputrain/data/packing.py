@@ -69,7 +69,10 @@ def cache_key(data_fingerprint: str, data_cfg: DataConfig, seed: int, tokenizer,
         "seed": seed,
     }
     if examples is not None:
-        parts["examples"] = examples
+        from cputrain.data.chat_template import ANSWER_MASK_RULE
+
+        # a cache written under another rule for which tokens an answer holds is not reused
+        parts["examples"] = {**examples, "answer_mask": ANSWER_MASK_RULE}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

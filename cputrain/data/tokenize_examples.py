@@ -25,6 +25,7 @@ import numpy as np
 
 from cputrain.data.chat_template import (
     ROLES,
+    answer_mask,
     assistant_spans,
     content_text,
     renders_tools,
@@ -155,11 +156,7 @@ def _chat_example(value, row: int) -> tuple[list[int], list[int]] | None:
     enc = s["tokenizer"].encode(text, add_special_tokens=False)  # the template writes any BOS itself
     if spec.train_on == "all":
         return list(enc.ids), [1] * len(enc.ids)
-    starts = np.array([a for a, _ in enc.offsets])
-    mask = np.zeros(len(enc.ids), dtype=np.uint8)
-    for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
-    return list(enc.ids), mask.tolist()
+    return list(enc.ids), answer_mask(enc.offsets, spans).tolist()
 
 
 def _prompt_completion_example(prompt, completion, row: int) -> tuple[list[int], list[int]]:

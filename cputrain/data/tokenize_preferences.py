@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cputrain.data.chat_template import assistant_spans, content_text
+from cputrain.data.chat_template import answer_mask, assistant_spans, content_text
 from cputrain.data.tokenize_chunk import open_arrow
 from cputrain.data.tokenize_examples import (
     ExampleChunk,
@@ -94,11 +94,7 @@ def _chat_sequence(prompt: list[dict], answer: list[dict]) -> tuple[list[int], l
     text, spans = assistant_spans(spec.template, prompt + answer, spec.template_variables)
     spans = spans[sum(m["role"] == "assistant" for m in prompt):]  # the answer's turns, not the prompt's
     enc = _state["tokenizer"].encode(text, add_special_tokens=False)  # the template writes any BOS itself
-    starts = np.array([a for a, _ in enc.offsets])
-    mask = np.zeros(len(enc.ids), dtype=np.uint8)
-    for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
-    return list(enc.ids), mask.tolist()
+    return list(enc.ids), answer_mask(enc.offsets, spans).tolist()
 
 
 def _is_empty(answer) -> bool:

@@ -34,6 +34,8 @@ def _records(kind: str) -> list[dict]:
     for i, name in enumerate(sorted(topics)[:24]):
         answer = " ".join(topics[name].split())[: 30 + 40 * (i % 4)]
         if kind == "chat":
+            if i % 4 == 1:  # an indented answer: the template's newline and its spaces merge into one token
+                answer = "    " + answer
             messages = [{"role": "user", "content": f"What is {name}?"}, {"role": "assistant", "content": answer}]
             if i % 3 == 0:
                 messages = [{"role": "system", "content": "Be brief."}, *messages,
@@ -86,6 +88,10 @@ def test_chat_ids_and_masks_equal_trl(tok, tiny_model_dir, tmp_path):
         assert ids == trl_ids, f"record {i}: token ids differ"
         assert mask[1:] == trl_mask[1:], f"record {i}: trained tokens differ"  # the first token is never a target
         assert sum(mask) > 0
+    # the rule is exercised: some token spans the template's newline and the answer's first spaces
+    indented = [i for i, r in enumerate(records)
+                if any(m["role"] == "assistant" and m["content"].startswith(" ") for m in r["messages"])]
+    assert indented and any("\n " in tok.decode([t]) for i in indented for t in ours[i][0]), "no token spans the edge"
 
 
 def test_prompt_completion_ids_and_masks_equal_trl(tok, tiny_model_dir, tmp_path):
