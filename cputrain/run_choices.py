@@ -108,7 +108,7 @@ def _decide(res: Resolution, facts: _RunFacts | _PlanFacts) -> Resolution:
     vocab = source.hf_config.vocab_size if source is not None else None
     if now.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
         res = with_model_choice(res, "model.chunked_loss", *chunked_loss_choice(
-            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, now.train.objective))
+            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab))
     if res.config.model.activation_checkpointing == "auto":
         res = with_model_choice(res, "model.activation_checkpointing", *facts.checkpointing(res.config, vocab))
     if res.config.hardware.allocator == "auto":

@@ -69,7 +69,7 @@ class Trainer:
         check_objective(cfg.train.objective, cfg.data.format)
         # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off),
         # or for full weights computed once from the starting weights (setup, before the resume)
-        self.objective = objective_for(cfg.train, self.converter.reference)
+        self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
         self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries

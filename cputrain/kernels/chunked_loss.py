@@ -96,8 +96,9 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
 def install_chunked_loss(model: nn.Module) -> None:
     """Make `model(input_ids=..., labels=...)` compute its loss block by block.
 
-    The replacement forward runs the decoder, then the chunked head + loss; without labels
-    (generation, logits wanted) it is the model's own forward. Installed on the instance, so
+    The replacement forward runs the decoder, then the chunked head + loss; with token_logps=True
+    the chunked head + each label's log-probability (kernels/chunked_logps.py, for preference
+    objectives); without labels (generation, logits wanted) it is the model's own forward. Installed on the instance, so
     the hooks of DDP, FSDP2 and DeepSpeed on the model still run around it. The head's weight
     is read at call time: under FSDP2 it is then the gathered (unsharded) parameter.
     """
@@ -113,7 +114,12 @@ def install_chunked_loss(model: nn.Module) -> None:
 
         deepspeed.zero.register_external_parameter(model, head.weight)
 
-    def forward(input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
+    def forward(input_ids=None, labels=None, num_items_in_batch=None, token_logps=False, **kwargs):
+        if token_logps:  # preference objectives: each label's log-probability, block by block
+            from cputrain.kernels.chunked_logps import TokenLogpsOutput, chunked_token_logps
+
+            hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
+            return TokenLogpsOutput(token_logps=chunked_token_logps(hidden, head.weight, labels))
         if labels is None or kwargs.get("return_dict") is False:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch

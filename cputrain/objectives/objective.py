@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cputrain.errors import ConfigError
-from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, sequence_logps, simpo_losses
+from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, sequence_logps, simpo_losses, sums_by_sequence
 
 log = logging.getLogger("cputrain")
 
@@ -74,8 +74,9 @@ class PreferenceObjective:
 
     names = STAT_NAMES
 
-    def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None):
-        self.cfg, self.reference = train_cfg, reference
+    def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None,
+                 chunked: bool = False):
+        self.cfg, self.reference, self.chunked = train_cfg, reference, chunked
         self.kind = train_cfg.objective
 
     @torch.no_grad()
@@ -100,16 +101,13 @@ class PreferenceObjective:
         model.eval()
         for split in rows:
             split.reference_logps = None
-            split.reference_logps = reference_table(model, split, micro_batch, autocast)
+            split.reference_logps = reference_table(model, split, micro_batch, autocast, chunked=self.chunked)
 
     def items(self, batch) -> int:
         return batch.pairs
 
     def _losses(self, model, batch):
-        inputs = batch.model_inputs()
-        del inputs["labels"]  # the logits are wanted, not the language-model loss
-        sequences = 2 * batch.pairs
-        logps, tokens = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+        logps, tokens = pair_logps(model, batch, self.chunked)
         cfg = self.cfg
         if self.kind == "simpo":
             means = logps / tokens.clamp(min=1)
@@ -120,7 +118,7 @@ class PreferenceObjective:
             # The reference sees the same micro-batch through the same weights with the adapters
             # off: no second model in memory, and no gradient.
             with torch.no_grad(), self.reference(model):
-                ref, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+                ref, _ = pair_logps(model, batch, self.chunked)
         return dpo_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], cfg.dpo_beta, cfg.dpo_label_smoothing)
 
     def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +140,21 @@ class PreferenceObjective:
         return total, pairs
 
 
+def pair_logps(model, batch, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each sequence's trained tokens, their number) for the 2 × pairs
+    sequences of `batch`: from the head a block of tokens at a time where model.chunked_loss
+    installed it, else from the whole logits."""
+    inputs = batch.model_inputs()
+    sequences = 2 * batch.pairs
+    if chunked:  # labels stay: the head reads each one's log-probability, block by block
+        token_logps = model(**inputs, token_logps=True).token_logps
+        return sums_by_sequence(token_logps, batch.labels, batch.sequence_ids, sequences)
+    del inputs["labels"]  # the logits are wanted, not the language-model loss
+    return sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+
+
 @torch.no_grad()
-def reference_table(model, split, micro_batch: int, autocast, indices=None) -> torch.Tensor:
+def reference_table(model, split, micro_batch: int, autocast, indices=None, chunked: bool = False) -> torch.Tensor:
     """The log-probabilities `model` gives every sequence of `split` (a PairRows without a table),
     2k and 2k+1 for pair k; of the rows `indices` only (the others 0), when given."""
     table = torch.zeros(2 * split.pairs, dtype=torch.float32)
@@ -151,10 +162,8 @@ def reference_table(model, split, micro_batch: int, autocast, indices=None) -> t
     for start in range(0, len(indices), micro_batch):
         chunk = indices[start : start + micro_batch]
         batch = split.batch(chunk)
-        inputs = batch.model_inputs()
-        del inputs["labels"]
         with autocast():
-            logps, _ = sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, 2 * batch.pairs)
+            logps, _ = pair_logps(model, batch, chunked)
         at = 0
         for row in chunk:  # the batch holds its rows' sequences in order
             first, end = 2 * split.bounds[row], 2 * split.bounds[row + 1]
@@ -163,6 +172,9 @@ def reference_table(model, split, micro_batch: int, autocast, indices=None) -> t
     return table
 
 
-def objective_for(train_cfg, reference) -> LmObjective | PreferenceObjective:
-    """The run's objective; `reference(model)` is the converter's context in which `model` is the reference."""
-    return PreferenceObjective(train_cfg, reference) if train_cfg.objective in PREFERENCE_OBJECTIVES else LmObjective()
+def objective_for(train_cfg, reference, chunked: bool = False) -> LmObjective | PreferenceObjective:
+    """The run's objective; `reference(model)` is the converter's context in which `model` is the
+    reference; `chunked`: model.chunked_loss installed the block-wise head (kernels/chunked_loss)."""
+    if train_cfg.objective in PREFERENCE_OBJECTIVES:
+        return PreferenceObjective(train_cfg, reference, chunked)
+    return LmObjective()

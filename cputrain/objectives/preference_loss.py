@@ -30,9 +30,18 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_ids: tor
     sequence of the micro-batch. logits [rows, tokens, vocab]; labels and sequence_ids [rows, tokens]:
     token t predicts labels[t+1], which belongs to sequence_ids[t+1]."""
     targets = labels[:, 1:]
-    trained = targets != IGNORE_INDEX
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * trained
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != IGNORE_INDEX)
+    return sums_by_sequence(picked, labels, sequence_ids, sequences)
+
+
+def sums_by_sequence(token_logps: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor,
+                     sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sequence_logps from each label's log-probability already picked: token_logps[:, t] is that
+    of labels[:, t+1] (0 where it is -100), as kernels/chunked_logps gives them ([rows, tokens-1]
+    or [rows, tokens], the last position unused)."""
+    trained = labels[:, 1:] != IGNORE_INDEX
+    picked = token_logps[:, : trained.shape[1]] * trained
     owner = sequence_ids[:, 1:].clamp(min=0).reshape(-1)  # padding carries no target: any owner adds 0
     sums = torch.zeros(sequences, dtype=torch.float32).index_add(0, owner, picked.reshape(-1))
     counts = torch.zeros(sequences, dtype=torch.float32).index_add(0, owner, trained.reshape(-1).float())

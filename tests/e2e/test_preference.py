@@ -126,12 +126,15 @@ def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(full, b
 def test_full_weight_dpo_on_two_sharded_ranks_takes_one_ranks_first_step(tmp_path, cache_dir, base, full, strategy):
     """FSDP2 and ZeRO-3 shard every weight and gather it around each forward, the reference pass
     before training included (ZeRO-3's engine exists only once the optimizer does): two ranks'
-    first step is the single rank's."""
+    first step is the single rank's. The sharded runs read log-probabilities through the
+    block-wise head (model.chunked_loss), the single one from the whole logits: the trained head's
+    gradient, gathered or partitioned, is the same."""
     if strategy == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("zero3 needs the deepspeed extra")
     out = tmp_path / strategy
     run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **FULL, "train.max_steps": 1,
-                                                        "parallel.strategy": strategy}),
+                                                        "parallel.strategy": strategy,
+                                                        "model.chunked_loss": "true"}),
             "--nproc-per-node", "2", check=True)
     one, two = _rows(full)[0], _rows(out)[0]
     for key in ("loss", "grad_norm", "rewards/accuracies", "logps/chosen", "logps/rejected"):
@@ -164,10 +167,13 @@ def test_pairs_that_teach_nothing_or_lack_a_field_stop_in_one_line(tmp_path, cac
 
 def test_lora_reference_precomputed_or_live_trains_alike(tmp_path, cache_dir, base, straight):
     """The precomputed reference (the default) is the base with the adapters off, as the live one
-    run on every micro-batch: the same losses, step after step (fp32)."""
+    run on every micro-batch: the same losses, step after step (fp32). The live run reads its
+    log-probabilities through the block-wise head (model.chunked_loss; a frozen head under LoRA),
+    the straight one from the whole logits."""
     out = tmp_path / "live"
     proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO, "train.max_steps": 3,
-                                                               "train.dpo_reference": "live"}), check=True)
+                                                               "train.dpo_reference": "live",
+                                                               "model.chunked_loss": "true"}), check=True)
     assert "DPO reference:" not in proc.stderr
     precomputed, live = _losses(straight), _losses(out)
     assert sorted(live) == [1, 2, 3]

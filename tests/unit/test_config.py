@@ -198,18 +198,16 @@ def test_chunked_loss_auto_follows_precision_and_the_logits_size():
     assert chunked_loss_choice(False, "bf16", 2048, 128_256) == (False, "")
 
 
-def test_a_preference_run_plans_the_plain_head_it_runs():
-    """DPO and SimPO read each answer's log-probabilities from the whole logits (the chunked head
-    computes the lm loss only): auto takes the plain head, in bf16 too, and the plan counts it."""
+def test_a_preference_run_plans_the_block_wise_head_it_runs():
+    """DPO and SimPO read each answer's log-probabilities through the same block-wise head as the
+    lm loss (kernels/chunked_logps.py): auto takes it in bf16 as for lm, and the plan counts it."""
     from conftest import TINY_ARCH, run_cli_here
-    from cputrain.resolve import chunked_loss_choice
 
-    chunked, why = chunked_loss_choice("auto", "bf16", 2048, 128_256, "dpo")
-    assert chunked is False and "train.objective=dpo" in why
     proc = run_cli_here("plan", *TINY_ARCH, "train.objective=dpo", "data.source=builtin:pydoc-dpo",
                         "hardware.precision=bf16", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["chunked_loss"] is False
+    assert json.loads(proc.stdout)["chunked_loss"] is True
+
 
 
 def _float_keys(model=Config, prefix=""):

@@ -48,6 +48,54 @@ def test_chunked_loss_matches_the_plain_head(monkeypatch, tied, dtype, loss_tol,
         assert err <= grad_tol, f"{name}: gradient differs by {err:.2e} (relative norm)"
 
 
+def _sequence_logps_and_grads(model, tokens, labels, dtype, block_wise: bool):
+    """Each sequence's summed log-probability (two sequences a row), and the gradients of a loss
+    that weighs the sequences differently, as DPO's does."""
+    from cputrain.objectives.preference_loss import sequence_logps, sums_by_sequence
+
+    sequence_ids = torch.zeros_like(tokens)
+    sequence_ids[:, 15:] = 1
+    sequence_ids += 2 * torch.arange(len(tokens))[:, None]
+    weights = torch.linspace(-1.5, 2.0, 2 * len(tokens))
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        if block_wise:
+            token_logps = model(input_ids=tokens, labels=labels, token_logps=True).token_logps
+            sums, counts = sums_by_sequence(token_logps, labels, sequence_ids, 2 * len(tokens))
+        else:
+            sums, counts = sequence_logps(model(input_ids=tokens).logits, labels, sequence_ids, 2 * len(tokens))
+    (sums * weights).sum().backward()
+    return sums.detach(), counts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype,logp_tol,grad_tol", [(None, 1e-5, 1e-5), (torch.bfloat16, 1e-2, 2e-2)])
+def test_block_wise_token_logps_match_the_plain_head(monkeypatch, tied, frozen_head, dtype, logp_tol, grad_tol):
+    """Preference objectives' log-probabilities through the block-wise head (kernels/chunked_logps.py):
+    the plain head's sums per sequence and gradients, with several blocks, ignored labels and a
+    head that trains or is frozen (LoRA)."""
+    monkeypatch.setattr(chunked_loss, "BLOCK_BYTES", 4 * 512 * 20)  # 20 rows a block: several blocks
+    monkeypatch.setattr(chunked_loss, "MIN_ROWS", 8)
+    plain = _tiny_model(tied)
+    if frozen_head:
+        plain.get_output_embeddings().weight.requires_grad_(False)
+    block_wise = copy.deepcopy(plain)
+    install_chunked_loss(block_wise)
+    tokens = torch.randint(0, 512, (3, 33), generator=torch.Generator().manual_seed(1))
+    labels = tokens.clone()
+    labels[:, :4] = -100  # each row's prompt is not trained
+    labels[1, 15:20] = -100
+    ref_sums, ref_counts, ref_grads = _sequence_logps_and_grads(plain, tokens, labels, dtype, False)
+    got_sums, got_counts, got_grads = _sequence_logps_and_grads(block_wise, tokens, labels, dtype, True)
+    assert torch.equal(got_counts, ref_counts)
+    assert torch.allclose(got_sums, ref_sums, rtol=logp_tol, atol=logp_tol * 10)
+    assert got_grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        err = ((got_grads[name] - ref).norm() / ref.norm()).item()
+        assert err <= grad_tol, f"{name}: gradient differs by {err:.2e} (relative norm)"
+
+
 def test_chunked_model_still_gives_logits_and_eval_loss():
     plain = _tiny_model()
     chunked = copy.deepcopy(plain)

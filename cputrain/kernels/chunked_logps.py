@@ -1,0 +1,87 @@
+"""Each target token's log-probability through the head, a block of tokens at a time: what
+preference objectives (DPO, SimPO) read, without the logits of the whole micro-batch.
+
+The plain path (objectives.preference_loss.sequence_logps on the model's logits) holds the
+logits, their fp32 copy, the log-softmax and its gradient: three to four tokens × vocabulary × 4
+bytes (Llama-3's 128,256 tokens × 2,048 tokens: 1 GiB each). Here, as in chunked_loss.py, each
+block's logits live only inside the forward, which also works out the gradient of every token's
+log-probability with respect to the hidden states (one row per token) and, for a trained head,
+to the logits (in the compute dtype, transposed, for one weight-gradient matmul). The loss reads
+the log-probabilities per sequence, so unlike the language-model loss the gradient reaching each
+token differs: the backward scales those rows by it, then does the weight's matmul.
+
+    logp_t = logit_t[y_t] - logsumexp(logit_t)
+    d logp_t / d logit_t = one_hot(y_t) - softmax(logit_t)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dataclasses import dataclass
+
+from transformers.utils import ModelOutput
+
+from cputrain.kernels.chunked_loss import IGNORE_INDEX, block_rows
+
+
+@dataclass
+class TokenLogpsOutput(ModelOutput):
+    """What the model returns when asked for token_logps (kernels/chunked_loss.install_chunked_loss)."""
+
+    token_logps: torch.Tensor | None = None
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int):
+        needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        logps = torch.zeros(hidden.shape[0], dtype=torch.float32)
+        # d logp_t / d hidden_t, one row per token; and d logp_t / d logits, vocab × tokens (the
+        # layout of chunked_loss.py: the weight's gradient is then one contiguous matmul)
+        unit_hidden = torch.empty_like(hidden) if needs_hidden else None
+        unit_logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=hidden.dtype) if needs_weight else None
+        for start in range(0, hidden.shape[0], rows):
+            h = hidden[start : start + rows]
+            y = targets[start : start + rows]
+            valid = y != IGNORE_INDEX
+            target = y.clamp(min=0)
+            logits = (h @ weight.t()).float()  # what the plain head gives after its upcast
+            lse = torch.logsumexp(logits, dim=-1)
+            logps[start : start + rows] = (logits.gather(1, target[:, None]).squeeze(1) - lse) * valid
+            if not (needs_hidden or needs_weight):
+                continue
+            unit = logits.sub_(lse[:, None]).exp_().neg_()  # -softmax …
+            unit[torch.arange(len(y)), target] += 1.0  # … + one_hot(target)
+            unit.mul_(valid.float()[:, None])  # an untrained position passes no gradient
+            g = unit.to(hidden.dtype)
+            if needs_hidden:
+                unit_hidden[start : start + rows] = g @ weight
+            if needs_weight:
+                unit_logits_t[:, start : start + rows] = g.t()
+        ctx.save_for_backward(hidden if needs_weight else None, unit_hidden, unit_logits_t)
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor):
+        hidden, unit_hidden, unit_logits_t = ctx.saved_tensors
+        grad_hidden = grad_weight = None
+        # in place: the saved rows are read by this one backward only (no retain_graph in training),
+        # and a scaled copy of the vocab × tokens one would double the head's largest tensor
+        if unit_hidden is not None:
+            grad_hidden = unit_hidden.mul_(grad_logps.to(unit_hidden.dtype)[:, None])
+        if unit_logits_t is not None:
+            grad_weight = unit_logits_t.mul_(grad_logps.to(unit_logits_t.dtype)[None, :]) @ hidden
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[rows, tokens] log-probability of each next-token label (labels[:, t+1] from hidden[:, t]),
+    0 where that label is -100 and at each row's last position: what sequence_logps gathers from
+    the log-softmax of the logits, with the same gradients."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts t+1
+    with torch.autocast("cpu", enabled=False):
+        logps = _ChunkedTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype),
+                                         shifted.reshape(-1), block_rows(weight.shape[0]))
+    return logps.reshape(labels.shape)
