@@ -150,7 +150,7 @@ class Trainer:
         # after the optimizer, because ZeRO-3's engine (which gathers each module's partitioned
         # weights around its forward) exists from then on.
         self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
-                               self.strategy.autocast)
+                               self.strategy.autocast, self._reference_store(source))
 
         # 6. Resume from the newest complete checkpoint, if this run folder has one.
         self.checkpoints = Checkpoints(self.run, cfg, ranks)
@@ -172,6 +172,14 @@ class Trainer:
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
             if ranks.is_main:
                 log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
+
+    def _reference_store(self, source):
+        """Where DPO's precomputed reference is kept (the token cache's entry), and this rank's share."""
+        from cputrain.objectives.reference_store import ReferenceStore, reference_file
+
+        ranks = self.ranks
+        path = reference_file(getattr(self.data, "folder", None), source.folder, self.cfg)
+        return ReferenceStore(path, ranks.rank, ranks.world_size, ranks.local_rank)
 
     def _prepare_data(self) -> None:
         from cputrain.data.prepare import prepare, rows_of

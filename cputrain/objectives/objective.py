@@ -48,7 +48,7 @@ class LmObjective:
 
     names: tuple[str, ...] = ()  # no figures beside the loss
 
-    def prepare(self, model, rows: list, micro_batch: int, autocast) -> None:
+    def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
         """Before training and before any checkpoint is loaded: nothing to compute."""
 
     def items(self, batch) -> int:
@@ -80,28 +80,41 @@ class PreferenceObjective:
         self.kind = train_cfg.objective
 
     @torch.no_grad()
-    def prepare(self, model, rows: list, micro_batch: int, autocast) -> None:
+    def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
         """DPO's reference log-probabilities of every sequence of `rows` (each a PairRows), from
-        the weights as loaded, before any checkpoint replaces them (a resumed run computes them
-        again from the same starting weights); with LoRA inside the converter's reference context,
-        so the base alone whatever the adapters hold. Every rank computes all of them: the same
-        forwards on every rank, which sharded strategies need, and no collective."""
+        the weights as loaded, before any checkpoint replaces them; with LoRA inside the
+        converter's reference context, so the base alone whatever the adapters hold. Read from the
+        store's file where it holds them, else computed with the rows split across the ranks (a
+        ReferenceStore; None: this rank alone computes all) and saved there."""
         if self.kind != "dpo" or (self.reference is not None and self.cfg.dpo_reference == "live"):
             return
-        started_s = time.perf_counter()
-        base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
-        with base:
-            self._reference_table(model, rows, micro_batch, autocast)
-        pairs = sum(split.pairs for split in rows)
-        log.info("DPO reference: the log-probabilities of %d pairs computed before training in %.1f s "
-                 "(train.dpo_reference=precompute%s)", pairs, time.perf_counter() - started_s,
-                 ": the base, adapters off" if self.reference is not None else ": the weights as loaded")
+        from cputrain.objectives.reference_store import ReferenceStore
 
-    def _reference_table(self, model, rows: list, micro_batch: int, autocast) -> None:
+        store = store or ReferenceStore(None, 0, 1, 0)
+        started_s = time.perf_counter()
+        pairs = sum(split.pairs for split in rows)
+        tables = store.load(rows)
+        if tables is not None:
+            for split, table in zip(rows, tables):
+                split.reference_logps = table
+            log.info("DPO reference: the log-probabilities of %d pairs read from %s", pairs, store.path)
+            return
         model.eval()
-        for split in rows:
-            split.reference_logps = None
-            split.reference_logps = reference_table(model, split, micro_batch, autocast, chunked=self.chunked)
+        base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
+        tables = []
+        with base:
+            for split in rows:
+                split.reference_logps = None
+                table = reference_table(model, split, micro_batch, autocast, store.shares(len(split)), self.chunked)
+                tables.append(table if store.owns_any(len(split)) else table.zero_())
+        tables = store.combine(tables)
+        for split, table in zip(rows, tables):
+            split.reference_logps = table
+        store.save(tables)
+        log.info("DPO reference: the log-probabilities of %d pairs computed before training in %.1f s over %d "
+                 "rank(s) (train.dpo_reference=precompute%s)%s", pairs, time.perf_counter() - started_s,
+                 store.world_size, ": the base, adapters off" if self.reference is not None else ": the weights as loaded",
+                 f"; kept in {store.path}" if store.path is not None else "")
 
     def items(self, batch) -> int:
         return batch.pairs

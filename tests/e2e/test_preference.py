@@ -39,7 +39,8 @@ def base(tiny_model):
 def straight(tmp_path_factory, cache_dir, base):
     out = tmp_path_factory.mktemp("dpo") / "straight"
     proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO}), check=True)
-    assert "DPO reference: the log-probabilities of" in proc.stderr  # precomputed by default, LoRA too
+    # precomputed by default, LoRA too, and kept beside the token cache
+    assert "computed before training" in proc.stderr and "kept in" in proc.stderr, proc.stderr[-2000:]
     return out
 
 
@@ -83,8 +84,10 @@ def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path
     one_step = {"model.name_or_path": base, **DPO, "train.max_steps": 1}
     one_by_one, two_ranks = tmp_path / "micro1", tmp_path / "ranks2"
     run_cli("train", *tiny_overrides(one_by_one, cache_dir, **one_step, **{"train.micro_batch_size": 1}), check=True)
-    run_cli("train", *tiny_overrides(two_ranks, cache_dir, **one_step, **{"train.micro_batch_size": 2}),
-            "--nproc-per-node", "2", check=True)
+    # a token cache of its own: the reference is computed again, each rank its share of the pairs
+    proc = run_cli("train", *tiny_overrides(two_ranks, tmp_path / "cache", **one_step, **{"train.micro_batch_size": 2}),
+                   "--nproc-per-node", "2", check=True)
+    assert "over 2 rank(s)" in proc.stderr, proc.stderr[-2000:]
     first = _rows(straight)[0]
     for out in (one_by_one, two_ranks):
         row = _rows(out)[0]
@@ -95,9 +98,13 @@ def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path
 def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, straight):
     split = tmp_path / "split"
     overrides = {"model.name_or_path": base, **DPO}
-    run_cli("train", *tiny_overrides(split, cache_dir, **overrides, **{"train.stop_at_step": 3}), check=True)
+    stopped = run_cli("train", *tiny_overrides(split, cache_dir, **overrides, **{"train.stop_at_step": 3}),
+                      check=True)
     resumed = run_cli("train", *tiny_overrides(split, cache_dir, **overrides), check=True)
     assert "resumed from" in resumed.stderr
+    # the straight run's reference, kept beside the token cache, is read back, not computed again
+    for proc in (stopped, resumed):
+        assert "pairs read from" in proc.stderr and "computed before training" not in proc.stderr, proc.stderr[-2000:]
     a, b = _losses(straight), _losses(split)
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):

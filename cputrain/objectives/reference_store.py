@@ -1,0 +1,106 @@
+"""DPO's precomputed reference log-probabilities, kept beside the token cache and computed once:
+a resumed run, a second epoch's session and a later run on the same pairs read them back.
+
+The file lives in the token cache's entry (which is keyed by the data, tokenizer and cut), named
+by what else the numbers depend on: the reference weights (the starting model folder's files,
+by name, size and modification time: a changed or copied folder is computed again), and the
+numerics (precision, attention kernel, the head's path). A run from random weights has no folder
+to key by, and computes its reference each session.
+
+Computing them is split across the ranks: each runs the no-grad forwards of its share of the rows
+(every rank the same number of forwards, which sharded strategies need), then one all-reduce sums
+the shares into the whole table on every rank. One writer per node saves the file (atomically).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ReferenceStore:
+    path: Path | None  # None: nothing to key the numbers by (random weights, no token cache folder)
+    rank: int
+    world_size: int
+    local_rank: int
+
+    def load(self, rows: list) -> list[torch.Tensor] | None:
+        """Every split's table where every rank finds the file (else all compute: a collective)."""
+        tables = _read(self.path, rows) if self.path is not None else None
+        (missing,) = _all_reduce([0.0 if tables is not None else 1.0])
+        return tables if missing == 0 else None
+
+    def shares(self, rows: int) -> np.ndarray:
+        """This rank's rows of a split, padded with its own last row to as many as any rank has
+        (so every rank runs the same number of forwards); an empty share is padded with row 0,
+        whose numbers it then drops (see keep)."""
+        own = np.array_split(np.arange(rows), self.world_size)[self.rank]
+        longest = -(-rows // self.world_size)
+        pad = own[-1] if len(own) else 0
+        return np.concatenate([own, np.full(longest - len(own), pad, dtype=np.int64)]).astype(np.int64)
+
+    def owns_any(self, rows: int) -> bool:
+        return len(np.array_split(np.arange(rows), self.world_size)[self.rank]) > 0
+
+    def combine(self, tables: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The ranks' tables (each holding its own rows' numbers, 0 elsewhere) summed into the whole."""
+        if self.world_size > 1 and dist.is_initialized():
+            flat = torch.cat(tables)
+            dist.all_reduce(flat)
+            tables = list(flat.split([len(t) for t in tables]))
+        return tables
+
+    def save(self, tables: list[torch.Tensor]) -> None:
+        if self.path is None or self.local_rank != 0 or self.path.exists():
+            return
+        from safetensors.torch import save_file
+
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        save_file({f"split{i}": t.contiguous() for i, t in enumerate(tables)}, str(tmp))
+        os.replace(tmp, self.path)
+
+
+def _read(path: Path, rows: list) -> list[torch.Tensor] | None:
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(str(path))
+    except (OSError, ValueError, RuntimeError):  # absent, or damaged: computed again
+        return None
+    tables = [saved.get(f"split{i}") for i in range(len(rows))]
+    if any(t is None or len(t) != 2 * split.pairs for t, split in zip(tables, rows)):
+        return None
+    return tables
+
+
+def _all_reduce(values: list[float]) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def reference_file(cache_folder: Path | None, weights_folder: Path | None, cfg) -> Path | None:
+    """reference-<key>.safetensors in the token cache's entry, or None where nothing keys it."""
+    if cache_folder is None or weights_folder is None:
+        return None
+    weights_folder = Path(weights_folder).resolve()
+    files = sorted(p for p in weights_folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".json"))
+    parts = {
+        "weights": [str(weights_folder)] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+        "precision": cfg.hardware.precision,
+        "attention": cfg.model.attn_implementation,
+        "chunked_head": bool(cfg.model.chunked_loss),
+        "lora": bool(cfg.model.lora.enabled),  # the base as the LoRA converter stores it, or the full weights
+    }
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_folder) / f"reference-{key}.safetensors"
