@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -33,6 +34,12 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     from cputrain.distributed import process_group as pg
     from cputrain.distributed.placement import cpus_for_rank
     from cputrain.trainer import Trainer
+
+    # What the imports made (torch, its distributed and tensor packages: most of the objects this
+    # process will ever hold) lives until the process ends: out of every later garbage collection,
+    # which then walks only what the run makes (the two at the end, pg.destroy, and Python's own
+    # during training). Nothing here holds the process group, which does not exist yet.
+    gc.freeze()
 
     # This rank's cores and threads, then the process group: everything after runs on the
     # right threads, and the attention kernel is timed (by rank 0) on them.
