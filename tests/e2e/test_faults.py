@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import sys
+import time
 
 import pytest
 import torch
 
-from conftest import REPO, cli_env, run_cli, tiny_overrides
+from conftest import cli_env, run_cli, start_cli, tiny_overrides
 
 LONG = {"train.max_steps": 150, "train.checkpoint_every": 1000, "train.eval_every": 1000}
 
@@ -28,17 +27,14 @@ def test_sigterm_saves_a_checkpoint_at_the_reached_step_and_resume_equals_a_stra
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_cli("train", *tiny_overrides(straight, cache_dir, **LONG), check=True)
 
-    args = [sys.executable, "-m", "cputrain", "train", *tiny_overrides(stopped, cache_dir, **LONG)]
-    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stderr:  # send the signal once a few steps are done
-        lines.append(line)
-        if " step 5/" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stderr.readlines()
-    proc.wait(timeout=120)
-    stderr = "".join(lines)
+    with start_cli("train", *tiny_overrides(stopped, cache_dir, **LONG)) as proc:
+        while proc.poll() is None:  # send the signal once a few steps are done
+            if " step 5/" in proc.stderr():
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.01)
+        proc.wait(timeout=120)
+    stderr = proc.stderr()
     assert proc.returncode == 75, stderr[-3000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
