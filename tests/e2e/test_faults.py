@@ -225,14 +225,16 @@ def test_no_intact_checkpoint_left_is_one_line_and_exit_2(tmp_path, cache_dir, t
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000005.damaged", "step-000010.damaged"]
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, cache_dir):
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, trained_run):
     """output_dir on a tmpfs with room for one checkpoint and a half: the second save fills it."""
     import os
     import subprocess as sp
 
     common = {"train.max_steps": 10, "train.checkpoint_every": 5, "train.eval_every": 100}
+    # a checkpoint of the same model and optimizer (its size does not depend on the schedule's
+    # length): the run the tests above resume, trained once
     sized = tmp_path / "sized"
-    run_cli("train", *tiny_overrides(sized, cache_dir, **{**common, "train.max_steps": 5}), check=True)
+    trained_run(sized, **TWELVE, **{"train.stop_at_step": 10})
     one = sum(f.stat().st_size for f in (sized / "checkpoints" / "step-000005").rglob("*") if f.is_file())
     disk = tmp_path / "disk"
     disk.mkdir()
