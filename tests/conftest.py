@@ -17,12 +17,14 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -110,14 +112,23 @@ class _WarmInterpreter:
                 if key in answer:
                     return answer[key]
 
-    def run(self, argv: list[str], cwd, timeout_s: float) -> subprocess.CompletedProcess:
+    def start(self, argv: list[str], cwd) -> tuple[int, Path, Path]:
+        """Fork `python -m cputrain ARGV`; its pid and the files of its stdout and stderr. The
+        server forks nothing else until returncode() has answered for it."""
         self.calls += 1
         out, err = self.folder / f"{self.calls}.out", self.folder / f"{self.calls}.err"
         self.server.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out),
                                             "stderr": str(err)}) + "\n")
         self.server.stdin.flush()
-        pid = self._answer("pid", None)
-        code = self._answer("returncode", timeout_s)
+        return self._answer("pid", None), out, err
+
+    def returncode(self, timeout_s: float | None) -> int | None:
+        """The exit code of the started command, or None if it has not ended within timeout_s."""
+        return self._answer("returncode", timeout_s)
+
+    def run(self, argv: list[str], cwd, timeout_s: float) -> subprocess.CompletedProcess:
+        pid, out, err = self.start(argv, cwd)
+        code = self.returncode(timeout_s)
         timed_out = code is None
         if timed_out:  # as subprocess.run does: kill it, then raise
             with contextlib.suppress(ProcessLookupError):
@@ -253,6 +264,78 @@ def run_cli(*args, cwd=None, env=None, timeout=600, check=False, fresh=False) ->
     if check and proc.returncode != 0:
         raise AssertionError(f"cputrain {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+class WarmProcess:
+    """A `cputrain` command forked from the warm interpreter and not waited for (start_cli): a test
+    reads its stderr while it runs, signals it, then waits for its exit code. As a context
+    manager, a command still running at the end is killed with everything under it."""
+
+    def __init__(self, argv: list[str], cwd):
+        self.pid, self._out, self._err = _warm().start(argv, cwd)
+        self.returncode: int | None = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.returncode is None:
+            self.kill_tree()
+
+    @staticmethod
+    def _text(path: Path) -> str:
+        return path.read_text(errors="replace") if path.exists() else ""  # the child opens it after the fork
+
+    def stderr(self) -> str:
+        """What it has written to stderr so far (all of it once it has ended)."""
+        return self._text(self._err)
+
+    def stdout(self) -> str:
+        return self._text(self._out)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _warm().returncode(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = _warm().returncode(timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"cputrain (pid {self.pid})", timeout, None, self.stderr())
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill_tree(self) -> None:
+        """SIGKILL to the command and every process under it, as a node loss would: each is
+        stopped first (so none starts another or sees another die), then all are killed."""
+        import psutil
+
+        stopped: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.pid)
+            while new := [p for p in [root, *root.children(recursive=True)] if p.pid not in stopped]:
+                for p in new:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.send_signal(signal.SIGSTOP)
+                    stopped[p.pid] = p
+        for p in stopped.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        self.wait(60)
+
+
+def start_cli(*args, cwd=None) -> WarmProcess:
+    """`python -m cputrain ARGS` forked from the warm interpreter, as run_cli does, but not waited
+    for: for a test that signals a command while it works. One at a time: wait for it (or kill
+    it) before the next run_cli; use it as a context manager so a failing test leaves nothing
+    running."""
+    if not _TIER["slow"] and _starts_training(args):
+        pytest.fail("this test starts a training process: mark it @pytest.mark.slow (or move it to tests/e2e)")
+    return WarmProcess([str(a) for a in args], cwd or REPO)
 
 
 class _ReachedWork(AssertionError):

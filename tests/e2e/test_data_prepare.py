@@ -5,16 +5,14 @@ timeout, and bad corpora refused in one line."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, run_cli, tiny_overrides
+from conftest import run_cli, start_cli, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -76,17 +74,15 @@ def test_peak_memory_is_flat_with_corpus_size(tmp_path, tokenizer_dir, kind):
     assert peaks[large] < 2.0, peaks
 
 
-def _start_and_wait_for_progress(args, cache: Path, beyond_rows: int, **popen):
-    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)
+def _wait_for_progress(proc, cache: Path, beyond_rows: int) -> dict:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         found = list((cache / "packed").glob("*.partial/progress.json")) if (cache / "packed").exists() else []
         if found and json.loads(found[0].read_text())["rows_done"] > beyond_rows:
-            return proc, json.loads(found[0].read_text())
+            return json.loads(found[0].read_text())
         time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"preparation committed no progress past record {beyond_rows}: {proc.communicate()[1][-2000:]}")
+    proc.kill_tree()
+    raise AssertionError(f"preparation committed no progress past record {beyond_rows}: {proc.stderr()[-2000:]}")
 
 
 def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, tokenizer_dir):
@@ -99,13 +95,15 @@ def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, token
 
     corpus = write_jsonl(tmp_path / "c.jsonl", 12 * 10**6)  # 12 chunks of ~1 MB: a stop, a kill and a resume
     cache = tmp_path / "cache"
-    args = [sys.executable, "-m", "cputrain", "prepare", f"data.source={corpus}", f"data.cache_dir={cache}",
-            f"model.tokenizer={tokenizer_dir}", "data.seq_len=64", "data.num_proc=2"]
-    proc, progress = _start_and_wait_for_progress(args, cache, 0)
-    under = psutil.Process(proc.pid).children(recursive=True)
-    assert len(under) >= 3, under  # the builder and its 2 tokenizing workers
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    args = ["prepare", f"data.source={corpus}", f"data.cache_dir={cache}", f"model.tokenizer={tokenizer_dir}",
+            "data.seq_len=64", "data.num_proc=2"]
+    with start_cli(*args) as proc:
+        progress = _wait_for_progress(proc, cache, 0)
+        under = psutil.Process(proc.pid).children(recursive=True)
+        assert len(under) >= 3, under  # the builder and its 2 tokenizing workers
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    stderr = proc.stderr()
     assert proc.returncode == 75, stderr[-2000:]
     assert stderr.strip().splitlines()[-1].startswith("cputrain: stopped by SIGTERM while preparing the data of ")
     assert "Traceback" not in stderr, stderr[-2000:]
@@ -115,9 +113,9 @@ def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, token
     stopped_at = json.loads(next((cache / "packed").glob("*.partial/progress.json")).read_text())["rows_done"]
     assert stopped_at >= progress["rows_done"] > 0
 
-    proc, progress = _start_and_wait_for_progress(args, cache, stopped_at, start_new_session=True)
-    os.killpg(proc.pid, signal.SIGKILL)  # the parent and its workers, as a node loss would
-    proc.wait()
+    with start_cli(*args) as proc:
+        progress = _wait_for_progress(proc, cache, stopped_at)
+        proc.kill_tree()  # the parent and its workers, as a node loss would
     assert not any(p.suffix == "" for p in (cache / "packed").iterdir()), "a half-built cache looks complete"
 
     # The lock of the killed process (same host, pid gone) is taken over at once, not after

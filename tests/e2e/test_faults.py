@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import sys
+import time
 
 import pytest
 import torch
 
-from conftest import REPO, cli_env, run_cli, tiny_overrides
+from conftest import cli_env, run_cli, start_cli, tiny_overrides
 
 LONG = {"train.max_steps": 150, "train.checkpoint_every": 1000, "train.eval_every": 1000}
 
@@ -28,17 +27,14 @@ def test_sigterm_saves_a_checkpoint_at_the_reached_step_and_resume_equals_a_stra
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_cli("train", *tiny_overrides(straight, cache_dir, **LONG), check=True)
 
-    args = [sys.executable, "-m", "cputrain", "train", *tiny_overrides(stopped, cache_dir, **LONG)]
-    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stderr:  # send the signal once a few steps are done
-        lines.append(line)
-        if " step 5/" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stderr.readlines()
-    proc.wait(timeout=120)
-    stderr = "".join(lines)
+    with start_cli("train", *tiny_overrides(stopped, cache_dir, **LONG)) as proc:
+        while proc.poll() is None:  # send the signal once a few steps are done
+            if " step 5/" in proc.stderr():
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.01)
+        proc.wait(timeout=120)
+    stderr = proc.stderr()
     assert proc.returncode == 75, stderr[-3000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
@@ -229,14 +225,16 @@ def test_no_intact_checkpoint_left_is_one_line_and_exit_2(tmp_path, cache_dir, t
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000005.damaged", "step-000010.damaged"]
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, cache_dir):
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, trained_run):
     """output_dir on a tmpfs with room for one checkpoint and a half: the second save fills it."""
     import os
     import subprocess as sp
 
     common = {"train.max_steps": 10, "train.checkpoint_every": 5, "train.eval_every": 100}
+    # a checkpoint of the same model and optimizer (its size does not depend on the schedule's
+    # length): the run the tests above resume, trained once
     sized = tmp_path / "sized"
-    run_cli("train", *tiny_overrides(sized, cache_dir, **{**common, "train.max_steps": 5}), check=True)
+    trained_run(sized, **TWELVE, **{"train.stop_at_step": 10})
     one = sum(f.stat().st_size for f in (sized / "checkpoints" / "step-000005").rglob("*") if f.is_file())
     disk = tmp_path / "disk"
     disk.mkdir()
