@@ -309,6 +309,20 @@ class WarmProcess:
         if self.returncode is None:
             os.kill(self.pid, sig)
 
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) once it has ended, as Popen.communicate gives them; past `timeout` it is
+        killed with everything under it (the warm interpreter must not wait on it for the next
+        test), then TimeoutExpired."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            raise
+        return self.stdout(), self.stderr()
+
     def kill_tree(self) -> None:
         """SIGKILL to the command and every process under it, as a node loss would: each is
         stopped first (so none starts another or sees another die), then all are killed."""
