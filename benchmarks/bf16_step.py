@@ -61,7 +61,7 @@ def step_child(opts: dict) -> dict:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from cputrain.kernels.attention_choice import choose_attention
-    from cputrain.kernels.chunked_loss import install_chunked_loss
+    from cputrain.kernels.chunked_head import install_chunked_loss
     from cputrain.model import compile_blocks
 
     torch.set_num_threads(physical_cores())

@@ -65,7 +65,7 @@ def step_child(opts: dict) -> dict:
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from cputrain.kernels.chunked_loss import install_chunked_loss
+    from cputrain.kernels.chunked_head import install_chunked_loss
     from cputrain.metrics import memory
 
     torch.set_num_threads(opts["threads"])

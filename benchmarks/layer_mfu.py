@@ -99,7 +99,7 @@ def head_child(opts: dict) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    from cputrain.kernels.chunked_loss import install_chunked_loss
+    from cputrain.kernels.chunked_head import install_chunked_loss
 
     torch.set_num_threads(physical_cores())
     cfg = _config(opts["shape"], 0)  # no decoder layers: embeddings, final norm and head only

@@ -24,7 +24,7 @@ from cputrain.distributed.env import RankEnv
 from cputrain.distributed.stop_request import StopRequest
 from cputrain.errors import ConfigError, Diverged, Stopped, one_line
 from cputrain.hardware import HardwareFacts
-from cputrain.kernels.chunked_loss import install_chunked_loss
+from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics

@@ -28,6 +28,12 @@ from typing import Self
 
 import pytest
 
+# pytest (--import-mode=importlib) loads this file as `tests.conftest`; tests and helpers import it
+# as `conftest` (pythonpath). One module for both names: else run_cli's tier and fresh-interpreter
+# flags (set by the fixtures below, in pytest's copy) and its warm interpreter would be a second
+# copy's, which those fixtures never reach.
+sys.modules.setdefault("conftest", sys.modules[__name__])
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 TESTS = Path(__file__).resolve().parent

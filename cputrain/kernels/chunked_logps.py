@@ -27,7 +27,7 @@ from cputrain.kernels.chunked_loss import IGNORE_INDEX, block_rows
 
 @dataclass
 class TokenLogpsOutput(ModelOutput):
-    """What the model returns when asked for token_logps (kernels/chunked_loss.install_chunked_loss)."""
+    """What the model returns when asked for token_logps (kernels/chunked_head.install_chunked_loss)."""
 
     token_logps: torch.Tensor | None = None
 

@@ -10,7 +10,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from cputrain.kernels import attention_choice, chunked_loss
-from cputrain.kernels.chunked_loss import install_chunked_loss
+from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.metrics import measured_peak
 
 

@@ -100,7 +100,7 @@ def test_bf16_stored_base_computes_as_the_fp32_stored_one(tiny_model, tie, chunk
     updates as the base stored in fp32 (the fp32 copy of bf16 values is exact), with the frozen
     matrices in bf16 and no fp32 copy of one kept for the backward."""
     from cputrain.config import TrainConfig
-    from cputrain.kernels.chunked_loss import install_chunked_loss
+    from cputrain.kernels.chunked_head import install_chunked_loss
     from cputrain.optim import build_adamw
 
     folder = tiny_model(tie=tie, dtype=torch.bfloat16)

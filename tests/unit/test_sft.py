@@ -242,7 +242,7 @@ def test_a_batch_without_trained_tokens_has_loss_zero_not_nan(tiny_model_dir, ch
     from transformers import AutoModelForCausalLM
 
     from cputrain.data.batch import Batch
-    from cputrain.kernels.chunked_loss import install_chunked_loss
+    from cputrain.kernels.chunked_head import install_chunked_loss
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     if chunked:

@@ -1,0 +1,46 @@
+"""The block-wise head installed on a model (model.chunked_loss): its forward computes the
+language-model loss (kernels/chunked_loss.py) or, asked for token_logps, each label's
+log-probability (kernels/chunked_logps.py, for preference objectives), a block of tokens at a
+time; without labels it is the model's own forward (generation, evaluation of logits)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cputrain.kernels.chunked_logps import TokenLogpsOutput, chunked_token_logps
+from cputrain.kernels.chunked_loss import chunked_causal_lm_loss
+
+
+def install_chunked_loss(model: nn.Module) -> None:
+    """Make `model(input_ids=..., labels=...)` compute its loss block by block.
+
+    The replacement forward runs the decoder, then the chunked head + loss; with token_logps=True
+    the chunked head + each label's log-probability (kernels/chunked_logps.py, for preference
+    objectives); without labels (generation, logits wanted) it is the model's own forward. Installed on the instance, so
+    the hooks of DDP, FSDP2 and DeepSpeed on the model still run around it. The head's weight
+    is read at call time: under FSDP2 it is then the gathered (unsharded) parameter.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    original = model.forward
+    head = model.get_output_embeddings()
+    decoder = model.get_decoder()
+    if hasattr(head.weight, "ds_id"):
+        # DeepSpeed ZeRO-3 gathers a partitioned parameter only around its own module's forward;
+        # the head's weight is used here without calling the head, so the model gathers it.
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, head.weight)
+
+    def forward(input_ids=None, labels=None, num_items_in_batch=None, token_logps=False, **kwargs):
+        if token_logps:  # preference objectives: each label's log-probability, block by block
+            hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
+            return TokenLogpsOutput(token_logps=chunked_token_logps(hidden, head.weight, labels))
+        if labels is None or kwargs.get("return_dict") is False:
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return original(input_ids=input_ids, labels=labels, **kwargs)
+        hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(loss=chunked_causal_lm_loss(hidden, head.weight, labels, num_items_in_batch))
+
+    model.forward = forward
