@@ -9,13 +9,17 @@ VENV ?= .venv
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
 EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer,eval
 
-.PHONY: demo demo-sft demo-dpo test test-fast install install-test
+.PHONY: demo demo-sft demo-dpo test test-fast install install-test install-mpi
 
 install:
 	bash scripts/install.sh
 
 install-test:
 	bash scripts/install.sh $(EXTRAS_TEST)
+
+# MPICH and Open MPI (apt, as root) for the real-mpirun tests; they skip without them.
+install-mpi:
+	bash scripts/install-mpi.sh
 
 demo: install
 	$(VENV)/bin/cputrain train

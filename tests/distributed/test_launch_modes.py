@@ -3,6 +3,9 @@
     (b') PET_NNODES … PET_MASTER_PORT, plain `cputrain train`  what Kubeflow Trainer injects
     (c)  python -m torch.distributed.run … -m cputrain train   an outside torchrun
     (d)  two processes with OpenMPI's OMPI_COMM_WORLD_*        what `mpirun -x MASTER_ADDR -x MASTER_PORT` sets
+         (where no mpirun is installed; where one is, the real ones below)
+    (d') a real mpirun: MPICH's `mpirun -n 2` stopped and resumed, Open MPI's `mpirun -n 2`, and
+         MPICH over two hosts (network namespaces) from a hostfile, 2 ranks each
     (e)  plain python, world size 1                            every variable a library reads is set
 
 Each logs the losses of the one-rank run that test_parity_resume.py and test_zero3.py compare
@@ -13,13 +16,14 @@ by `cputrain train --nproc-per-node 2` (the agent started by cputrain itself, mo
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO, cli_env, run_cli, tiny_overrides
-from dist_helpers import assert_no_survivors, free_port, losses
+from dist_helpers import HOST_ADDRS, HOST_LINK, assert_no_survivors, free_port, losses, two_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +86,12 @@ def test_outside_torchrun(reference, tmp_path, cache_dir):
     assert_no_survivors(out)
 
 
+MPICH = shutil.which("mpiexec.hydra") or shutil.which("mpirun.mpich")
+OPEN_MPI = shutil.which("mpirun.openmpi")
+NO_MPICH = "MPICH is not installed (scripts/install-mpi.sh installs MPICH and Open MPI)"
+
+
+@pytest.mark.skipif(MPICH is not None or OPEN_MPI is not None, reason="a real mpirun is tested below")
 def test_mpirun_variables(reference, tmp_path, cache_dir):
     """(d): two processes started as OpenMPI's mpirun starts them (no MPI library needed)."""
     out = tmp_path / "mpirun"
@@ -131,3 +141,80 @@ def test_plain_python_world_size_one(reference, tmp_path, cache_dir):
     assert env["NODE_RANK"] == env["GROUP_RANK"] == "0" and env["MASTER_ADDR"] and env["MASTER_PORT"].isdigit()
     # one rank with 4 micro-batches of 2, started by plain python, trains like the reference
     _assert_same_training(out, reference)
+
+
+def _mpirun(*command, out, cache_dir, timeout: int = 300, env: dict | None = None, **extra):
+    """`MPIRUN-COMMAND python -m cputrain train` on the tiny run's overrides, waited for."""
+    train = [sys.executable, "-m", "cputrain", "train", *tiny_overrides(out, cache_dir, **{**COMMON, **extra})]
+    return subprocess.run([*map(str, command), *train], cwd=REPO, env=cli_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(MPICH is None, reason=NO_MPICH)
+def test_mpich_mpirun_trains_stops_and_resumes_like_one_rank(reference, tmp_path, cache_dir):
+    """(d'): `mpirun -n 2 cputrain train`, stopped at step 5 and run again: one rank's losses."""
+    out = tmp_path / "mpich"
+    stopped = _mpirun(MPICH, "-n", 2, "-genv", "MASTER_PORT", free_port(), out=out, cache_dir=cache_dir,
+                      **{"train.stop_at_step": 5})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "2 rank(s) started by mpirun" in stopped.stderr
+    resumed = _mpirun(MPICH, "-n", 2, "-genv", "MASTER_PORT", free_port(), out=out, cache_dir=cache_dir)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    summary = _assert_same_training(out, reference)
+    assert summary["world_size"] == 2
+    assert_no_survivors(out)
+
+
+@pytest.mark.skipif(OPEN_MPI is None, reason="Open MPI is not installed (scripts/install-mpi.sh)")
+def test_open_mpi_mpirun_trains_like_one_rank(reference, tmp_path, cache_dir):
+    """(d'): Open MPI's `mpirun -n 2 --bind-to none` (it binds each of 2 ranks to one core
+    otherwise); as root it asks for its two confirmation variables."""
+    out = tmp_path / "openmpi"
+    proc = _mpirun(OPEN_MPI, "-n", 2, "--bind-to", "none", "-x", f"MASTER_PORT={free_port()}", out=out,
+                   cache_dir=cache_dir, env={"OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 rank(s) started by mpirun" in proc.stderr
+    assert _assert_same_training(out, reference)["world_size"] == 2
+    assert_no_survivors(out)
+
+
+def _netns_ssh(path, hosts) -> str:
+    """An `ssh HOST COMMAND` for MPICH's launcher that runs COMMAND in HOST's network namespace."""
+    cases = "\n".join(f"  {addr}) ns={ns} ;;" for ns, addr in hosts)
+    path.write_text(f"""#!/bin/sh
+while [ "${{1#-}}" != "$1" ]; do shift; done  # ssh's options (-x)
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "no such host: $host" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" sh -c "$*"
+""")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(MPICH is None, reason=NO_MPICH)
+def test_mpich_hostfile_two_hosts_two_ranks_each(reference, tmp_path, cache_dir):
+    """(d'): `mpirun -f hostfile -n 4 -ppn 2` over two hosts (network namespaces joined by a veth
+    pair; MPICH starts its proxy on the other host through an ssh that enters its namespace): one
+    rank's losses. Without MASTER_ADDR the ranks stop at once, each with one line saying what to pass."""
+    with two_hosts() as hosts:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text("".join(f"{addr}:2\n" for _, addr in hosts))
+        launch = ["ip", "netns", "exec", hosts[0][0], MPICH, "-f", hostfile, "-n", 4, "-ppn", 2,
+                  "-launcher", "ssh", "-launcher-exec", _netns_ssh(tmp_path / "netns-ssh", hosts),
+                  "-iface", HOST_LINK, "-wdir", REPO, "-genv", "GLOO_SOCKET_IFNAME", HOST_LINK]
+        out = tmp_path / "two-hosts"
+        refused = _mpirun(*launch, out=out, cache_dir=cache_dir, timeout=120)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        errors = [line for line in refused.stderr.splitlines() if "error" in line]
+        assert errors and all("MASTER_ADDR is not set" in line for line in errors), refused.stderr[-3000:]
+        proc = _mpirun(*launch, "-genv", "MASTER_ADDR", HOST_ADDRS[0], "-genv", "MASTER_PORT", 29557, out=out,
+                       cache_dir=cache_dir)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "4 rank(s) started by mpirun" in proc.stderr
+        summary = _assert_same_training(out, reference)
+        assert summary["world_size"] == 4 and summary["threads_per_rank"] == 1
+    assert_no_survivors(out)
