@@ -198,8 +198,8 @@ exec ip netns exec "$ns" sh -c "$*"
 @pytest.mark.skipif(MPICH is None, reason=NO_MPICH)
 def test_mpich_hostfile_two_hosts_two_ranks_each(reference, tmp_path, cache_dir):
     """(d'): `mpirun -f hostfile -n 4 -ppn 2` over two hosts (network namespaces joined by a veth
-    pair; MPICH starts its proxy on the other host through an ssh that enters its namespace): one
-    rank's losses. Without MASTER_ADDR the ranks stop at once, each with one line saying what to pass."""
+    pair; MPICH starts its proxy on the other host through an ssh that enters its namespace),
+    stopped at step 5 and run again: one rank's losses. Without MASTER_ADDR the ranks stop at once, each with one line saying what to pass."""
     with two_hosts() as hosts:
         hostfile = tmp_path / "hosts"
         hostfile.write_text("".join(f"{addr}:2\n" for _, addr in hosts))
@@ -211,10 +211,12 @@ def test_mpich_hostfile_two_hosts_two_ranks_each(reference, tmp_path, cache_dir)
         assert refused.returncode != 0 and "Traceback" not in refused.stderr
         errors = [line for line in refused.stderr.splitlines() if "error" in line]
         assert errors and all("MASTER_ADDR is not set" in line for line in errors), refused.stderr[-3000:]
-        proc = _mpirun(*launch, "-genv", "MASTER_ADDR", HOST_ADDRS[0], "-genv", "MASTER_PORT", 29557, out=out,
-                       cache_dir=cache_dir)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "4 rank(s) started by mpirun" in proc.stderr
+        rendezvous = ["-genv", "MASTER_ADDR", HOST_ADDRS[0], "-genv", "MASTER_PORT"]
+        stopped = _mpirun(*launch, *rendezvous, 29557, out=out, cache_dir=cache_dir, **{"train.stop_at_step": 5})
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+        assert "4 rank(s) started by mpirun" in stopped.stderr
+        proc = _mpirun(*launch, *rendezvous, 29558, out=out, cache_dir=cache_dir)
+        assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-3000:]
         summary = _assert_same_training(out, reference)
         assert summary["world_size"] == 4 and summary["threads_per_rank"] == 1
     assert_no_survivors(out)
