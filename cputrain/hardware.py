@@ -51,6 +51,9 @@ class HardwareFacts:
     backends: dict[str, bool]
     peak_flops: dict[str, float] = field(default_factory=dict)
     peak_formula: dict[str, str] = field(default_factory=dict)
+    # This process may run on fewer CPUs than its cgroup's cpuset holds: something bound it
+    # (mpirun's binding, taskset, numactl). None where the cpuset cannot be read.
+    affinity_narrowed: bool | None = None
 
     @property
     def physical_cores(self) -> int:
@@ -120,6 +123,34 @@ def _numa_of_cpu() -> dict[int, int]:
         for cpu in _parse_cpu_list(read_system_file(f"{node_dir}/cpulist") or ""):
             node_of[cpu] = node
     return node_of
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list ("0-3,8,10-11")."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def cgroup_cpuset() -> set[int] | None:
+    """The CPUs this process's cgroup allows (cgroup v2, then v1), or None where unreadable."""
+    paths = []
+    for line in (read_system_file("/proc/self/cgroup") or "").splitlines():
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            paths.append(f"/sys/fs/cgroup{path.rstrip('/')}/cpuset.cpus.effective")
+        elif "cpuset" in controllers.split(","):
+            paths.append(f"/sys/fs/cgroup/cpuset{path.rstrip('/')}/cpuset.effective_cpus")
+    # inside a container the cgroup's own folder is mounted as the root
+    paths += ["/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"]
+    for path in paths:
+        text = read_system_file(path)
+        if text:
+            return parse_cpu_list(text)
+    return None
 
 
 def _physical_cores(allowed: set[int]) -> list[Core]:
@@ -217,6 +248,7 @@ def detect() -> HardwareFacts:
         backends=_backends(),
         peak_flops=peaks,
         peak_formula=formulas,
+        affinity_narrowed=None if (cpuset := cgroup_cpuset()) is None else set(allowed) < cpuset,
     )
 
 

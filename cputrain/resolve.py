@@ -35,7 +35,8 @@ class Resolution:
         self.reasons.append((key, str(value), why))
 
 
-def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: int) -> Resolution:
+def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: int,
+            bound_by_launcher: bool = False) -> Resolution:
     """A read-only copy of `cfg` with every "auto" decided, and the reason for each choice. One key
     needs more than the hardware: model.attn_implementation=auto is timed on the model's shape on
     this rank's threads, once the process group exists: cputrain.run_choices decides the keys that
@@ -51,15 +52,22 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         res.note("hardware.precision", precision, why)
 
     per_rank = max(1, hw.physical_cores // max(1, local_world_size))
+    if bound_by_launcher:
+        # mpirun bound this rank to its own cores (Open MPI's and Intel MPI's default binding): the
+        # cores it sees are its share already, not the node's to divide again
+        per_rank = hw.physical_cores
     if cfg.hardware.threads == "auto":
         cfg.hardware.threads = per_rank
         res.note(
             "hardware.threads",
             per_rank,
+            f"mpirun bound this rank to {hw.physical_cores} physical core(s) of its own (Open MPI binds each "
+            "of 2 or fewer ranks to one core: pass --bind-to none to let cputrain divide the node's cores)"
+            if bound_by_launcher else
             f"{hw.physical_cores} physical cores ÷ {local_world_size} rank(s) on this node "
             "(hyper-threads add nothing to matmul throughput)",
         )
-    elif cfg.hardware.threads * local_world_size > hw.logical_cpus:
+    elif cfg.hardware.threads * (1 if bound_by_launcher else local_world_size) > hw.logical_cpus:
         asked = cfg.hardware.threads
         cfg.hardware.threads = per_rank
         why = (f"hardware.threads={asked} × {local_world_size} rank(s) is more than the {hw.logical_cpus} CPUs usable "

@@ -22,7 +22,9 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     ranks = normalize()  # also sets LOCAL_RANK & co. so no library dies on a KeyError
     setup_logging(ranks.rank)
     hw = detect()
-    res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size)
+    # A rank mpirun bound to fewer CPUs than its cgroup allows: those are its own cores.
+    bound = ranks.launcher == "mpirun" and bool(hw.affinity_narrowed) and ranks.local_world_size > 1
+    res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size, bound_by_launcher=bound)
     check_agent_agrees(res.config)
     user_threads = os.environ.get("OMP_NUM_THREADS")
     # A one-process run (launcher "python") inherits the user's own value; a launcher's (torchrun's

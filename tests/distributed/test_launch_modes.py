@@ -178,6 +178,17 @@ def test_open_mpi_mpirun_trains_like_one_rank(reference, tmp_path, cache_dir):
     assert_no_survivors(out)
 
 
+@pytest.mark.skipif(OPEN_MPI is None, reason="Open MPI is not installed (scripts/install-mpi.sh)")
+def test_open_mpi_binding_gives_each_rank_its_own_cores(tmp_path, cache_dir):
+    """Open MPI's default binding (each of 2 ranks on one core): the rank's threads are the cores
+    it was bound to, said with the flag that hands the placement to cputrain."""
+    proc = _mpirun(OPEN_MPI, "-n", 2, "-x", f"MASTER_PORT={free_port()}", out=tmp_path / "bound", cache_dir=cache_dir,
+                   env={"OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1},
+                   **{"hardware.threads": "auto", "train.max_steps": 1})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mpirun bound this rank to 1 physical core(s)" in proc.stderr and "--bind-to none" in proc.stderr
+
+
 def _netns_ssh(path, hosts) -> str:
     """An `ssh HOST COMMAND` for MPICH's launcher that runs COMMAND in HOST's network namespace."""
     cases = "\n".join(f"  {addr}) ns={ns} ;;" for ns, addr in hosts)

@@ -6,7 +6,9 @@ import dataclasses
 
 from cputrain.native.allocator import choose_allocator, preload_env
 from cputrain.distributed.placement import core_sets
-from cputrain.hardware import Core, detect
+from cputrain.config import Config
+from cputrain.hardware import Core, detect, parse_cpu_list
+from cputrain.resolve import resolve
 
 
 def _machine(numa_nodes: int, cores_per_node: int):
@@ -28,6 +30,22 @@ def test_ranks_get_whole_numa_nodes_and_never_share_a_core():
 def test_uneven_split_leaves_spare_cores_idle():
     plan = core_sets(_machine(numa_nodes=1, cores_per_node=8), 3)
     assert [len(s) for s in plan.sets] == [2, 2, 2] and "idle" in plan.reason
+
+
+def test_a_rank_mpirun_bound_takes_its_own_cores_not_a_share_of_them():
+    """Under Intel MPI's pin domains (or Open MPI's binding) a rank sees only its own cores: 14 of
+    a 28-core node for 2 ranks. Those are its threads; divided again by the ranks they would be 7."""
+    share = _machine(numa_nodes=1, cores_per_node=14)
+    bound = resolve(Config(), share, world_size=2, local_world_size=2, bound_by_launcher=True)
+    assert bound.config.hardware.threads == 14
+    assert any("mpirun bound this rank" in why for key, _, why in bound.reasons if key == "hardware.threads")
+    node = _machine(numa_nodes=1, cores_per_node=28)  # not bound: the node's cores, divided
+    assert resolve(Config(), node, world_size=2, local_world_size=2).config.hardware.threads == 14
+
+
+def test_cpu_lists_as_the_kernel_writes_them():
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpu_list("5") == {5}
 
 
 def test_allocator_found_and_preloaded(tmp_path):
