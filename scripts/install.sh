@@ -37,6 +37,10 @@ if [[ ",$extras," == *",deepspeed,"* ]] && ! "$python" -c 'import deepspeed' 2>/
   DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$python" -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
 fi
 if [[ ",$extras," == *",deepspeed,"* ]]; then  # cached after the first build: quick on re-runs
+  # into this environment's own extensions folder, where cputrain's zero3 strategy looks (one per
+  # environment: two venvs sharing ~/.cache/torch_extensions rebuild each other's ops in turn)
+  prefix="$("$python" -c 'import sys; print(sys.prefix)')"
+  if [ -w "$prefix" ]; then export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$prefix/torch_extensions}"; fi
   DS_ACCELERATOR=cpu "$python" - <<'PY' || echo "note: DeepSpeed CPU ops not prebuilt; they compile on first use"
 from deepspeed.accelerator import get_accelerator
 for op in ("CPUAdamBuilder", "ShareMemCommBuilder"):

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,12 @@ from cputrain.parallel.deepspeed_config import plan_for, require_deepspeed
 
 require_deepspeed()  # a one-line install hint instead of an ImportError traceback
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, when deepspeed picks its accelerator
+# DeepSpeed's CPU ops (CPU Adam, shared-memory collectives) compile into torch's extensions folder,
+# by default one per user keyed by the op's name only: two environments on one machine (two
+# checkouts, a torch upgrade) rebuild each other's ops in turn, 40–235 s each (measured). One folder
+# per Python environment, where scripts/install.sh builds them, unless the user chose one.
+if os.access(sys.prefix, os.W_OK):
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
