@@ -149,7 +149,10 @@ def cgroup_cpuset() -> set[int] | None:
     for path in paths:
         text = read_system_file(path)
         if text:
-            return parse_cpu_list(text)
+            try:
+                return parse_cpu_list(text)
+            except ValueError:  # not a CPU list: judge nothing by it
+                return None
     return None
 
 
