@@ -16,13 +16,12 @@ token differs: the backward scales those rows by it, then does the weight's matm
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
 
+import torch
 from transformers.utils import ModelOutput
 
-from cputrain.kernels.chunked_loss import IGNORE_INDEX, block_rows
+from cputrain.kernels.chunked_loss import IGNORE_INDEX, block_rows, head_blocks
 
 
 @dataclass
@@ -41,24 +40,17 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         # layout of chunked_loss.py: the weight's gradient is then one contiguous matmul)
         unit_hidden = torch.empty_like(hidden) if needs_hidden else None
         unit_logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=hidden.dtype) if needs_weight else None
-        for start in range(0, hidden.shape[0], rows):
-            h = hidden[start : start + rows]
-            y = targets[start : start + rows]
-            valid = y != IGNORE_INDEX
-            target = y.clamp(min=0)
-            logits = (h @ weight.t()).float()  # what the plain head gives after its upcast
-            lse = torch.logsumexp(logits, dim=-1)
-            logps[start : start + rows] = (logits.gather(1, target[:, None]).squeeze(1) - lse) * valid
+        for block in head_blocks(hidden, weight, targets, rows):
+            logps[block.rows] = (block.picked - block.lse) * block.valid
             if not (needs_hidden or needs_weight):
                 continue
-            unit = logits.sub_(lse[:, None]).exp_().neg_()  # -softmax …
-            unit[torch.arange(len(y)), target] += 1.0  # … + one_hot(target)
-            unit.mul_(valid.float()[:, None])  # an untrained position passes no gradient
-            g = unit.to(hidden.dtype)
+            # d logp / d logits = one_hot - softmax: the cross-entropy's gradient, negated; an
+            # untrained position passes none
+            g = block.nll_grad(-1.0).to(hidden.dtype)
             if needs_hidden:
-                unit_hidden[start : start + rows] = g @ weight
+                unit_hidden[block.rows] = g @ weight
             if needs_weight:
-                unit_logits_t[:, start : start + rows] = g.t()
+                unit_logits_t[:, block.rows] = g.t()
         ctx.save_for_backward(hidden if needs_weight else None, unit_hidden, unit_logits_t)
         return logps
 

@@ -14,6 +14,9 @@ remaining tokens. tests/unit/test_kernels.py compares loss and gradients with it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -28,6 +31,37 @@ MIN_ROWS = 512
 
 def block_rows(vocab_size: int) -> int:
     return max(MIN_ROWS, BLOCK_BYTES // (4 * vocab_size))
+
+
+@dataclass
+class HeadBlock:
+    """One block of tokens through the head: what the cross-entropy and the per-token
+    log-probabilities (kernels/chunked_logps.py) both read."""
+
+    rows: slice  # the block's tokens
+    logits: torch.Tensor  # fp32, what the plain head gives after its upcast
+    lse: torch.Tensor  # logsumexp of each token's logits
+    picked: torch.Tensor  # each token's label's logit
+    target: torch.Tensor  # the labels, -100 as 0
+    valid: torch.Tensor  # the label is not -100
+
+    def nll_grad(self, scale: torch.Tensor | float) -> torch.Tensor:
+        """d(-log p(label))/d(logits) × scale on valid tokens, 0 elsewhere: (softmax - one_hot) ×
+        scale, made in place of the logits (read nothing of them after this)."""
+        grad = self.logits.sub_(self.lse[:, None]).exp_()
+        grad[torch.arange(len(self.target)), self.target] -= 1.0
+        return grad.mul_((self.valid.float() * scale)[:, None])
+
+
+def head_blocks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int) -> Iterator[HeadBlock]:
+    """hidden [tokens, d] through the head weight [vocab, d], `rows` tokens at a time; labels [tokens]."""
+    for start in range(0, hidden.shape[0], rows):
+        block = slice(start, start + rows)
+        y = labels[block]
+        target = y.clamp(min=0)
+        logits = (hidden[block] @ weight.t()).float()
+        yield HeadBlock(block, logits, torch.logsumexp(logits, dim=-1), logits.gather(1, target[:, None]).squeeze(1),
+                        target, y != IGNORE_INDEX)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -46,25 +80,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # result is already laid out like the weight.
         grad_logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=hidden.dtype) if ctx.needs_input_grad[1] else None
         loss_sum = torch.zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], rows):
-            h = hidden[start : start + rows]
-            y = labels[start : start + rows]
-            valid = y != IGNORE_INDEX
-            target = y.clamp(min=0)
-            logits = (h @ weight.t()).float()  # what the plain head gives after its upcast
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            loss_sum += ((lse - picked) * valid).sum()
+        for block in head_blocks(hidden, weight, labels, rows):
+            loss_sum += ((block.lse - block.picked) * block.valid).sum()
             if not needs_grad:
                 continue
             # (softmax - one_hot(label)) / n_valid on valid rows, 0 elsewhere
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(len(y)), target] -= 1.0
-            probs.mul_((valid.float() * scale)[:, None])
-            g = probs.to(hidden.dtype)
-            grad_hidden[start : start + rows] = g @ weight
+            g = block.nll_grad(scale).to(hidden.dtype)
+            grad_hidden[block.rows] = g @ weight
             if grad_logits_t is not None:
-                grad_logits_t[:, start : start + rows] = g.t()
+                grad_logits_t[:, block.rows] = g.t()
         grad_weight = grad_logits_t @ hidden if grad_logits_t is not None else None
         del grad_logits_t
         ctx.save_for_backward(grad_hidden, grad_weight)
