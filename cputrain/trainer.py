@@ -150,7 +150,8 @@ class Trainer:
         # after the optimizer, because ZeRO-3's engine (which gathers each module's partitioned
         # weights around its forward) exists from then on.
         self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
-                               self.strategy.autocast, self._reference_store(source))
+                               self.strategy.autocast,
+                               self._reference_store(source) if cfg.train.objective == "dpo" else None)
 
         # 6. Resume from the newest complete checkpoint, if this run folder has one.
         self.checkpoints = Checkpoints(self.run, cfg, ranks)
@@ -178,7 +179,7 @@ class Trainer:
         from cputrain.objectives.reference_store import ReferenceStore, reference_file
 
         ranks = self.ranks
-        path = reference_file(getattr(self.data, "folder", None), source.folder, self.cfg)
+        path = reference_file(self.data.folder, source.folder, self.cfg)
         return ReferenceStore(path, ranks.rank, ranks.world_size, ranks.local_rank)
 
     def _prepare_data(self) -> None:

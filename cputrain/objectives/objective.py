@@ -105,8 +105,9 @@ class PreferenceObjective:
         with base:
             for split in rows:
                 split.reference_logps = None
-                table = reference_table(model, split, micro_batch, autocast, store.shares(len(split)), self.chunked)
-                tables.append(table if store.owns_any(len(split)) else table.zero_())
+                indices, owns_any = store.share(len(split))
+                table = reference_table(model, split, micro_batch, autocast, indices, self.chunked)
+                tables.append(table if owns_any else table.zero_())
         tables = store.combine(tables)
         for split, table in zip(rows, tables):
             split.reference_logps = table

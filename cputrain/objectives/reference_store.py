@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cputrain.distributed import process_group as pg
+
 
 @dataclass(frozen=True)
 class ReferenceStore:
@@ -35,20 +37,17 @@ class ReferenceStore:
     def load(self, rows: list) -> list[torch.Tensor] | None:
         """Every split's table where every rank finds the file (else all compute: a collective)."""
         tables = _read(self.path, rows) if self.path is not None else None
-        (missing,) = _all_reduce([0.0 if tables is not None else 1.0])
+        (missing,) = pg.all_reduce_sum([0.0 if tables is not None else 1.0])
         return tables if missing == 0 else None
 
-    def shares(self, rows: int) -> np.ndarray:
+    def share(self, rows: int) -> tuple[np.ndarray, bool]:
         """This rank's rows of a split, padded with its own last row to as many as any rank has
-        (so every rank runs the same number of forwards); an empty share is padded with row 0,
-        whose numbers it then drops (see keep)."""
+        (so every rank runs the same number of forwards), and whether it owns any: an empty share
+        is padded with row 0, whose numbers the rank must then drop."""
         own = np.array_split(np.arange(rows), self.world_size)[self.rank]
         longest = -(-rows // self.world_size)
-        pad = own[-1] if len(own) else 0
-        return np.concatenate([own, np.full(longest - len(own), pad, dtype=np.int64)]).astype(np.int64)
-
-    def owns_any(self, rows: int) -> bool:
-        return len(np.array_split(np.arange(rows), self.world_size)[self.rank]) > 0
+        padded = np.concatenate([own, np.full(longest - len(own), own[-1] if len(own) else 0)]).astype(np.int64)
+        return padded, len(own) > 0
 
     def combine(self, tables: list[torch.Tensor]) -> list[torch.Tensor]:
         """The ranks' tables (each holding its own rows' numbers, 0 elsewhere) summed into the whole."""
@@ -79,14 +78,6 @@ def _read(path: Path, rows: list) -> list[torch.Tensor] | None:
     if any(t is None or len(t) != 2 * split.pairs for t, split in zip(tables, rows)):
         return None
     return tables
-
-
-def _all_reduce(values: list[float]) -> list[float]:
-    if not dist.is_initialized():
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def reference_file(cache_folder: Path | None, weights_folder: Path | None, cfg) -> Path | None:
