@@ -257,7 +257,6 @@ def cmd_eval(args) -> int:
         from cputrain.objectives.held_out import require_reference
 
         require_reference(args.path, cfg)
-
         model, tokenizer = None, load_tokenizer(model_folder(args.path), cfg.model.trust_remote_code)
     else:
         model, tokenizer = load_for_inference(args.path, cfg.model.trust_remote_code)

@@ -51,11 +51,10 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         cfg.hardware.precision = precision
         res.note("hardware.precision", precision, why)
 
-    per_rank = max(1, hw.physical_cores // max(1, local_world_size))
-    if bound_by_launcher:
-        # mpirun bound this rank to its own cores (Open MPI's and Intel MPI's default binding): the
-        # cores it sees are its share already, not the node's to divide again
-        per_rank = hw.physical_cores
+    # mpirun bound this rank to its own cores (Open MPI's and Intel MPI's default binding): the
+    # cores it sees are its share already, not the node's to divide again
+    sharing = 1 if bound_by_launcher else max(1, local_world_size)
+    per_rank = max(1, hw.physical_cores // sharing)
     if cfg.hardware.threads == "auto":
         cfg.hardware.threads = per_rank
         res.note(
@@ -67,10 +66,10 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             f"{hw.physical_cores} physical cores ÷ {local_world_size} rank(s) on this node "
             "(hyper-threads add nothing to matmul throughput)",
         )
-    elif cfg.hardware.threads * (1 if bound_by_launcher else local_world_size) > hw.logical_cpus:
+    elif cfg.hardware.threads * sharing > hw.logical_cpus:
         asked = cfg.hardware.threads
         cfg.hardware.threads = per_rank
-        why = (f"hardware.threads={asked} × {local_world_size} rank(s) is more than the {hw.logical_cpus} CPUs usable "
+        why = (f"hardware.threads={asked} × {sharing} rank(s) is more than the {hw.logical_cpus} CPUs usable "
                f"here: using {per_rank} per rank (threads beyond the cores only wait for each other)")
         res.note("hardware.threads", per_rank, why)  # logged at start as one line, and kept in config.yaml
 

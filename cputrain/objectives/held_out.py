@@ -10,7 +10,6 @@ whose log-probabilities are computed first and the model freed before the traine
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from pathlib import Path
 
@@ -20,13 +19,6 @@ import torch
 from cputrain.errors import DataError, ModelError
 from cputrain.objectives.objective import PreferenceObjective, reference_table
 from cputrain.objectives.preference_loss import STAT_NAMES
-
-
-def _autocast(precision: str):
-    """The run's precision at inference: bf16 autocast over fp32 weights, as the trainer's eval."""
-    if precision == "bf16":
-        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def require_reference(path: str, cfg) -> None:
@@ -41,17 +33,20 @@ def require_reference(path: str, cfg) -> None:
 
 
 def evaluate_pairs(path: str, cfg, rows, max_rows: int) -> dict:
-    """The objective's loss and TRL's figures, means over the pairs of the first `max_rows` rows."""
+    """The objective's loss and TRL's figures, means over the pairs of the first `max_rows` rows
+    (the caller has checked require_reference before reading the data)."""
     from cputrain.inference import load_for_inference, model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
-    require_reference(path, cfg)
     n = min(len(rows), max_rows)
     if n == 0:
         raise DataError("the dataset has no preference pair to evaluate; use more pairs, a longer data.seq_len or "
                         "--split train")
     indices, micro_batch = np.arange(n), cfg.train.micro_batch_size
-    autocast = _autocast(cfg.hardware.precision)
+    # the run's precision, as the trainer's validation: bf16 autocast over fp32 weights
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.hardware.precision == "bf16")
+
     adapters = is_adapter_folder(Path(model_folder(path)))
     dpo = cfg.train.objective == "dpo"
     reference = None
