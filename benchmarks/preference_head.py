@@ -122,6 +122,9 @@ def main() -> None:
                    f"{plain['step_s']:.2f} | {block['step_s']:.2f} | {block['step_s'] / plain['step_s']:.2f} |")
             print(row, flush=True)
             lines.append(row)
+    lines += ["", "The plain head grows with the tokens (about three fp32 copies of the micro-batch's logits); the "
+              "block-wise one is bounded by a 256 MiB block once the micro-batch holds more than a block, plus, for "
+              "a trained head, its fp32 gradient and the logits' gradient in the compute dtype."]
     write_block("preference_head", "\n".join(lines))
 
 
