@@ -146,8 +146,18 @@ def test_doctor_prints_hardware_and_auto_choices():
     for word in ("physical", "NUMA", "amx_bf16=", "avx512_bf16=", "avx2=", "gloo=", "peak fp32", "FLOP/cycle",
                  "hardware.precision ="):
         assert word in proc.stdout, word
-    facts = json.loads(run_cli("doctor", "--json", check=True).stdout)
+    # The JSON form in this process, reading the peaks the command above just timed (timing them
+    # again is the same code and ~5 s of matmuls).
+    from functools import partial
+    from unittest import mock
+
+    from cputrain.metrics import measured_peak
+
+    with mock.patch.object(measured_peak, "machine_peaks", partial(measured_peak.machine_peaks, remeasure=False)):
+        facts = json.loads(run_cli_here("doctor", "--json", check=True).stdout)
     assert facts["auto"]["hardware.precision"]["value"] in ("fp32", "bf16") and facts["flags"]
+    for precision, peak in facts["measured_peak_flops"].items():
+        assert f"measured {precision:<5} {peak['flops'] / 1e9:9.1f} GFLOP/s" in proc.stdout
 
 
 @pytest.mark.alone  # the demo's own settings: threads = every core
