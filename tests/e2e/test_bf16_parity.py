@@ -51,8 +51,9 @@ def test_fp32_speedups_are_exact(plain_fp32, tmp_path, cache_dir, attn):
 def test_bf16_follows_fp32(plain_fp32, tmp_path, cache_dir, strategy, ranks):
     out = tmp_path / strategy
     settings = {**SHORT, "hardware.precision": "bf16", "parallel.strategy": strategy, "model.attn_implementation": "auto",
-                # bf16 with compiled blocks on fsdp; one rank's compile is checked against eager to 1e-4 in
-                # tests/e2e/test_compile.py (a second inductor compile of the same blocks here cost ~50 s)
+                # bf16 with compiled blocks on fsdp: the suite's only compile under fsdp. One rank's compile
+                # is checked against eager to 1e-4 in tests/e2e/test_compile.py (a second inductor compile of
+                # the same blocks here cost ~50 s)
                 "model.compile": "true" if strategy == "fsdp" else "false",
                 "model.compile_cache_dir": cache_dir / "inductor-bf16"}
     launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []

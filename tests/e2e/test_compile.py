@@ -18,7 +18,10 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("strategy,ranks", [("single", 1), ("fsdp", 2)])
+# One rank, fp32: compiled against eager to 1e-4. Compiled blocks under fsdp (bf16, the case users
+# run) are trained by tests/e2e/test_bf16_parity.py::test_bf16_follows_fp32[fsdp-2] against fp32;
+# a second inductor compile of the same blocks here cost ~25 s of suite time.
+@pytest.mark.parametrize("strategy,ranks", [("single", 1)])
 def test_compiled_blocks_train_like_eager(tmp_path, cache_dir, strategy, ranks):
     launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
     settings = {**SHORT, "parallel.strategy": strategy}
