@@ -98,9 +98,25 @@ class _WarmInterpreter:
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="cputrain-warm-"))
         self.log = open(self.folder / "server.log", "w")  # noqa: SIM115 (open while the server lives)
-        self.server = subprocess.Popen([sys.executable, str(TESTS / "warm_interpreter.py")], cwd=REPO, env=cli_env(),
+        # The ranks of a command's torchrun agent are forked by a second warm server; the agent runs
+        # tests/rank_python.py as their `python` (torchrun's PYTHON_EXEC).
+        self.rank_socket = self.folder / "ranks.sock"
+        self.rank_server = subprocess.Popen([sys.executable, str(TESTS / "warm_interpreter.py"), "--ranks",
+                                             str(self.rank_socket)], cwd=REPO, env=cli_env(), stdin=subprocess.PIPE,
+                                            stdout=self.log, stderr=self.log)
+        python = self.folder / "rank-python"
+        python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{TESTS / "rank_python.py"}" "$@"\n')
+        python.chmod(0o755)
+        env = cli_env(PYTHON_EXEC=python, CPUTRAIN_TEST_RANK_SERVER=self.rank_socket)
+        self.server = subprocess.Popen([sys.executable, str(TESTS / "warm_interpreter.py")], cwd=REPO, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.calls = 0
+
+    def forked_rank(self, pid: int) -> int | None:
+        """The rank a process started as tests/rank_python.py stands in for (None: not such a process)."""
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.folder / "ranks.sock.ranks" / str(pid)).read_text())
+        return None
 
     def _answer(self, key: str, timeout_s: float | None):
         import select
@@ -151,11 +167,27 @@ class _WarmInterpreter:
     def close(self):
         self.server.stdin.close()
         self.server.wait(timeout=30)
+        self.rank_server.stdin.close()
+        self.rank_server.wait(timeout=30)
         self.log.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _WARM: list[_WarmInterpreter] = []
+
+
+def with_forked_ranks(processes: list) -> list:
+    """`processes` (psutil) and, for each that stands in for a rank the warm rank server forked,
+    that rank: it is not under the agent in the process tree, nor named by its command line."""
+    import psutil
+
+    ranks = []
+    for p in processes:
+        pid = _WARM[0].forked_rank(p.pid) if _WARM else None
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if pid is not None:
+                ranks.append(psutil.Process(pid))
+    return [*ranks, *processes]
 
 
 def _warm() -> _WarmInterpreter:
@@ -337,7 +369,7 @@ class WarmProcess:
         stopped: dict[int, psutil.Process] = {}
         with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(self.pid)
-            while new := [p for p in [root, *root.children(recursive=True)] if p.pid not in stopped]:
+            while new := [p for p in with_forked_ranks([root, *root.children(recursive=True)]) if p.pid not in stopped]:
                 for p in new:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.send_signal(signal.SIGSTOP)

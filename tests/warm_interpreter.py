@@ -12,13 +12,22 @@ a test that measures a process's memory, start a fresh interpreter instead (conf
 Protocol, one JSON object per line: the request {"argv", "cwd", "stdout", "stderr"} (the two
 output paths are files the child writes); the answers {"pid"} at once and {"returncode"} when the
 child has ended (negative: the signal that ended it, as subprocess reports it).
+
+`--ranks SOCKET` serves the ranks a torchrun agent starts (tests/rank_python.py is the `python`
+the agent runs, through torchrun's PYTHON_EXEC): over a unix socket, each request brings the
+rank's argv, working folder, environment and its stdin/stdout/stderr, and the child becomes that
+rank. Ranks run side by side, so this server never waits on one: it reaps children as they end
+and answers each rank's own connection. A connection that closes before its child ended means
+the agent killed the rank's stand-in (SIGKILL cannot be forwarded): the child is killed too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
 # What every cputrain command that trains, evaluates or samples imports first: the bulk of its
 # start-up. cputrain's own modules are not imported here, so no state of theirs is inherited.
@@ -30,21 +39,17 @@ import transformers  # noqa: F401
 from transformers.models.llama import modeling_llama  # noqa: F401
 
 
-def _child(request: dict) -> None:
-    """Become `python -m cputrain ARGV` and exit with its code."""
+def _become_cputrain(argv: list[str], unbuffered: bool = False) -> None:
+    """Run `python -m cputrain ARGV` in this (forked) process and exit with its code."""
     import atexit
     import runpy
 
-    os.chdir(request["cwd"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, fd)
-        os.close(out)
+    if unbuffered:  # python -u, as torchrun starts its ranks
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
     code = 0
     try:
-        sys.argv = ["-m", *request["argv"]]  # run_module puts the module's path first, as `python -m` does
+        sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
         runpy.run_module("cputrain", run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -59,6 +64,18 @@ def _child(request: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _child(request: dict) -> None:
+    """Become `python -m cputrain ARGV`, its output in the request's files."""
+    os.chdir(request["cwd"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    _become_cputrain(request["argv"])
 
 
 def main() -> None:
@@ -76,5 +93,84 @@ def main() -> None:
         reply.flush()
 
 
+def _rank(request: dict, fds: list[int]) -> None:
+    """Become the rank the agent asked for: its streams, folder, environment and `-u -m cputrain ARGS`."""
+    import signal
+
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    module = argv.index("-m")
+    assert argv[module + 1] == "cputrain", argv
+    _become_cputrain(argv[module + 2:], unbuffered="-u" in argv[:module])
+
+
+def serve_ranks(path: str) -> None:
+    import select
+    import signal
+    import socket
+
+    # A rank's end wakes select() through this pipe (select itself resumes after a signal).
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    ranks: dict[socket.socket, tuple[int, Path]] = {}  # the stand-in's connection -> its rank's pid, record
+    Path(f"{path}.ranks").mkdir()
+    while True:
+        ready = select.select([listener, sys.stdin, wake_r, *ranks], [], [], 5.0)[0]
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
+            return  # the test process is gone: so is every rank it started (their connections close)
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        for conn in ready:
+            if conn is listener:
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    for fd in (wake_r, wake_w, listener.fileno(), conn.fileno(), *(c.fileno() for c in ranks)):
+                        os.close(fd)
+                    _rank(json.loads(message), fds)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode())
+                # Which process stands in for which rank, for the tests that kill ranks by name.
+                record = Path(f"{path}.ranks", str(json.loads(message)["stand_in"]))
+                record.write_text(str(pid))
+                ranks[conn] = pid, record
+            elif conn in ranks and not conn.recv(1):  # its stand-in was killed: kill the rank as well
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(ranks[conn][0], signal.SIGKILL)
+        while True:  # answer for every rank that has ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            for conn, (rank_pid, record) in list(ranks.items()):
+                if rank_pid == pid:
+                    record.unlink()
+                    with contextlib.suppress(OSError):
+                        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+                    conn.close()
+                    del ranks[conn]
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--ranks"]:
+        serve_ranks(sys.argv[2])
+    else:
+        main()

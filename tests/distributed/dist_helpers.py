@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import with_forked_ranks
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -28,7 +30,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
-    """Live processes whose command line contains `text` (a test's unique output folder)."""
+    """Live processes whose command line contains `text` (a test's unique output folder), and the
+    ranks forked for them by the warm rank server (conftest.with_forked_ranks), ranks first."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
@@ -36,7 +39,7 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return found
+    return with_forked_ranks(found)
 
 
 def assert_no_survivors(text: str, grace_s: float = 10.0) -> None:

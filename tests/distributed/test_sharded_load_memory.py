@@ -21,7 +21,8 @@ from safetensors import safe_open
 from conftest import cli_env, make_tiny_model, run_cli, tiny_overrides
 from dist_helpers import assert_no_survivors
 
-pytestmark = pytest.mark.slow
+# every rank starts as a user's does, a fresh interpreter: the tests measure its memory
+pytestmark = [pytest.mark.slow, pytest.mark.fresh_interpreter]
 
 GIB = 2**30
 WORLD = 2
