@@ -1,5 +1,6 @@
-"""Which malloc a training run should preload: glibc, jemalloc and tcmalloc side by side, each
-`cputrain train` run at its defaults otherwise, on three models. Writes block
+"""Which malloc a training run should take: glibc as is, glibc tuned to keep what a step frees
+(hardware.allocator=glibc-tuned: no mmap, no trimming, set by cputrain itself), jemalloc and
+tcmalloc side by side, each `cputrain train` run at its defaults otherwise, on three models. Writes block
 allocator-<precision> of docs/benchmarks.md; `hardware.allocator=auto` is read from these figures
 (cputrain/native/allocator.py says which).
 
@@ -17,7 +18,7 @@ wide, 12 layers, untied 8,192-token head) fully fine-tuned from a folder of bf16
 4 × 2 micro-batches of 512 tokens a step, the LoRA run 4 × 1 (its steps are as long).
 
 Every run is a fresh process (a malloc can only be preloaded into a new one) started with
-`hardware.allocator=system|jemalloc|tcmalloc`; the allocators alternate within each of --runs
+`hardware.allocator=system|glibc-tuned|jemalloc|tcmalloc`; the allocators alternate within each of --runs
 repetitions, so a slow spell of the machine hits each of them; medians are reported. Tokens/s: the
 median per-step rate after the first warm-up steps; step peak: VmHWM reset before each step, the
 highest over the steps; process peak: ru_maxrss over the whole run.
@@ -39,7 +40,7 @@ from benchmarks.lora import ARCH_300M, QUICK_ARCH, make_base, run_cputrain, spre
 from benchmarks.vs_hf_trainer import ARCH_100M, physical_cores  # noqa: E402
 
 # What hardware.allocator is set to for each row, and the name the table gives it.
-ALLOCATORS = {"glibc": "system", "jemalloc": "jemalloc", "tcmalloc": "tcmalloc"}
+ALLOCATORS = {"glibc": "system", "glibc-tuned": "glibc-tuned", "jemalloc": "jemalloc", "tcmalloc": "tcmalloc"}
 MODELS = ("demo", "~100M full", "~300M LoRA")
 
 
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="auto: bf16 where the machine has AMX or AVX512-BF16, else fp32")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--leave-out", nargs="+", choices=[n for n in ALLOCATORS if n != "glibc"], default=[],
+                    help="allocators not to run (e.g. where one is installed but not the question)")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench"))
     a = ap.parse_args()
 
@@ -74,7 +77,7 @@ def main() -> None:
     precision = a.precision if a.precision != "auto" else (
         "bf16" if hw.flags.get("amx_bf16") or hw.flags.get("avx512_bf16") else "fp32")
     missing = [name for name in ("jemalloc", "tcmalloc") if find_allocator(name) is None]
-    allocators = [name for name in ALLOCATORS if name not in missing]
+    allocators = [name for name in ALLOCATORS if name not in missing and name not in a.leave_out]
     runs = 1 if a.quick else a.runs
     source = "builtin:pydoc"
     # (optimizer steps, warm-up steps left out of tokens/s) per model
@@ -123,7 +126,8 @@ def main() -> None:
         f"{__doc__.split(chr(10) + chr(10))[3].strip()} Precision {first['precision']}, {physical_cores()} "
         f"threads; {', '.join(f'{m} {s} steps ({w} warm-up)' for m, (s, w) in steps.items() if m in a.models)}; "
         f"median of {runs} alternated fresh-process run(s)."
-        + (f" Not installed, so not measured: {', '.join(missing)}." if missing else ""),
+        + (f" Not installed, so not measured: {', '.join(missing)}." if missing else "")
+        + (f" Left out of this run: {', '.join(a.leave_out)}." if a.leave_out else ""),
         "",
         "| model | malloc | tokens/s | range | vs glibc | step peak RSS (GiB) | process peak RSS (GiB) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",

@@ -53,7 +53,8 @@ def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> 
     plan = NodeLaunch(
         nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, node_rank=launch.node_rank,
         endpoint=endpoint, is_host=launch.node_rank == 0,
-        allocator=choose_allocator(res.config.hardware.allocator, env, precision=res.config.hardware.precision),
+        allocator=choose_allocator(res.config.hardware.allocator, env, precision=res.config.hardware.precision,
+                                   strategy=res.config.parallel.strategy),
         reasons=res.reasons, settings=settings_of(res.config), placement_reason=sets.reason if res.config.hardware.pin_cores else "pinning off (hardware.pin_cores=false)",
     )
     for local in range(launch.nproc_per_node):

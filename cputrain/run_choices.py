@@ -168,7 +168,7 @@ class _RunFacts:
         return checkpointing_choice(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw.memory_gib, vocab)
 
     def allocator(self, cfg) -> tuple[str, str]:
-        return _allocator(cfg.hardware.precision)
+        return _allocator(cfg.hardware.precision, cfg.parallel.strategy)
 
 
 class _PlanFacts:
@@ -226,14 +226,15 @@ def _attention(cfg, ranks: RankEnv, hf_config) -> tuple[str, str]:
     return choice.implementation, choice.reason
 
 
-def _allocator(precision: str) -> tuple[str, str]:
-    """What this process runs on: the allocator was preloaded before it started (or not)."""
+def _allocator(precision: str, strategy: str) -> tuple[str, str]:
+    """What this process runs on: the allocator was preloaded before it started (or not), or glibc
+    tuned by the worker before the model is built."""
     from cputrain.native.allocator import choose_allocator
 
-    choice = choose_allocator("auto", precision=precision)
+    choice = choose_allocator("auto", precision=precision, strategy=strategy)
     loaded = choice.library is not None and choice.library in os.environ.get("LD_PRELOAD", "")
     if loaded or choice.library is None:
-        return (choice.name if loaded else "system"), choice.reason
+        return (choice.name if loaded or choice.name == "glibc-tuned" else "system"), choice.reason
     return "system", (f"{choice.name} is installed but was not preloaded into this process (started by another "
                       "launcher): glibc malloc")
 

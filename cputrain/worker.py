@@ -12,6 +12,7 @@ from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
+from cputrain.native.allocator import tune_glibc
 from cputrain.parallel import needs_process_group
 from cputrain.resolve import check_agent_agrees, resolve
 
@@ -56,6 +57,8 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                  hw.physical_cores, hw.memory_gib)
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
+    if res.config.hardware.allocator == "glibc-tuned":  # before the model and its steps allocate
+        tune_glibc()
     # From here on the config is read-only: every part of the run sees the same values.
     trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock)
     try:

@@ -97,7 +97,7 @@ class DecidedDataConfig(ResolvedDataConfig):
 
 
 class DecidedHardwareConfig(ResolvedHardwareConfig):
-    allocator: Literal["tcmalloc", "jemalloc", "system"]
+    allocator: Literal["tcmalloc", "jemalloc", "glibc-tuned", "system"]
 
 
 class DecidedConfig(ResolvedConfig):

@@ -406,10 +406,11 @@ class HardwareConfig(Section):
     pin_cores: bool = True
     """Pin each rank to its own disjoint set of cores (whole NUMA nodes where they divide evenly)."""
 
-    allocator: Literal["auto", "tcmalloc", "jemalloc", "system"] = "auto"
+    allocator: Literal["auto", "tcmalloc", "jemalloc", "glibc-tuned", "system"] = "auto"
     """The malloc every rank runs on. auto: tcmalloc where installed (measured 1.00–1.17× glibc's
-    tokens/s in fp32; jemalloc 0.92–1.00×), else glibc; tcmalloc/jemalloc: that one; system:
-    glibc, nothing preloaded."""
+    tokens/s in fp32; jemalloc 0.92–1.00×); else, on single and ddp, glibc-tuned; else glibc as is.
+    tcmalloc/jemalloc: that one, preloaded; glibc-tuned: glibc keeping what a step frees (no mmap,
+    no trimming: tcmalloc's speed and memory without a system package); system: glibc as is."""
 
     @model_validator(mode="after")
     def _positive_threads(self):

@@ -49,9 +49,18 @@ REEXEC_MARK = "CPUTRAIN_ALLOCATOR_PRELOADED"
 
 @dataclass(frozen=True)
 class AllocatorChoice:
-    name: str  # tcmalloc | jemalloc | system
+    name: str  # tcmalloc | jemalloc | glibc-tuned | system
     library: str | None
     reason: str
+
+
+# What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
+# (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
+# glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
+GLIBC_TUNED_MEASURED = ("bf16 tokens/s against glibc as is on a 2-core AVX512-BF16 EPYC: 1.33× at ~88M with "
+                        "GLIBC_TUNABLES mmap_max=0 and no trimming, at 1.57× its step peak (issue measurement; "
+                        "benchmarks/allocator.py)")
+SHARDED = ("fsdp", "zero3")
 
 
 def _search_dirs() -> list[str]:
@@ -72,13 +81,17 @@ def find_allocator(name: str = "tcmalloc", dirs: list[str] | None = None) -> str
 
 
 def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] | None = None,
-                     precision: str | None = None) -> AllocatorChoice:
+                     precision: str | None = None, strategy: str | None = None) -> AllocatorChoice:
     """What to put in LD_PRELOAD for the ranks, and why (setting = hardware.allocator; precision =
-    the run's hardware.precision, which picks the measurement the reason cites)."""
+    the run's hardware.precision, which picks the measurement the reason cites; strategy = the
+    run's parallel.strategy: without tcmalloc, auto tunes glibc on single and ddp only)."""
     env = os.environ if environ is None else environ
     auto_why = measured(precision)
     if setting == "system":
         return AllocatorChoice("system", None, "hardware.allocator=system: glibc malloc")
+    if setting == "glibc-tuned":
+        return AllocatorChoice("glibc-tuned", None, "hardware.allocator=glibc-tuned: glibc malloc keeping what a "
+                                                    "step frees (no mmap, no trimming)")
     for name in _NAMES:
         already = [p for p in env.get("LD_PRELOAD", "").split(":") if name in os.path.basename(p)]
         if already and setting in ("auto", name):
@@ -88,6 +101,9 @@ def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] 
     lib = find_allocator(name, dirs)
     if lib is None:
         package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
+        if setting == "auto" and strategy is not None and strategy not in SHARDED:
+            return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}; {auto_why}); "
+                                                        f"glibc malloc keeping what a step frees: {GLIBC_TUNED_MEASURED}")
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")
@@ -117,8 +133,28 @@ def reexec_env(choice: AllocatorChoice, environ: dict) -> dict | None:
     return env
 
 
-# glibc's M_MMAP_THRESHOLD (malloc.h): blocks at least this large get their own mapping.
-_M_MMAP_THRESHOLD = -3
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1  # free memory at the heap's top beyond this is returned to the system
+_M_MMAP_THRESHOLD = -3  # blocks at least this large get their own mapping
+_M_MMAP_MAX = -4  # how many such mappings at once; 0: none, every block comes from the heap
+_INT_MAX = 2**31 - 1  # mallopt takes an int
+
+
+def tune_glibc() -> bool:
+    """glibc malloc keeps what a training step frees for the next step (hardware.allocator=glibc-tuned).
+
+    As is, glibc gives every block over its mmap threshold (128 KiB, rising to at most 32 MiB) a
+    mapping of its own and unmaps it when freed; a step's activations and logits are mostly such
+    blocks, so every step maps them again and the kernel zeroes each page on first touch. No mmap
+    and no trimming keep the freed pages in the heap for the next step, as tcmalloc does, at the
+    price of memory a step freed staying in the process. Called before the model is built; the
+    same as GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=..., which only a
+    new process can take."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX))
+    except (OSError, AttributeError):
+        return False
 # glibc's initial threshold; pinning it at its own default only stops it from moving.
 MMAP_THRESHOLD_BYTES = 128 * 1024
 

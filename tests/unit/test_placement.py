@@ -91,3 +91,50 @@ def test_a_one_process_run_is_started_again_once_with_the_allocator(tmp_path):
     assert env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]  # no "large alloc" lines in the training log
     assert reexec_env(choice, env) is None  # started again once, never twice
     assert reexec_env(choose_allocator("system", environ={}), {}) is None
+
+
+def test_without_tcmalloc_auto_tunes_glibc_on_whole_tensor_strategies_only(tmp_path):
+    """No tcmalloc: single and ddp keep what a step frees (glibc-tuned); fsdp and zero3 keep glibc
+    as is (their memory is the point, and they pin its mmap threshold); a strategy not known yet
+    (the agent's dry report before resolving) is glibc as is."""
+    nothing = [str(tmp_path / "none")]
+    for strategy in ("single", "ddp"):
+        choice = choose_allocator("auto", environ={}, dirs=nothing, precision="bf16", strategy=strategy)
+        assert choice.name == "glibc-tuned" and choice.library is None and "step peak" in choice.reason
+    for strategy in ("fsdp", "zero3", None):
+        assert choose_allocator("auto", environ={}, dirs=nothing, strategy=strategy).name == "system"
+    asked = choose_allocator("glibc-tuned", environ={}, dirs=nothing, strategy="fsdp")
+    assert asked.name == "glibc-tuned" and asked.library is None
+    (tmp_path / "libtcmalloc.so.4").write_bytes(b"")  # installed: tcmalloc, whatever the strategy
+    assert choose_allocator("auto", environ={}, dirs=[str(tmp_path)], strategy="single").name == "tcmalloc"
+
+
+# A fresh interpreter (no torch) mallocs 64 MiB, touches it, frees it, and prints its resident
+# MiB after the free; with `tune` it first calls tune_glibc.
+_FREE_64_MIB = """
+import ctypes, os, sys
+sys.path.insert(0, {repo!r})
+if {tune}:
+    from cputrain.native.allocator import tune_glibc
+    assert tune_glibc()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+block = libc.malloc(64 << 20)
+ctypes.memset(block, 1, 64 << 20)
+libc.free(ctypes.c_void_p(block))
+print(int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20)
+"""
+
+
+def test_tuned_glibc_keeps_a_freed_block_for_the_next_step():
+    """As is, glibc maps a 64 MiB block of its own and unmaps it when freed (the next step maps
+    and zeroes it again); tuned, the block comes from the heap and stays resident after the free."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    resident = {tune: int(subprocess.run([sys.executable, "-c", _FREE_64_MIB.format(repo=repo, tune=tune)],
+                                         capture_output=True, text=True, check=True).stdout)
+                for tune in (False, True)}
+    assert resident[True] - resident[False] > 48, resident
