@@ -11,6 +11,7 @@ import torch
 from cputrain.data.batch import IGNORE_INDEX
 from cputrain.data.pairs import PairRows, shared_prefixes, shared_prompt_mask
 from cputrain.objectives.objective import pair_logps, reference_table
+from tests.conftest import run_cli_here, tiny_overrides
 
 VOCAB = 512  # the tiny tokenizer's
 
@@ -185,3 +186,8 @@ def test_labels_and_positions_of_a_shared_pair():
     assert batch.sequence_ids[0, :10].tolist() == [0] * 6 + [1] * 4
     assert batch.labels[0, :10].tolist() == [IGNORE_INDEX] * 4 + [5, 6, IGNORE_INDEX, 7, 8, 9]
 
+
+def test_shared_prompt_true_on_text_is_refused_in_one_line(tmp_path):
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"data.shared_prompt": "true"}))
+    assert proc.returncode != 0 and "data.shared_prompt=true lays out preference pairs" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
