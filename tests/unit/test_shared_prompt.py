@@ -191,3 +191,30 @@ def test_shared_prompt_true_on_text_is_refused_in_one_line(tmp_path):
     proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"data.shared_prompt": "true"}))
     assert proc.returncode != 0 and "data.shared_prompt=true lays out preference pairs" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_dpo_folder_from_before_the_shared_prompt_resumes_with_it_off(tmp_path):
+    import yaml
+
+    from cputrain.config import Config
+    from cputrain.errors import RunFolderError
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import check_compatible, write_run_config
+
+    def dpo(shared):
+        return Config.model_validate({"data": {"source": "p.jsonl", "format": "preference", "shared_prompt": shared},
+                                      "train": {"objective": "dpo"}})
+
+    run = RunFolder(str(tmp_path / "run"))
+    write_run_config(run, dpo(True), [])
+    run.fs.makedirs(run.step_path(4), exist_ok=True)
+    run.write_text("{}", "checkpoints", "step-000004", "trainer_state.json")
+    check_compatible(run, dpo(True))
+    with pytest.raises(RunFolderError, match="data.shared_prompt: True there, False now"):
+        check_compatible(run, dpo(False))  # other rows, other pairs in each step
+    recorded = yaml.safe_load(dpo(True).dump_yaml())
+    del recorded["data"]["shared_prompt"]  # written before the key: its pairs were laid out whole
+    run.write_text(yaml.safe_dump(recorded), "config.yaml")
+    check_compatible(run, dpo(False))
+    with pytest.raises(RunFolderError, match="set data.shared_prompt back"):
+        check_compatible(run, dpo(True))
