@@ -178,6 +178,32 @@ def test_the_mask_lets_rejected_see_its_prompt_and_padding_itself():
     assert mask[6].tolist() == [False] * 6 + [True]
 
 
+def _dense_mask(sequence_ids, visible_prompt):
+    """The mask's definition, token against token: causal; a token sees its own sequence, a
+    rejected one its pair's visible prompt; padding itself."""
+    tokens = sequence_ids.shape[1]
+    q, k = sequence_ids[:, :, None], sequence_ids[:, None, :]
+    same = (q == k) & (q >= 0)
+    prompt = (q >= 0) & (q % 2 == 1) & (k == q - 1) & visible_prompt[:, None, :]
+    return ((same | prompt) & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+            | torch.eye(tokens, dtype=torch.bool))[:, None]
+
+
+def test_the_block_mask_is_its_definition_on_packed_rows():
+    g = np.random.default_rng(3)
+    pairs = [_pair(p := g.integers(3, 50, int(g.integers(0, 9))).tolist(), g.integers(3, 50, 3).tolist(),
+                   p[: int(g.integers(0, len(p) + 1))], g.integers(3, 50, 2).tolist()) for _ in range(40)]
+    ids, mask, lengths = _streams(pairs)
+    for packing in (True, False):
+        rows = PairRows(ids, mask, lengths, seq_len=40, packing=packing, pad_id=0, shared_prompt=True)
+        assert (rows.shared == 0).any() and (rows.shared > 2).any()
+        batch = rows.batch(range(len(rows)))
+        visible = torch.zeros_like(batch.sequence_ids, dtype=torch.bool)
+        for i, r in enumerate(range(len(rows))):
+            visible[i, : len(rows._row(r)[4])] = torch.from_numpy(rows._row(r)[4])
+        assert torch.equal(batch.attention_mask, _dense_mask(batch.sequence_ids, visible))
+
+
 def test_labels_and_positions_of_a_shared_pair():
     ids, mask, lengths = _streams([_pair([1, 2, 3, 4], [5, 6], [1, 2, 3, 4], [7, 8, 9])])
     batch = PairRows(ids, mask, lengths, seq_len=16, packing=True, pad_id=0, shared_prompt=True).batch([0])
