@@ -26,7 +26,8 @@ def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
 
 
 def check_objective_fits(cfg: Config) -> None:
-    """train.objective reads the data's kind (dpo and simpo pairs, lm everything else). A hub dataset under data.format=auto is not opened here (that can
+    """train.objective and data.shared_prompt read the data's kind (dpo, simpo and a shared prompt
+    pairs, lm everything else). A hub dataset under data.format=auto is not opened here (that can
     take minutes): each rank checks it again once its format is decided."""
     from cputrain.data.sources import HF_PREFIX, format_choice
     from cputrain.errors import DataError
@@ -42,6 +43,9 @@ def check_objective_fits(cfg: Config) -> None:
         except DataError:
             return  # a source that cannot be read is reported where the data is prepared
     check_objective(cfg.train.objective, fmt)
+    from cputrain.data.pairs import shared_prompt_choice
+
+    shared_prompt_choice(data.shared_prompt, fmt)  # data.shared_prompt=true lays out pairs only
 
 
 def check_report_to(cfg: Config) -> None:

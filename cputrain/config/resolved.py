@@ -94,6 +94,7 @@ class DecidedModelConfig(ResolvedModelConfig):
 class DecidedDataConfig(ResolvedDataConfig):
     format: Literal["text", "chat", "prompt_completion", "alpaca", "preference"]
     train_on: Literal["assistant", "completion", "all"]
+    shared_prompt: bool
 
 
 class DecidedHardwareConfig(ResolvedHardwareConfig):

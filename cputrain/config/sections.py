@@ -238,6 +238,13 @@ class DataConfig(Section):
     restarting at each example and no token attending to another example. false: one example per
     row, each micro-batch padded to its longest example. (Text is always packed.)"""
 
+    shared_prompt: bool | Literal["auto"] = "auto"
+    """preference: lay each pair out as prompt + chosen, then the rejected answer after one copy
+    of the prompt's last token, attending to the prompt through a 4D attention mask, so the prompt
+    is computed once per pair instead of twice (the pair's log-probabilities are the same). false:
+    the two sequences whole, one after the other. auto: true for data.format=preference, false
+    otherwise; true on other data is refused."""
+
     truncation: Literal["drop", "truncate"] = "drop"
     """An example longer than data.seq_len: drop it, or keep its first data.seq_len tokens. Counted
     in the cache's stats.json and logged."""

@@ -27,6 +27,9 @@ class Batch:
     # DPO's reference log-probabilities of those sequences (summed), where they were computed
     # before training (full weights: cputrain.objectives); None: computed live, or not wanted.
     reference_logps: torch.Tensor | None = None
+    # [micro-batch, 1, tokens, tokens] bool, True: attend; pairs with a shared prompt
+    # (cputrain.data.pairs) carry it. None: transformers builds the causal mask from the positions.
+    attention_mask: torch.Tensor | None = None
 
     @property
     def pairs(self) -> int:
@@ -42,14 +45,30 @@ class Batch:
     def tokens(self) -> int:
         return self.input_ids.numel()
 
-    def model_inputs(self) -> dict:
+    def model_inputs(self, model=None) -> dict:
+        """The model's keyword arguments; a 4D attention mask as `model`'s kernel takes it (attention_mask_for)."""
         # use_cache=False: training keeps no KV cache, and with one transformers skips building the
         # block-diagonal mask from packed position ids, silently letting examples attend to each
         # other (measured: 0.5 logit error on the second of two packed examples with the cache on).
         inputs = {"input_ids": self.input_ids, "labels": self.labels, "use_cache": False}
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = attention_mask_for(self.attention_mask, model)
         return inputs
+
+
+def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
+    """A 4D bool mask (True: attend) as `model`'s attention kernel takes it; transformers passes a
+    4D mask through as it is (masking_utils). sdpa reads a bool mask; eager ADDS the mask to the
+    scores, so there it is 0 where a key is seen and the dtype's minimum elsewhere, in the dtype of
+    the input embeddings, as transformers' own eager_mask is typed (fp32 under bf16 autocast over
+    fp32 weights). `model` may be wrapped (DDP, ZeRO-3's `.module`); None: sdpa's."""
+    inner = getattr(model, "module", model)
+    if inner is None or getattr(inner.config, "_attn_implementation", "sdpa") != "eager":
+        return mask
+    dtype = inner.get_input_embeddings().weight.dtype
+    return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
 
 
 class TokenRows:

@@ -53,7 +53,8 @@ class PreferenceKind:
         return self.spec.key()
 
     def open(self, folder: Path, data_cfg: DataConfig) -> PreferenceData:
-        return open_pairs(folder, data_cfg.packing)
+        # "auto" only where the config was not decided (run_choices decides it first): preference's auto
+        return open_pairs(folder, data_cfg.packing, data_cfg.shared_prompt in (True, "auto"))
 
     def stats(self, facts: BuildFacts) -> dict:
         data_cfg, progress, tok = facts.data_cfg, facts.progress, self.tokenizer

@@ -158,7 +158,7 @@ def pair_logps(model, batch, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]
     """(summed log-probability of each sequence's trained tokens, their number) for the 2 × pairs
     sequences of `batch`: from the head a block of tokens at a time where model.chunked_loss
     installed it, else from the whole logits."""
-    inputs = batch.model_inputs()
+    inputs = batch.model_inputs(model)  # a shared prompt's 4D mask typed for the model's attention kernel
     sequences = 2 * batch.pairs
     if chunked:  # labels stay: the head reads each one's log-probability, block by block
         token_logps = model(**inputs, token_logps=True).token_logps

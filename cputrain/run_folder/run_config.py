@@ -36,6 +36,8 @@ IDENTITY_KEYS = (
     "data.seq_len",
     "data.val_fraction",
     "data.max_documents",
+    # a shared prompt puts more pairs in a row: the rows, and so each step's pairs, change
+    "data.shared_prompt",
     "train.global_batch_size",
     # what a step minimises: a resumed run keeps its objective and the objective's constants
     "train.objective",
@@ -53,7 +55,7 @@ IDENTITY_KEYS = (
 # key's value was this (what every run trained then), so it continues under it.
 ADDED_KEYS = {"data.chosen_field": "chosen", "data.rejected_field": "rejected", "train.objective": "lm",
               "train.dpo_beta": 0.1, "train.dpo_label_smoothing": 0.0, "train.simpo_beta": 2.0,
-              "train.simpo_gamma": 0.5}
+              "train.simpo_gamma": 0.5, "data.shared_prompt": False}
 
 
 def _get(d: dict, dotted: str):

@@ -41,6 +41,10 @@ def straight(tmp_path_factory, cache_dir, base):
     proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO}), check=True)
     # precomputed by default, LoRA too, and kept beside the token cache
     assert "computed before training" in proc.stderr and "kept in" in proc.stderr, proc.stderr[-2000:]
+    # data.shared_prompt=auto: the prompt laid out once per pair, the choice and its reason recorded
+    assert "auto: data.shared_prompt = True (preference pairs: the prompt is computed once" in proc.stderr
+    assert "# data.shared_prompt = True: preference pairs" in (out / "config.yaml").read_text()
+    assert "the shared prompt (data.shared_prompt) saved" in proc.stderr, proc.stderr[-2000:]
     return out
 
 
@@ -93,6 +97,26 @@ def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path
         row = _rows(out)[0]
         assert abs(row["loss"] - first["loss"]) < 1e-5, (out.name, row["loss"], first["loss"])
         assert abs(row["grad_norm"] - first["grad_norm"]) < 1e-5 * max(1.0, first["grad_norm"]), out.name
+
+
+def test_a_shared_prompt_trains_as_two_whole_sequences(tmp_path, cache_dir, base, straight):
+    """One pair per row (data.packing=false), so both layouts put the same pairs in each step:
+    the prompt laid out once (data.shared_prompt=true) or twice (false), the same losses. Packed,
+    a shared row holds more pairs, and a step of rows more pairs than unshared. The reference is
+    the straight run's, read back: it lines up with either layout."""
+    losses, norms = {}, {}
+    for shared in ("true", "false"):
+        out = tmp_path / f"shared-{shared}"
+        run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO, "train.max_steps": 3,
+                                                            "train.eval_every": 100, "train.checkpoint_every": 100,
+                                                            "data.packing": "false", "data.shared_prompt": shared}),
+                check=True)
+        losses[shared] = _losses(out)
+        norms[shared] = [r["grad_norm"] for r in _rows(out) if "grad_norm" in r]
+    assert sorted(losses["true"]) == [1, 2, 3] and losses["true"][3] != losses["true"][1]
+    for step in (1, 2, 3):
+        assert losses["true"][step] == pytest.approx(losses["false"][step], abs=1e-4), step
+    assert norms["true"] == pytest.approx(norms["false"], rel=1e-4)
 
 
 def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, straight):

@@ -66,7 +66,7 @@ class _Batch:
     def pairs(self):
         return (int(self.sequence_ids.max()) + 1) // 2
 
-    def model_inputs(self):
+    def model_inputs(self, model=None):
         return {"input_ids": None, "labels": self.labels, "logits": self.logits}
 
 
