@@ -118,7 +118,7 @@ def main() -> None:
                         f"{med(model, allocator, 'process_peak_rss_gib'):.2f} |")
     first = results[(a.models[-1], "glibc")][-1]
     markdown = "\n".join([
-        f"### Which malloc, {precision}: glibc, jemalloc and tcmalloc under `cputrain train`",
+        f"### Which malloc, {precision}: glibc as is and tuned, jemalloc and tcmalloc under `cputrain train`",
         "",
         machine_line(),
         "",

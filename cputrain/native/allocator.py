@@ -1,4 +1,4 @@
-"""Which malloc the ranks run on: tcmalloc where installed, by measurement.
+"""Which malloc the ranks run on: tcmalloc where installed, else glibc tuned, by measurement.
 
 glibc malloc returns freed blocks slowly and fragments under the many short-lived activation
 tensors of a training step. Measured with `cputrain train`, each malloc preloaded in turn, tokens/s
@@ -11,6 +11,13 @@ So `auto` preloads tcmalloc, in both precisions and modes; jemalloc is there for
 it better on their machine (hardware.allocator=jemalloc). tcmalloc's price is memory: it keeps
 freed blocks for reuse, and the bf16 step peaks were 1.19× glibc's at ~100M and 1.37× with LoRA
 (0.92× on the demo); hardware.allocator=system trades that speed back for memory.
+
+A bare install has no tcmalloc (a system package). There, on single and ddp, `auto` tells glibc
+itself to keep what a step frees (glibc-tuned, tune_glibc: no mmap, no trimming): measured the
+same way in bf16, 1.19× glibc as is on the demo, 1.04× at ~100M, 1.13× with LoRA on ~300M, at the
+same step peak (tcmalloc on that run: 1.33×, 1.13×, 1.14×, at 1.19× and 1.55× the step peak).
+fsdp and zero3 keep glibc as is: they pin its mmap threshold so that what a rank frees of the
+gathered parameters leaves the process (pin_mmap_threshold).
 
 A library can only be preloaded into a process that has not started yet: the agent sets
 LD_PRELOAD for the ranks it starts, and a one-process `cputrain train` starts itself again with it
@@ -57,9 +64,8 @@ class AllocatorChoice:
 # What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
 # (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
 # glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
-GLIBC_TUNED_MEASURED = ("bf16 tokens/s against glibc as is on a 2-core AVX512-BF16 EPYC: 1.33× at ~88M with "
-                        "GLIBC_TUNABLES mmap_max=0 and no trimming, at 1.57× its step peak (issue measurement; "
-                        "benchmarks/allocator.py)")
+GLIBC_TUNED_MEASURED = ("bf16 tokens/s against glibc as is on a 2-core AVX512-BF16 EPYC: 1.19× on the demo, "
+                        "1.04× on ~100M, 1.13× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py)")
 SHARDED = ("fsdp", "zero3")
 
 
@@ -102,8 +108,8 @@ def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] 
     if lib is None:
         package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
         if setting == "auto" and strategy is not None and strategy not in SHARDED:
-            return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}; {auto_why}); "
-                                                        f"glibc malloc keeping what a step frees: {GLIBC_TUNED_MEASURED}")
+            return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}): glibc "
+                                                        f"keeping what a step frees, {GLIBC_TUNED_MEASURED}")
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")
