@@ -64,8 +64,9 @@ class AllocatorChoice:
 # What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
 # (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
 # glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
-GLIBC_TUNED_MEASURED = ("bf16 tokens/s against glibc as is on a 2-core AVX512-BF16 EPYC: 1.19× on the demo, "
-                        "1.04× on ~100M, 1.13× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py)")
+GLIBC_TUNED_MEASURED = ("measured on bf16 runs of a 2-core AVX512-BF16 EPYC at 1.19× glibc as is on the demo, "
+                        "1.04× on ~100M, 1.13× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py; "
+                        "fp32 runs not measured yet)")
 SHARDED = ("fsdp", "zero3")
 
 
@@ -108,8 +109,8 @@ def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] 
     if lib is None:
         package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
         if setting == "auto" and strategy is not None and strategy not in SHARDED:
-            return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}): glibc "
-                                                        f"keeping what a step frees, {GLIBC_TUNED_MEASURED}")
+            return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}; {auto_why}): "
+                                                        f"glibc keeping what a step frees, {GLIBC_TUNED_MEASURED}")
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")
