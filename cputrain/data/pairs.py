@@ -84,7 +84,8 @@ def shared_prompt_choice(setting, data_format: str) -> tuple[bool, str]:
         return setting, ""
     if data_format == "preference":
         return True, ("preference pairs: the prompt is computed once per pair instead of twice (one copied token "
-                      "per pair); packed pairs already take a 4D attention mask, so a token costs the same")
+                      "per pair); LoRA DPO pairs/s measured 1.09×, 1.28×, 1.28× at ~10, 30, 50% prompt shares "
+                      "(bf16, AVX512-BF16 EPYC, benchmarks/shared_prompt.py)")
     return False, f"{data_format}: no pairs, no prompt to share"
 
 
