@@ -370,16 +370,16 @@ COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, 
 def cmd_plan(args) -> int:
     """Every key the plan reads decided as a run decides it (cputrain.run_choices, a plan's facts),
     then the plan: one config, or the same twice, full fine-tuning and LoRA (--compare-lora)."""
-    from cputrain.plan.command import load_run_config, world_size_of
-    from cputrain.plan.instances import load_instances
-    from cputrain.plan.report import compare_lines, plan_json, table_lines
+    from cputrain.plan.command import instances_of, link_gbit_s_of, load_run_config, with_time_plan, world_size_of
+    from cputrain.plan.report import compare_lines, plan_document, table_lines
     from cputrain.run_choices import decided_plan
 
     cfg = load_run_config(args.config, args.overrides)
     world_size, nproc = world_size_of(args, cfg)
     if args.world_size is None and args.nproc_per_node is None and args.nnodes is None:
         nproc = None  # nothing said about the layout: let the planner choose ranks per node
-    instances = load_instances(args.instances_file)
+    link_gbit_s_of(args)  # a bad rate is refused before the (slower) plan
+    instances = instances_of(args)
     if getattr(args, "compare_lora", False):
         if args.json:
             from cputrain.errors import ConfigError
@@ -395,7 +395,13 @@ def cmd_plan(args) -> int:
         print("\n".join(compare_lines(full, lora)))
         return 0
     plan = decided_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
-    print(plan_json(plan) if args.json else "\n".join(table_lines(plan)))
+    time_lines, time_doc = with_time_plan(args, cfg, plan)
+    if args.json:
+        import json
+
+        print(json.dumps({**plan_document(plan), **time_doc}, indent=2))
+    else:
+        print("\n".join(table_lines(plan) + time_lines))
     return 0
 
 

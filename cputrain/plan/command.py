@@ -47,8 +47,42 @@ def add_parser(sub, add_common) -> None:
     p.add_argument("--model-config", help="a config.json file (or a folder holding one) to plan for; "
                    "default: the config's model.name_or_path or model.arch")
     p.add_argument("--instances-file", help="YAML/JSON list of {name, vcpus, memory_gib, amx} (default: built-in c7i/m7i/r7i)")
+    p.add_argument("--instance-type", help="plan on this instance type (default: the smallest that fits)")
+    p.add_argument("--link-gbit-s", type=float, help="each node's network link in Gbit/s for the time plan "
+                   "(default: the instance type's published bandwidth)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
     p.add_argument("--compare-lora", action="store_true",
                    help="plan the config twice, full fine-tuning and model.lora (the config's rank and targets), "
                    "and print them side by side with where each fits")
     add_common(p)
+
+
+def link_gbit_s_of(args) -> float | None:
+    """--link-gbit-s, refused in one line unless a positive, finite rate."""
+    import math
+
+    from cputrain.errors import ConfigError
+
+    value = getattr(args, "link_gbit_s", None)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--link-gbit-s must be a positive number of Gbit/s (got {value:g})")
+    return value
+
+
+def instances_of(args):
+    """The instance table, or only --instance-type's row of it."""
+    from cputrain.plan.instances import find_instance, load_instances
+
+    instances = load_instances(args.instances_file)
+    return [find_instance(instances, args.instance_type)] if getattr(args, "instance_type", None) else instances
+
+
+def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
+    """The time plan's printed lines and plan.json section for a plan fitted on an instance."""
+    from cputrain.plan.time_report import time_document, time_lines, time_plan
+
+    if plan.fit is None:
+        return [], {}
+    tp = time_plan(plan, cfg.train.global_batch_size, plan.fit.instance, plan.fit.nproc_per_node,
+                   link_gbit_s_of(args))
+    return time_lines(tp), {"time": time_document(tp)}

@@ -2,8 +2,10 @@
 
 The built-in rows are AWS's 7th-generation Intel families (Sapphire Rapids, all with AMX):
 c7i at 2 GiB per vCPU, m7i at 4 and r7i at 8, each in 8xlarge (32 vCPUs), 16xlarge (64),
-24xlarge (96) and 48xlarge (192). A user table is a YAML or JSON list of
-{name, vcpus, memory_gib, amx} rows (`--instances-file`).
+24xlarge (96) and 48xlarge (192), with AWS's published network bandwidth and the on-demand
+Linux price in us-east-1 (list prices as of this table's writing: check them before budgeting).
+A user table is a YAML or JSON list of {name, vcpus, memory_gib, amx} rows, optionally with
+network_gbit_s and price_per_hour (`--instances-file`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from cputrain.errors import ConfigError
 GIB_PER_VCPU = {"c7i": 2, "m7i": 4, "r7i": 8}
 SIZES_VCPUS = {"8xlarge": 32, "16xlarge": 64, "24xlarge": 96, "48xlarge": 192}
 AMX_FAMILIES = {"c7i", "m7i", "r7i"}  # Sapphire Rapids: AMX-BF16 tiles
+# AWS's "network bandwidth" per size, the same for the three families (8xlarge and up are fixed,
+# not "up to" a burst rate).
+NETWORK_GBIT_S = {"8xlarge": 12.5, "16xlarge": 25.0, "24xlarge": 37.5, "48xlarge": 50.0}
+# On-demand Linux, us-east-1, USD per hour: list prices to check before budgeting.
+PRICE_PER_HOUR = {
+    "c7i": {"8xlarge": 1.428, "16xlarge": 2.856, "24xlarge": 4.284, "48xlarge": 8.568},
+    "m7i": {"8xlarge": 1.6128, "16xlarge": 3.2256, "24xlarge": 4.8384, "48xlarge": 9.6768},
+    "r7i": {"8xlarge": 2.1168, "16xlarge": 4.2336, "24xlarge": 6.3504, "48xlarge": 12.7008},
+}
+FIELDS = ("name", "vcpus", "memory_gib", "amx", "network_gbit_s", "price_per_hour")
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,8 @@ class Instance:
     vcpus: int
     memory_gib: float
     amx: bool
+    network_gbit_s: float | None = None  # the node's link (None: not known; the time plan then asks for it)
+    price_per_hour: float | None = None  # on-demand, USD (None: no cost per token is planned)
 
     @property
     def family(self) -> str:
@@ -43,7 +57,8 @@ class Instance:
 
 def builtin_instances() -> list[Instance]:
     return [
-        Instance(f"{family}.{size}", vcpus, vcpus * per_vcpu, family in AMX_FAMILIES)
+        Instance(f"{family}.{size}", vcpus, vcpus * per_vcpu, family in AMX_FAMILIES, NETWORK_GBIT_S[size],
+                 PRICE_PER_HOUR[family][size])
         for family, per_vcpu in GIB_PER_VCPU.items()
         for size, vcpus in SIZES_VCPUS.items()
     ]
@@ -69,10 +84,10 @@ def load_instances(path: str | None) -> list[Instance]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(f"--instances-file '{path}' row {i + 1} is not a mapping; write name:, vcpus:, memory_gib:")
-        unknown = set(row) - {"name", "vcpus", "memory_gib", "amx"}
+        unknown = set(row) - set(FIELDS)
         if unknown:
             raise ConfigError(f"--instances-file '{path}' row {i + 1}: unknown field '{sorted(unknown)[0]}' "
-                              "(fields: name, vcpus, memory_gib, amx)")
+                              f"(fields: {', '.join(FIELDS)})")
         try:
             name, vcpus, mem = str(row["name"]), int(row["vcpus"]), float(row["memory_gib"])
         except KeyError as exc:
@@ -81,7 +96,16 @@ def load_instances(path: str | None) -> list[Instance]:
             raise ConfigError(f"--instances-file '{path}' row {i + 1}: vcpus must be an integer and memory_gib a number") from None
         if vcpus < 1 or mem <= 0:
             raise ConfigError(f"--instances-file '{path}' row {i + 1} ({name}): vcpus and memory_gib must be positive")
-        out.append(Instance(name, vcpus, mem, bool(row.get("amx", False))))
+        optional = {}
+        for key in ("network_gbit_s", "price_per_hour"):
+            if row.get(key) is not None:
+                try:
+                    optional[key] = float(row[key])
+                except (TypeError, ValueError):
+                    raise ConfigError(f"--instances-file '{path}' row {i + 1} ({name}): {key} must be a number") from None
+                if not optional[key] > 0:
+                    raise ConfigError(f"--instances-file '{path}' row {i + 1} ({name}): {key} must be positive")
+        out.append(Instance(name, vcpus, mem, bool(row.get("amx", False)), **optional))
     return out
 
 
