@@ -77,6 +77,7 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
                 node = min(bigger, key=lambda i: i.vcpus)
                 plan = again(nproc=ranks, link=node.network_gbit_s if fewer > 1 else link_gbit_s,
                              peak=peak_of(node, ranks))
-                out.append(Remedy(f"--nnodes {fewer} --nproc-per-node {ranks} on {node.name}", True, plan,
-                                  f"{fewer * (node.price_per_hour or 0):.2f} USD/h" if node.price_per_hour else ""))
+                cost = (f"{fewer * node.price_per_hour / 3600 / plan.tokens_per_s * 1e6:,.2f} USD per million tokens"
+                        if node.price_per_hour else "")
+                out.append(Remedy(f"--nnodes {fewer} --nproc-per-node {ranks} on {node.name}", True, plan, cost))
     return out

@@ -1,0 +1,182 @@
+"""The time plan: collective volumes per strategy against the ring formulas, the efficiency table's
+interpolation, the advice appearing only where the network dominates, and --link-gbit-s checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cputrain.errors import ConfigError
+from cputrain.plan.comm_volume import comm_pattern
+from cputrain.plan.link_efficiency import EfficiencyTable, load_table, parse_table
+from cputrain.plan.measured_mfu import measured_mfu
+from cputrain.plan.model_shape import ModelShape, ParamInfo
+from cputrain.plan.step_time import StepSettings, plan_step_time
+from cputrain.plan.time_advice import remedies
+
+W = 4
+
+
+def tiny_shape(lora: bool = False) -> ModelShape:
+    """2 blocks of two 8×8 matrices and a norm, an untied 16×8 embedding and head."""
+    params = [ParamInfo("model.embed_tokens.weight", (16, 8), "root", trainable=not lora),
+              ParamInfo("model.norm.weight", (8,), "root", trainable=not lora),
+              ParamInfo("lm_head.weight", (16, 8), "root", trainable=not lora)]
+    for i in range(2):
+        unit = f"layers.{i}"
+        for name in ("q", "o"):
+            if lora:
+                params.append(ParamInfo(f"model.layers.{i}.{name}.base_layer.weight", (8, 8), unit, False, 2))
+                params += [ParamInfo(f"model.layers.{i}.{name}.lora_A.default.weight", (2, 8), unit),
+                           ParamInfo(f"model.layers.{i}.{name}.lora_B.default.weight", (8, 2), unit)]
+            else:
+                params.append(ParamInfo(f"model.layers.{i}.{name}.weight", (8, 8), unit))
+        params.append(ParamInfo(f"model.layers.{i}.norm.weight", (8,), unit, trainable=not lora))
+    return ModelShape(tuple(params), layers=2, hidden=8, intermediate=16, heads=2, kv_heads=2, vocab=16,
+                      tied_embeddings=False)
+
+
+def settings(strategy: str, precision: str = "fp32", micro_batch: int = 1, global_batch: int = W) -> StepSettings:
+    return StepSettings(strategy, precision, micro_batch, 16, global_batch, False)
+
+
+def test_single_sends_nothing():
+    assert all(v == 0 for v in comm_pattern(tiny_shape(), "single", "fp32", 1, 1).rank_bytes(1).values())
+
+
+def test_ddp_all_reduces_the_trained_gradients_once_a_step():
+    shape = tiny_shape()
+    grads = shape.trainable_params * 4
+    for micro_batches in (1, 4):  # no_sync: accumulation adds nothing
+        sent = comm_pattern(shape, "ddp", "bf16", W, micro_batches).rank_bytes(W)
+        assert sent["all_reduce"] == pytest.approx(2 * (W - 1) / W * grads)
+        assert sent["all_gather"] == sent["reduce_scatter"] == 0
+
+
+def test_lora_under_ddp_all_reduces_only_the_adapters():
+    shape = tiny_shape(lora=True)
+    adapters = sum(p.numel for p in shape.params if "lora_" in p.name)
+    assert comm_pattern(shape, "ddp", "bf16", W, 1).rank_bytes(W)["all_reduce"] == pytest.approx(
+        2 * (W - 1) / W * adapters * 4)
+
+
+def test_fsdp_gathers_blocks_twice_the_root_once_and_reduce_scatters_every_micro_batch():
+    shape = tiny_shape()
+    blocks = sum(p.numel for p in shape.params if p.unit != "root")
+    root = sum(p.numel for p in shape.params if p.unit == "root")
+    for precision, gather_bytes in (("bf16", 2), ("fp32", 4)):
+        sent = comm_pattern(shape, "fsdp", precision, W, 3).rank_bytes(W)
+        assert sent["all_gather"] == pytest.approx(3 * (W - 1) / W * (2 * blocks + root) * gather_bytes)
+        assert sent["reduce_scatter"] == pytest.approx(3 * (W - 1) / W * (blocks + root) * 4)  # fp32 reduce
+        assert sent["all_reduce"] == 0
+
+
+def test_lora_under_fsdp_still_gathers_the_frozen_base():
+    shape = tiny_shape(lora=True)
+    blocks = sum(p.numel for p in shape.params if p.unit != "root")
+    root = sum(p.numel for p in shape.params if p.unit == "root")
+    adapters = sum(p.numel for p in shape.params if "lora_" in p.name)
+    sent = comm_pattern(shape, "fsdp", "bf16", W, 1).rank_bytes(W)
+    assert sent["all_gather"] == pytest.approx((W - 1) / W * (2 * blocks + root) * 2)
+    assert sent["reduce_scatter"] == pytest.approx((W - 1) / W * adapters * 4)
+
+
+def test_zero3_keeps_persistent_parameters_and_reduces_in_bf16():
+    shape = tiny_shape()
+    big = sum(p.numel for p in shape.params if p.unit != "root" and p.numel > 8)
+    root = sum(p.numel for p in shape.params if p.unit == "root" and p.numel > 8)
+    sent = comm_pattern(shape, "zero3", "bf16", W, 1, persistence_threshold=8).rank_bytes(W)
+    assert sent["all_gather"] == pytest.approx((W - 1) / W * (2 * big + root) * 2)
+    trained = shape.trainable_params
+    assert sent["reduce_scatter"] == pytest.approx((W - 1) / W * trained * 2)
+
+
+def test_one_node_uses_no_link_and_many_nodes_carry_one_ranks_share():
+    pattern = comm_pattern(tiny_shape(), "fsdp", "bf16", W, 1)
+    assert all(v == 0 for v in pattern.link_bytes(W, nnodes=1).values())
+    assert pattern.link_bytes(W, nnodes=2) == pattern.rank_bytes(W)
+
+
+def table(rows) -> EfficiencyTable:
+    return parse_table({"machine": "test", "measured": "2026-01-01", "rows": [
+        {"collective": c, "link_gbit_s": g, "message_bytes": m, "efficiency": e} for c, g, m, e in rows]}, "test")
+
+
+def test_efficiency_interpolates_in_log_size_and_takes_the_nearest_rate():
+    t = table([("all_gather", 10, 2**20, 0.4), ("all_gather", 10, 2**30, 0.9), ("all_gather", 1, 2**20, 0.1)])
+    assert t.efficiency("all_gather", 2**25, 10) == pytest.approx(0.4 + 0.5 * 5 / 10)
+    assert t.efficiency("all_gather", 2**10, 12.5) == 0.4  # clamped below, nearest rate 10
+    assert t.efficiency("all_gather", 2**40, 25) == 0.9  # clamped above
+    assert t.efficiency("all_gather", 2**20, 1.5) == 0.1  # 1.5 is nearer 1 than 10 in log rate
+    assert t.efficiency("reduce_scatter", 2**20, 10) == 1.0  # not measured: the line rate
+
+
+def test_efficiency_file_bad_rows_are_refused_in_one_line(tmp_path):
+    path = tmp_path / "eff.json"
+    path.write_text(json.dumps({"machine": "m", "measured": "d", "rows": [{"collective": "broadcast",
+                                "link_gbit_s": 1, "message_bytes": 1, "efficiency": 0.5}]}))
+    with pytest.raises(ConfigError, match="broadcast") as err:
+        load_table(path)
+    assert "\n" not in str(err.value)
+    assert load_table(tmp_path / "absent.json") is None
+
+
+def plan(strategy: str, nproc: int, link: float | None, world: int = W, **kw):
+    return plan_step_time(settings(strategy, "bf16", global_batch=world), world, nproc, tiny_shape(), link_gbit_s=link,
+                          peak_flops_per_s=1e9, mfu=0.5, efficiency=1.0, **kw)
+
+
+def test_step_time_is_compute_plus_exposed_network():
+    p = plan("fsdp", 1, 1e-3)
+    assert p.nnodes == W and p.network_s > 0
+    assert p.step_s == pytest.approx(p.compute_s + p.exposed_network_s)
+    assert 0 <= p.exposed_network_s <= p.network_s
+    assert p.network_share == pytest.approx(p.exposed_network_s / p.step_s)
+    assert p.link_bytes_by_kind["all_gather"] / (p.network_s * 1e-3 * 1e9 / 8) <= 1
+    # the overlap a benchmark measured replaces the model
+    assert plan("fsdp", 1, 1e-3, overlap=1.0).step_s == pytest.approx(p.compute_s)
+    assert plan("fsdp", 1, 1e-3, overlap=0.0).exposed_network_s == pytest.approx(p.network_s)
+
+
+def test_one_node_and_no_link_plan_no_network_time():
+    one_node = plan("fsdp", W, 1e-3)
+    assert one_node.network_s == 0 and "not network-bound" in one_node.source["link"]
+    no_link = plan("fsdp", 1, None)
+    assert no_link.network_s == 0 and no_link.source["link"] == "no link given: network time not planned"
+    assert "not measured" in plan_step_time(settings("ddp"), W, 1, tiny_shape(), link_gbit_s=1.0,
+                                            peak_flops_per_s=1e9, mfu=0.5).source["efficiency"]
+
+
+def test_advice_only_where_the_network_dominates():
+    s = settings("fsdp", "bf16", global_batch=2 * W)
+    kw = dict(peak_flops_per_s=1e9, mfu=0.5, efficiency=1.0)
+    slow = plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=1e-4, **kw)
+    fast = plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=1e3, **kw)
+    assert slow.network_share > 0.25 > fast.network_share
+    args = dict(instance=None, rank_peak_bytes=None, mfu=0.5, peak_of=None, efficiency=1.0)
+    assert remedies(s, tiny_shape(), W, 1, fast, link_gbit_s=1e3, **args) == []
+    advice = remedies(s, tiny_shape(), W, 1, slow, link_gbit_s=1e-4, **args)
+    names = " | ".join(r.setting for r in advice)
+    assert "train.micro_batch_size=2" in names and "kept gathered" in names and "reshard_after_forward" in names
+    assert "hybrid" in names and not all(r.built for r in advice)
+    assert all(r.plan.tokens_per_s > 0 for r in advice)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_bad_link_rate_refused_in_one_line(bad):
+    from types import SimpleNamespace
+
+    from cputrain.plan.command import link_gbit_s_of
+
+    with pytest.raises(ConfigError) as err:
+        link_gbit_s_of(SimpleNamespace(link_gbit_s=bad))
+    assert "--link-gbit-s" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_measured_mfu_names_its_row_and_what_is_still_to_measure():
+    amx = measured_mfu("bf16", "amx", lora=False)
+    assert amx.exact and amx.row.block == "layer_mfu" and "still to be measured" in amx.describe()
+    nearest = measured_mfu("fp32", "amx", lora=False)  # no fp32 row on AMX: the AVX-512 one
+    assert not nearest.exact and nearest.row.block == "strategies"
