@@ -64,10 +64,24 @@ def run(args) -> int:
         **({} if args.storage_write_mib_s is None else {"storage_write_mib_s": args.storage_write_mib_s}),
     ).check()  # names, counts, quantities and the image before the (slower) plan
     cfg = load_run_config(args.config, args.overrides)
-    out = render(cfg, opts, load_instances(args.instances_file), kind=args.kind, config_json=args.model_config)
+    instances = load_instances(args.instances_file)
+    out = render(cfg, opts, instances, kind=args.kind, config_json=args.model_config)
+    _log_time_plan(cfg, out, instances)
     if args.output:
         for path in write_folder(out.objects, args.output, overwrite=args.overwrite):
             print(path)
     else:
         sys.stdout.write(to_stream(out.objects))
     return 0
+
+
+def _log_time_plan(cfg, out, instances) -> None:
+    """The time plan in one line on stderr (stdout carries the manifests)."""
+    import logging
+
+    from cputrain.plan.instances import find_instance
+    from cputrain.plan.time_report import summary_line, time_plan
+
+    inst = find_instance(instances, out.options.instance_type)
+    tp = time_plan(out.plan, cfg.train.global_batch_size, inst, out.options.nproc_per_node, None)
+    logging.getLogger("cputrain").info(summary_line(tp))

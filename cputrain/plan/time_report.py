@@ -92,6 +92,14 @@ def time_lines(tp: TimePlan) -> list[str]:
     return lines
 
 
+def summary_line(tp: TimePlan) -> str:
+    """One line for `cputrain k8s`: the step, its network share, tokens/s and cost."""
+    s, cost = tp.step, tp.usd_per_million_tokens
+    return (f"time plan: step ~{s.step_s:,.0f} s on {s.nnodes} × {tp.instance.name}, network {s.network_share:.0%} "
+            f"of it, {s.tokens_per_s:,.0f} tokens/s" + (f", {cost:,.2f} USD per million tokens" if cost else "")
+            + f" (MFU {tp.mfu.row.mfu:.1%} from block {tp.mfu.row.block}; `cputrain plan` shows the whole plan)")
+
+
 def time_document(tp: TimePlan) -> dict:
     s = tp.step
     doc = {k: v for k, v in s.as_dict().items()}
