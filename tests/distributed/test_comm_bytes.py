@@ -4,7 +4,8 @@ A 2-rank DDP run inside a fresh network namespace: its loopback carries the run'
 nothing else, so the tx bytes of `lo` in /proc/net/dev (read in that namespace before and
 after) are everything the ranks, the agent and the rendezvous store sent. The sum over ranks
 of `comm_sent_bytes` (ring all-reduce: each rank sends the same, so twice rank 0's logged
-figure) must account for most of it and must not exceed it.
+figure) must account for most of it and must not exceed it. The time plan's DDP volume (one
+all-reduce of the trained gradients a step, cputrain.plan.comm_volume) must match what a step logged.
 
 Tolerance: the kernel count may exceed the metered bytes by 15% (TCP/IP headers, about 1%
 on loopback's 64 KiB segments, and gloo's own framing) plus a fixed 4 MiB for what the meter
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import uuid
@@ -31,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.netns]
 WORLD = 2
 OVERHEAD_FRACTION = 0.15
 OVERHEAD_FIXED_BYTES = 4 * 2**20
+PLAN_TOLERANCE = 0.03  # the few bytes of each step's loss and stop-flag all-reduces
 
 
 @pytest.fixture
@@ -87,3 +90,16 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
     report = f"metered {metered / 2**20:.2f} MiB, loopback tx {kernel / 2**20:.2f} MiB"
     assert metered <= kernel, f"the meter counts more than went over the wire: {report}"
     assert kernel <= limit, f"traffic the meter does not see: {report} (limit {limit / 2**20:.2f} MiB)"
+
+    # The time plan's figure for the same run: the shape the run planned (plan.json: its real
+    # vocabulary), one all-reduce of the trained gradients a step whatever the accumulation (2 here).
+    from cputrain.config.file import load_config
+    from cputrain.plan.comm_volume import comm_pattern
+    from cputrain.plan.model_shape import model_shape
+
+    doc = json.loads((out / "plan.json").read_text())
+    shape = model_shape(load_config(None, overrides).model, vocab_size=doc["model"]["vocab_size"])
+    assert shape.trainable_params == doc["model"]["trainable_parameters"]
+    planned = comm_pattern(shape, "ddp", "fp32", WORLD, micro_batches=2).rank_bytes(WORLD)["all_reduce"]
+    logged = statistics.median(r["comm_sent_bytes"] for r in rows if "comm_sent_bytes" in r and "loss" in r)
+    assert abs(logged - planned) <= PLAN_TOLERANCE * planned, f"a step logged {logged:,} bytes, the plan {planned:,.0f}"
