@@ -79,6 +79,7 @@ class StepTimePlan:
     network_share: float  # exposed network time ÷ step time
     link_gbit_s: float | None
     peak_flops_per_s: float  # one rank's
+    whole_parameter_bytes: int  # FSDP/ZeRO-3: every block's and the root's parameters as gathered
     source: dict[str, str] = field(default_factory=dict)  # what the MFU, efficiency and link figures are
 
     def as_dict(self) -> dict:
@@ -242,4 +243,5 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         exposed_network_s=exposed, overlap=hidden, overlap_source="given" if overlap is not None else "modelled",
         step_s=step_s, tokens_per_s_per_rank=tokens / step_s, tokens_per_s=tokens * world_size / step_s,
         mfu=model_ft * tokens / (step_s * peak_flops_per_s), network_share=exposed / step_s,
-        link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s, source=source)
+        link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s,
+        whole_parameter_bytes=pattern.layers * pattern.block_gather_bytes + pattern.root_gather_bytes, source=source)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cputrain.plan.fit import fits
+from cputrain.plan.fit import fits, pod_memory_bytes
 from cputrain.plan.instances import Instance
 from cputrain.plan.step_time import StepSettings, StepTimePlan, plan_step_time
 
@@ -33,12 +33,22 @@ class Remedy:
 
 def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int, now: StepTimePlan, *,
              instance: Instance | None, rank_peak_bytes: int | None, link_gbit_s: float | None, mfu: float,
-             peak_of, **kwargs) -> list[Remedy]:
+             peak_of, memory_of=None, **kwargs) -> list[Remedy]:
     """The remedies for the step `now`, each planned with the same MFU, efficiency and overlap
-    arguments (`kwargs`). `peak_of(instance, ranks_per_node)`: one rank's peak FLOP/s there."""
+    arguments (`kwargs`). `peak_of(instance, ranks_per_node)`: one rank's peak FLOP/s there.
+    `memory_of(**plan_inputs_changes)`: a rank's peak bytes with those inputs changed (the memory
+    plan), for saying whether a remedy still fits the instance."""
     if now.network_share <= NETWORK_SHARE_ADVICE:
         return []
     out: list[Remedy] = []
+
+    def fit_note(extra: dict, added_bytes: int = 0, what: str = "") -> str:
+        if memory_of is None or instance is None:
+            return what
+        peak = memory_of(**extra) + added_bytes
+        pod_gib = pod_memory_bytes(peak, nproc_per_node) / 2**30
+        verdict = "fits" if fits(instance, peak, nproc_per_node) else "does not fit"
+        return f"{what + ', ' if what else ''}{pod_gib:,.1f} GiB a pod: {verdict} {instance.name}"
 
     def again(s=settings, world=world_size, nproc=nproc_per_node, link=link_gbit_s, peak=now.peak_flops_per_s,
               **variant) -> StepTimePlan:
@@ -49,19 +59,21 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
     if now.micro_batches > 1:
         bigger = replace(settings, micro_batch=settings.micro_batch * 2)
         out.append(Remedy(f"train.micro_batch_size={bigger.micro_batch}", True, again(bigger),
-                          "more activation memory: check it with `cputrain plan` at that size"))
+                          fit_note({"micro_batch": bigger.micro_batch})))
     sharded = settings.strategy in ("fsdp", "zero3")
+    gathered = now.whole_parameter_bytes  # every block's parameters as gathered, held at once
     if sharded and now.micro_batches > 1:
         out.append(Remedy("parameters kept gathered across a step's micro-batches (one gather and one "
                           "reduce-scatter a step)", False, again(gather_once_per_step=True),
-                          "each rank then holds the whole parameters during the step"))
+                          fit_note({}, gathered, "every rank holds the whole gathered parameters through the step")))
     if sharded:
         out.append(Remedy("no resharding after the forward (FSDP2's reshard_after_forward=False)", False,
-                          again(reshard_after_forward=False), "each rank holds every block's parameters "
-                          "from its forward to its backward"))
+                          again(reshard_after_forward=False),
+                          fit_note({}, gathered, "every block's gathered parameters kept from its forward to its backward")))
     nnodes = world_size // nproc_per_node
     if sharded and nnodes > 1:
-        note = "each rank holds 1/{} of the state instead of 1/{}".format(nproc_per_node, world_size)
+        note = fit_note({"world_size": nproc_per_node}, 0, f"each rank holds 1/{nproc_per_node} of the state, "
+                        f"not 1/{world_size}")
         out.append(Remedy(f"hybrid layout: shard within a node ({nproc_per_node} ranks), replicate across the "
                           f"{nnodes} nodes (HSDP)", False, again(hybrid=True), note))
     if instance is not None and nnodes > 1 and rank_peak_bytes is not None:

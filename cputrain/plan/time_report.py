@@ -21,6 +21,15 @@ def instance_rank_peak(instance: Instance, precision: str, ranks_per_node: int) 
     return instance_peak_flops(instance, precision) / ranks_per_node
 
 
+def rank_peak_bytes(plan, **changes) -> int:
+    """The memory plan's peak rank with some of its inputs changed (micro-batch, world size)."""
+    from dataclasses import replace
+
+    from cputrain.plan.estimate import plan_all_ranks
+
+    return max(r.total_bytes for r in plan_all_ranks(plan.shape, replace(plan.inputs, **changes)))
+
+
 @dataclass
 class TimePlan:
     step: StepTimePlan
@@ -53,7 +62,7 @@ def time_plan(plan, global_batch: int, instance: Instance | None, nproc_per_node
     advice = remedies(settings, plan.shape, world, nproc_per_node, step, instance=instance,
                       rank_peak_bytes=plan.peak_rank.total_bytes, link_gbit_s=link, mfu=rate,
                       peak_of=lambda inst, ranks: instance_rank_peak(inst, settings.precision, ranks),
-                      mfu_source=choice.describe())
+                      memory_of=lambda **changes: rank_peak_bytes(plan, **changes), mfu_source=choice.describe())
     return TimePlan(step, choice, instance, advice)
 
 
