@@ -57,6 +57,8 @@ class CommPattern:
     allreduce_message_bytes: int = 0
     allreduce_world: int = 0  # ranks in that all-reduce (the world, or the nodes of a hybrid layout)
     hybrid_ranks_per_node: int = 0  # > 0: gathers and reduce-scatters stay inside a node of this many ranks
+    gather_message_bytes: int = 0  # one all-gather call (FSDP2: a block; ZeRO-3: up to its prefetch bucket)
+    reduce_message_bytes: int = 0  # one reduce-scatter call (FSDP2: a block; ZeRO-3: up to its reduce bucket)
 
     def whole_bytes(self) -> dict[str, int]:
         """Whole-tensor bytes per step of each collective kind (before the ring factor)."""
@@ -123,11 +125,19 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
     root_gather = sum(p.numel * gathered(p) for p in root if not _is_persistent(p.numel, threshold))
     block_reduce = sum(p.numel * reduce_dtype_bytes for p in blocks if p.trainable) // layers
     root_reduce = sum(p.numel * reduce_dtype_bytes for p in root if p.trainable)
+    gather_message, reduce_message = block_gather, block_reduce
+    if strategy == "zero3":
+        # DeepSpeed fetches module by module, coalesced up to stage3_prefetch_bucket_size elements,
+        # and reduces in buckets of reduce_bucket_size elements (0.9·h² and h², deepspeed_config)
+        h = shape.hidden
+        gather_message = min(block_gather, int(0.9 * h * h) * (2 if precision == "bf16" else 4))
+        reduce_message = min(block_reduce, h * h * reduce_dtype_bytes)
     pattern = CommPattern(
         strategy, layers, block_gather_bytes=block_gather, root_gather_bytes=root_gather,
         block_reduce_bytes=block_reduce, root_reduce_bytes=root_reduce,
         gathers_per_block=2 if reshard_after_forward else 1,
-        gathering_micro_batches=1 if gather_once_per_step else micro_batches)
+        gathering_micro_batches=1 if gather_once_per_step else micro_batches,
+        gather_message_bytes=gather_message, reduce_message_bytes=reduce_message)
     if hybrid and nnodes > 1 and world_size % nnodes == 0:
         per_node = world_size // nnodes
         # each rank all-reduces its shard of the gradients with its peers on the other nodes, once a step
@@ -137,5 +147,6 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
             block_reduce_bytes=block_reduce, root_reduce_bytes=root_reduce,
             gathers_per_block=pattern.gathers_per_block, gathering_micro_batches=pattern.gathering_micro_batches,
             allreduce_bytes=shard_grads, allreduce_message_bytes=max(1, block_reduce // per_node),
-            allreduce_world=nnodes, hybrid_ranks_per_node=per_node)
+            allreduce_world=nnodes, hybrid_ranks_per_node=per_node, gather_message_bytes=gather_message,
+            reduce_message_bytes=reduce_message)
     return pattern

@@ -179,7 +179,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
                            gather_once_per_step=gather_once_per_step, hybrid=hybrid)
     rank_bytes = pattern.rank_bytes(world_size)
     link_bytes = pattern.link_bytes(world_size, nnodes)
-    messages = {"all_gather": pattern.block_gather_bytes, "reduce_scatter": pattern.block_reduce_bytes,
+    messages = {"all_gather": pattern.gather_message_bytes, "reduce_scatter": pattern.reduce_message_bytes,
                 "all_reduce": pattern.allreduce_message_bytes}
     source: dict[str, str] = {"mfu": mfu_source}
     if isinstance(efficiency, (int, float)):
@@ -195,8 +195,8 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     if network_used and link_gbit_s is None:
         source["link"] = "no link given: network time not planned"
     elif not network_used:
-        source["link"] = ("one node: collectives stay in memory, not network-bound" if nnodes <= 1 or s.strategy != "single"
-                          else "single: no collectives")
+        source["link"] = ("single: no collectives" if s.strategy == "single" or world_size == 1
+                          else "one node: collectives stay in memory, not network-bound")
     else:
         source["link"] = f"{link_gbit_s:g} Gbit/s per node"
     planned = network_used and link_gbit_s is not None

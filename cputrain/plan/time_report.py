@@ -66,15 +66,19 @@ def time_plan(plan, global_batch: int, instance: Instance | None, nproc_per_node
     return TimePlan(step, choice, instance, advice)
 
 
+def _s(seconds: float) -> str:
+    return f"{seconds:10.1f} s" if seconds >= 10 else f"{seconds:10.3f} s"
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:,.2f} GB"
 
 
 def time_lines(tp: TimePlan) -> list[str]:
     s = tp.step
-    lines = ["", f"time per optimizer step ({s.nnodes} × {tp.instance.name}, {s.world_size} ranks, "
+    lines = ["", f"time per optimizer step ({s.nnodes} × {tp.instance.name}, {s.world_size} rank(s), "
                  f"{s.micro_batches} micro-batch(es) of {s.tokens_per_rank // s.micro_batches:,} tokens per rank):"]
-    lines.append(f"  compute          {s.compute_s:10.1f} s   {(s.model_flops_per_rank + s.recompute_flops_per_rank) / 1e12:,.1f} "
+    lines.append(f"  compute          {_s(s.compute_s)}   {(s.model_flops_per_rank + s.recompute_flops_per_rank) / 1e12:,.1f} "
                  f"TFLOP per rank ({s.recompute_flops_per_rank / 1e12:,.1f} of them recomputed blocks) at "
                  f"{s.peak_flops_per_s / 1e12:,.1f} TFLOP/s peak per rank")
     lines.append(f"  MFU assumed      {tp.mfu.describe()}")
@@ -85,15 +89,18 @@ def time_lines(tp: TimePlan) -> list[str]:
                          f"{s.message_bytes_by_kind[kind] / 2**20:,.1f} MiB, efficiency {s.efficiency_by_kind[kind]:.2f}")
     if not any(s.comm_bytes_by_kind.values()):
         lines.append("  communication    none")
-    lines.append(f"  network          {s.network_s:10.1f} s   ({s.source['link']}; {s.source['efficiency']})")
-    lines.append(f"  exposed network  {s.exposed_network_s:10.1f} s   ({s.overlap:.0%} hidden behind compute, "
-                 f"{s.overlap_source})")
-    lines.append(f"  step             {s.step_s:10.1f} s   network {s.network_share:.0%} of it; "
+    if s.network_s > 0:
+        lines.append(f"  network          {_s(s.network_s)}   ({s.source['link']}; {s.source['efficiency']})")
+        lines.append(f"  exposed network  {_s(s.exposed_network_s)}   ({s.overlap:.0%} hidden behind compute, "
+                     f"{s.overlap_source})")
+    else:
+        lines.append(f"  network          {_s(0)}   ({s.source['link']})")
+    lines.append(f"  step             {_s(s.step_s)}   network {s.network_share:.0%} of it; "
                  f"{s.tokens_per_s_per_rank:,.0f} tokens/s per rank, {s.tokens_per_s:,.0f} for the cluster; "
                  f"MFU {s.mfu:.1%}")
     cost = tp.usd_per_million_tokens
     if cost is not None:
-        lines.append(f"  cost             {cost:,.2f} USD per million tokens at {tp.instance.price_per_hour:g} USD/h "
+        lines.append(f"  cost             {cost:,.3g} USD per million tokens at {tp.instance.price_per_hour:g} USD/h "
                      f"a node (on-demand list price, us-east-1: check it)")
     if tp.advice:
         lines.append(f"network over {NETWORK_SHARE_ADVICE:.0%} of the step; re-planned with one setting changed:")
