@@ -12,7 +12,9 @@
             (param_dtype) and reduces fp32 (reduce_dtype); a LoRA base is gathered in the dtype
             it is stored in (bf16 under bf16), and only the adapters' gradients are reduced.
     zero3   DeepSpeed ZeRO-3, the same pattern: parameters gathered for the forward and the
-            backward (those under stage3_param_persistence_threshold stay whole), gradients
+            backward (those under stage3_param_persistence_threshold stay whole, and a block
+            whose backward follows its forward within stage3_max_reuse_distance elements
+            stays gathered: every block of a model under ~500M parameters), gradients
             reduce-scattered every micro-batch, both in the parameters' dtype (bf16 under bf16:
             DeepSpeed keeps bf16 parameters and communicates in them by default).
 
@@ -51,7 +53,7 @@ class CommPattern:
     root_gather_bytes: int = 0  # embeddings, final norm and head as gathered
     block_reduce_bytes: int = 0  # one block's trained gradients as reduce-scattered
     root_reduce_bytes: int = 0
-    gathers_per_block: int = 0  # per micro-batch: 2 (forward and backward), 1 without resharding after forward
+    backward_gathers: int = 0  # per micro-batch: blocks gathered again for the backward (all, or none unresharded)
     gathering_micro_batches: int = 0  # micro-batches per step that gather and reduce-scatter
     allreduce_bytes: int = 0  # DDP (or a hybrid layout's replicas): gradients all-reduced once per step
     allreduce_message_bytes: int = 0
@@ -64,7 +66,8 @@ class CommPattern:
         """Whole-tensor bytes per step of each collective kind (before the ring factor)."""
         reps = self.gathering_micro_batches
         return {
-            "all_gather": reps * (self.layers * self.gathers_per_block * self.block_gather_bytes + self.root_gather_bytes),
+            "all_gather": reps * ((self.layers + self.backward_gathers) * self.block_gather_bytes
+                                  + self.root_gather_bytes),
             "reduce_scatter": reps * (self.layers * self.block_reduce_bytes + self.root_reduce_bytes),
             "all_reduce": self.allreduce_bytes,
         }
@@ -94,8 +97,17 @@ def _is_persistent(numel: int, threshold: int) -> bool:
     return threshold > 0 and numel <= threshold
 
 
+def zero3_backward_gathers(layers: int, block_numel: int, head_numel: int, max_reuse_distance: int) -> int:
+    """Blocks DeepSpeed gathers again for the backward: those whose parameters' next use (the
+    backward) comes after more than stage3_max_reuse_distance elements are fetched in between;
+    the others it keeps. Between block i's forward and backward come the later blocks' forwards
+    and backwards and the head."""
+    return sum(1 for i in range(layers) if 2 * (layers - 1 - i) * block_numel + head_numel > max_reuse_distance)
+
+
 def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: int, micro_batches: int, *,
-                 nnodes: int = 1, persistence_threshold: int = 0, reshard_after_forward: bool = True,
+                 nnodes: int = 1, persistence_threshold: int = 0, max_reuse_distance: int = 10**9,
+                 reshard_after_forward: bool = True,
                  gather_once_per_step: bool = False, hybrid: bool = False) -> CommPattern:
     """The step's collectives. `micro_batches`: per rank per step (the accumulation).
     `reshard_after_forward=False`, `gather_once_per_step` and `hybrid` plan layouts cputrain does
@@ -126,7 +138,12 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
     block_reduce = sum(p.numel * reduce_dtype_bytes for p in blocks if p.trainable) // layers
     root_reduce = sum(p.numel * reduce_dtype_bytes for p in root if p.trainable)
     gather_message, reduce_message = block_gather, block_reduce
+    backward_gathers = layers if reshard_after_forward else 0
     if strategy == "zero3":
+        block_numel = sum(p.numel for p in blocks) // layers
+        head_numel = max((p.numel for p in root if "lm_head" in p.name), default=0)
+        if reshard_after_forward:
+            backward_gathers = zero3_backward_gathers(layers, block_numel, head_numel, max_reuse_distance)
         # DeepSpeed fetches module by module, coalesced up to stage3_prefetch_bucket_size elements,
         # and reduces in buckets of reduce_bucket_size elements (0.9·h² and h², deepspeed_config)
         h = shape.hidden
@@ -135,7 +152,7 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
     pattern = CommPattern(
         strategy, layers, block_gather_bytes=block_gather, root_gather_bytes=root_gather,
         block_reduce_bytes=block_reduce, root_reduce_bytes=root_reduce,
-        gathers_per_block=2 if reshard_after_forward else 1,
+        backward_gathers=backward_gathers,
         gathering_micro_batches=1 if gather_once_per_step else micro_batches,
         gather_message_bytes=gather_message, reduce_message_bytes=reduce_message)
     if hybrid and nnodes > 1 and world_size % nnodes == 0:
@@ -145,7 +162,7 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
         pattern = CommPattern(
             strategy, layers, block_gather_bytes=block_gather, root_gather_bytes=root_gather,
             block_reduce_bytes=block_reduce, root_reduce_bytes=root_reduce,
-            gathers_per_block=pattern.gathers_per_block, gathering_micro_batches=pattern.gathering_micro_batches,
+            backward_gathers=pattern.backward_gathers, gathering_micro_batches=pattern.gathering_micro_batches,
             allreduce_bytes=shard_grads, allreduce_message_bytes=max(1, block_reduce // per_node),
             allreduce_world=nnodes, hybrid_ranks_per_node=per_node, gather_message_bytes=gather_message,
             reduce_message_bytes=reduce_message)

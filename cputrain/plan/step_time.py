@@ -38,6 +38,7 @@ class StepSettings:
     global_batch: int
     activation_checkpointing: bool | int
     persistence_threshold: int | None = None  # zero3: DeepSpeed's stage3_param_persistence_threshold (None: 10 × hidden)
+    max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
@@ -52,7 +53,7 @@ class StepSettings:
     def of_plan(cls, plan, global_batch: int) -> StepSettings:
         i = plan.inputs
         return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
-                   i.persistence_threshold)
+                   i.persistence_threshold, i.max_reuse_distance)
 
 
 @dataclass
@@ -121,7 +122,7 @@ def _exposed_sharded(p: CommPattern, t_gather: float, t_root_gather: float, t_re
     layers = p.layers
     # forward: the root's and the first block's gathers wait; each next block's hides behind the one before
     exposed = t_root_gather + t_gather + (layers - 1) * max(0.0, t_gather - fwd_s)
-    backward_gather = t_gather if p.gathers_per_block >= 2 else 0.0
+    backward_gather = t_gather * p.backward_gathers / layers  # on average over the blocks
     # backward: a block's gather (if resharded) and the previous block's reduce-scatter share the
     # link behind a block's backward; the first gather and the last reduce-scatters never hide
     exposed += backward_gather + (layers - 1) * max(0.0, backward_gather + t_reduce - bwd_s)
@@ -175,6 +176,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     pattern = comm_pattern(shape, s.strategy, s.precision, world_size, micro_batches, nnodes=nnodes,
                            persistence_threshold=(10 * shape.hidden if s.persistence_threshold is None
                                                   else s.persistence_threshold),
+                           max_reuse_distance=s.max_reuse_distance,
                            reshard_after_forward=reshard_after_forward,
                            gather_once_per_step=gather_once_per_step, hybrid=hybrid)
     rank_bytes = pattern.rank_bytes(world_size)

@@ -87,7 +87,7 @@ def test_zero3_keeps_persistent_parameters_and_reduces_in_bf16():
     shape = tiny_shape()
     big = sum(p.numel for p in shape.params if p.unit != "root" and p.numel > 8)
     root = sum(p.numel for p in shape.params if p.unit == "root" and p.numel > 8)
-    sent = comm_pattern(shape, "zero3", "bf16", W, 1, persistence_threshold=8).rank_bytes(W)
+    sent = comm_pattern(shape, "zero3", "bf16", W, 1, persistence_threshold=8, max_reuse_distance=0).rank_bytes(W)
     assert sent["all_gather"] == pytest.approx((W - 1) / W * (2 * big + root) * 2)
     trained = shape.trainable_params
     assert sent["reduce_scatter"] == pytest.approx((W - 1) / W * trained * 2)
@@ -180,3 +180,18 @@ def test_measured_mfu_names_its_row_and_what_is_still_to_measure():
     assert amx.exact and amx.row.block == "layer_mfu" and "still to be measured" in amx.describe()
     nearest = measured_mfu("fp32", "amx", lora=False)  # no fp32 row on AMX: the AVX-512 one
     assert not nearest.exact and nearest.row.block == "strategies"
+
+
+def test_zero3_keeps_blocks_gathered_whose_backward_comes_within_the_reuse_distance():
+    from cputrain.plan.comm_volume import zero3_backward_gathers
+
+    # 32 blocks of 218M elements and a 525M head (Llama-3-8B), DeepSpeed's default distance 1e9:
+    # the last two blocks stay gathered (2 × 218M + 525M fetched in between is under 1e9)
+    assert zero3_backward_gathers(32, 218_000_000, 525_000_000, 10**9) == 30
+    assert zero3_backward_gathers(2, 100, 50, 10**9) == 0  # a small model: every block stays
+    shape = tiny_shape()
+    once = comm_pattern(shape, "zero3", "bf16", W, 1, persistence_threshold=8).rank_bytes(W)["all_gather"]
+    twice = comm_pattern(shape, "zero3", "bf16", W, 1, persistence_threshold=8,
+                         max_reuse_distance=0).rank_bytes(W)["all_gather"]
+    big = sum(p.numel for p in shape.params if p.unit != "root" and p.numel > 8)
+    assert twice - once == pytest.approx((W - 1) / W * big * 2)
