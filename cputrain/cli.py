@@ -370,7 +370,13 @@ COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, 
 def cmd_plan(args) -> int:
     """Every key the plan reads decided as a run decides it (cputrain.run_choices, a plan's facts),
     then the plan: one config, or the same twice, full fine-tuning and LoRA (--compare-lora)."""
-    from cputrain.plan.command import instances_of, link_gbit_s_of, load_run_config, with_time_plan, world_size_of
+    from cputrain.plan.command import (
+        instances_of,
+        link_gbit_s_of,
+        load_run_config,
+        with_time_plan,
+        world_size_of,
+    )
     from cputrain.plan.report import compare_lines, plan_document, table_lines
     from cputrain.run_choices import decided_plan
 

@@ -86,7 +86,7 @@ def load_instances(path: str | None) -> list[Instance]:
             raise ConfigError(f"--instances-file '{path}' row {i + 1} is not a mapping; write name:, vcpus:, memory_gib:")
         unknown = set(row) - set(FIELDS)
         if unknown:
-            raise ConfigError(f"--instances-file '{path}' row {i + 1}: unknown field '{sorted(unknown)[0]}' "
+            raise ConfigError(f"--instances-file '{path}' row {i + 1}: unknown field '{min(unknown)}' "
                               f"(fields: {', '.join(FIELDS)})")
         try:
             name, vcpus, mem = str(row["name"]), int(row["vcpus"]), float(row["memory_gib"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from cputrain.errors import ConfigError
@@ -55,7 +56,7 @@ class EfficiencyTable:
             return points[0][1]
         if size >= points[-1][0]:
             return points[-1][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        for (x0, y0), (x1, y1) in pairwise(points):
             if x0 <= size <= x1:
                 t = (math.log(size) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 0.0
                 return y0 + t * (y1 - y0)

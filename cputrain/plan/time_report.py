@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cputrain.plan.instances import Instance
-from cputrain.plan.measured_mfu import MfuChoice, cpu_kind, measured_mfu
+from cputrain.plan.measured_mfu import MfuChoice, measured_mfu
 from cputrain.plan.step_time import StepSettings, StepTimePlan, plan_step_time
 from cputrain.plan.time_advice import NETWORK_SHARE_ADVICE, Remedy, remedies
 
@@ -76,8 +76,9 @@ def _gb(nbytes: float) -> str:
 
 def time_lines(tp: TimePlan) -> list[str]:
     s = tp.step
-    lines = ["", f"time per optimizer step ({s.nnodes} × {tp.instance.name}, {s.world_size} rank(s), "
-                 f"{s.micro_batches} micro-batch(es) of {s.tokens_per_rank // s.micro_batches:,} tokens per rank):"]
+    heading = (f"time per optimizer step ({s.nnodes} × {tp.instance.name}, {s.world_size} rank(s), "
+               f"{s.micro_batches} micro-batch(es) of {s.tokens_per_rank // s.micro_batches:,} tokens per rank):")
+    lines = ["", heading]
     lines.append(f"  compute          {_s(s.compute_s)}   {(s.model_flops_per_rank + s.recompute_flops_per_rank) / 1e12:,.1f} "
                  f"TFLOP per rank ({s.recompute_flops_per_rank / 1e12:,.1f} of them recomputed blocks) at "
                  f"{s.peak_flops_per_s / 1e12:,.1f} TFLOP/s peak per rank")

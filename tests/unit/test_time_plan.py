@@ -151,11 +151,11 @@ def test_one_node_and_no_link_plan_no_network_time():
 
 def test_advice_only_where_the_network_dominates():
     s = settings("fsdp", "bf16", global_batch=2 * W)
-    kw = dict(peak_flops_per_s=1e9, mfu=0.5, efficiency=1.0)
+    kw = {"peak_flops_per_s": 1e9, "mfu": 0.5, "efficiency": 1.0}
     slow = plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=1e-4, **kw)
     fast = plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=1e3, **kw)
     assert slow.network_share > 0.25 > fast.network_share
-    args = dict(instance=None, rank_peak_bytes=None, mfu=0.5, peak_of=None, efficiency=1.0)
+    args = {"instance": None, "rank_peak_bytes": None, "mfu": 0.5, "peak_of": None, "efficiency": 1.0}
     assert remedies(s, tiny_shape(), W, 1, fast, link_gbit_s=1e3, **args) == []
     advice = remedies(s, tiny_shape(), W, 1, slow, link_gbit_s=1e-4, **args)
     names = " | ".join(r.setting for r in advice)
