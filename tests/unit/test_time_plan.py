@@ -195,3 +195,21 @@ def test_zero3_keeps_blocks_gathered_whose_backward_comes_within_the_reuse_dista
                          max_reuse_distance=0).rank_bytes(W)["all_gather"]
     big = sum(p.numel for p in shape.params if p.unit != "root" and p.numel > 8)
     assert twice - once == pytest.approx((W - 1) / W * big * 2)
+
+
+def test_cputrain_plan_prints_the_time_plan_and_writes_it_into_plan_json(capsys):
+    from cputrain.cli import main
+
+    args = ["plan", "configs/llama3-8b-fsdp.yaml", "--nnodes", "4", "--nproc-per-node", "2"]
+    assert main([*args, "--instance-type", "c7i.48xlarge"]) == 0
+    out = capsys.readouterr().out
+    assert "time per optimizer step (4 × c7i.48xlarge" in out and "block layer_mfu" in out
+    assert "gloo's efficiency not measured: the line rate is assumed" in out  # until the benchmark writes it
+    assert "network over 25% of the step" in out and "not built yet: hybrid layout" in out
+    assert main([*args, "--link-gbit-s", "1000", "--json"]) == 0
+    time = json.loads(capsys.readouterr().out)["time"]
+    assert time["link_gbit_s"] == 1000 and time["advice"] == []  # a fast link: nothing to advise
+    assert time["step_s"] == pytest.approx(time["compute_s"] + time["exposed_network_s"])
+    assert main([*args, "--link-gbit-s", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "--link-gbit-s must be a positive number" in err and len(err.strip().splitlines()) == 1
