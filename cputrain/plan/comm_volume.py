@@ -138,11 +138,12 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
     block_reduce = sum(p.numel * reduce_dtype_bytes for p in blocks if p.trainable) // layers
     root_reduce = sum(p.numel * reduce_dtype_bytes for p in root if p.trainable)
     gather_message, reduce_message = block_gather, block_reduce
-    backward_gathers = layers if reshard_after_forward else 0
+    # kept gathered across the step's micro-batches: no block is gathered again for a backward either
+    backward_gathers = layers if reshard_after_forward and not gather_once_per_step else 0
     if strategy == "zero3":
         block_numel = sum(p.numel for p in blocks) // layers
         head_numel = max((p.numel for p in root if "lm_head" in p.name), default=0)
-        if reshard_after_forward:
+        if backward_gathers:
             backward_gathers = zero3_backward_gathers(layers, block_numel, head_numel, max_reuse_distance)
         # DeepSpeed fetches module by module, coalesced up to stage3_prefetch_bucket_size elements,
         # and reduces in buckets of reduce_bucket_size elements (0.9·h² and h², deepspeed_config)

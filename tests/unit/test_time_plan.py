@@ -213,3 +213,12 @@ def test_cputrain_plan_prints_the_time_plan_and_writes_it_into_plan_json(capsys)
     assert main([*args, "--link-gbit-s", "0"]) != 0
     err = capsys.readouterr().err
     assert "--link-gbit-s must be a positive number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_parameters_kept_gathered_across_micro_batches_gather_once_a_step():
+    shape = tiny_shape()
+    blocks = sum(p.numel for p in shape.params if p.unit != "root")
+    root = sum(p.numel for p in shape.params if p.unit == "root")
+    sent = comm_pattern(shape, "fsdp", "bf16", W, 4, gather_once_per_step=True).rank_bytes(W)
+    assert sent["all_gather"] == pytest.approx((W - 1) / W * (blocks + root) * 2)  # no backward gather either
+    assert sent["reduce_scatter"] == pytest.approx((W - 1) / W * (blocks + root) * 4)
