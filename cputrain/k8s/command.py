@@ -83,5 +83,5 @@ def _log_time_plan(cfg, out, instances) -> None:
     from cputrain.plan.time_report import summary_line, time_plan
 
     inst = find_instance(instances, out.options.instance_type)
-    tp = time_plan(out.plan, cfg.train.global_batch_size, inst, out.options.nproc_per_node, None)
+    tp = time_plan(out.plan, cfg.train.global_batch_size, inst, out.options.nproc_per_node, None, instances)
     logging.getLogger("cputrain").info(summary_line(tp))

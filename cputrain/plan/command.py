@@ -79,10 +79,11 @@ def instances_of(args):
 
 def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     """The time plan's printed lines and plan.json section for a plan fitted on an instance."""
+    from cputrain.plan.instances import load_instances
     from cputrain.plan.time_report import time_document, time_lines, time_plan
 
     if plan.fit is None:
         return [], {}
     tp = time_plan(plan, cfg.train.global_batch_size, plan.fit.instance, plan.fit.nproc_per_node,
-                   link_gbit_s_of(args))
+                   link_gbit_s_of(args), candidates=load_instances(args.instances_file))
     return time_lines(tp), {"time": time_document(tp)}

@@ -33,11 +33,12 @@ class Remedy:
 
 def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int, now: StepTimePlan, *,
              instance: Instance | None, rank_peak_bytes: int | None, link_gbit_s: float | None, mfu: float,
-             peak_of, memory_of=None, **kwargs) -> list[Remedy]:
+             peak_of, memory_of=None, candidates: list[Instance] | None = None, **kwargs) -> list[Remedy]:
     """The remedies for the step `now`, each planned with the same MFU, efficiency and overlap
     arguments (`kwargs`). `peak_of(instance, ranks_per_node)`: one rank's peak FLOP/s there.
     `memory_of(**plan_inputs_changes)`: a rank's peak bytes with those inputs changed (the memory
-    plan), for saying whether a remedy still fits the instance."""
+    plan), for saying whether a remedy still fits the instance. `candidates`: the instance table
+    bigger nodes are taken from (default: the built-in one)."""
     if now.network_share <= NETWORK_SHARE_ADVICE:
         return []
     out: list[Remedy] = []
@@ -83,8 +84,8 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
             ranks = world_size // fewer
             from cputrain.plan.instances import builtin_instances
 
-            bigger = [i for i in builtin_instances() if i.family == instance.family and i.vcpus >= instance.vcpus
-                      and fits(i, rank_peak_bytes, ranks)]
+            bigger = [i for i in (candidates or builtin_instances()) if i.family == instance.family
+                      and i.vcpus >= instance.vcpus and fits(i, rank_peak_bytes, ranks)]
             if bigger:
                 node = min(bigger, key=lambda i: i.vcpus)
                 plan = again(nproc=ranks, link=node.network_gbit_s if fewer > 1 else link_gbit_s,

@@ -46,9 +46,10 @@ class TimePlan:
 
 
 def time_plan(plan, global_batch: int, instance: Instance | None, nproc_per_node: int,
-              link_gbit_s: float | None) -> TimePlan | None:
+              link_gbit_s: float | None, candidates: list[Instance] | None = None) -> TimePlan | None:
     """The time plan of a memory plan on `instance` (None: no instance, nothing planned), its link
-    `link_gbit_s` or else the instance's published bandwidth."""
+    `link_gbit_s` or else the instance's published bandwidth; `candidates`: the instance table the
+    advice may take bigger nodes from."""
     if instance is None:
         return None
     settings = StepSettings.of_plan(plan, global_batch)
@@ -62,7 +63,8 @@ def time_plan(plan, global_batch: int, instance: Instance | None, nproc_per_node
     advice = remedies(settings, plan.shape, world, nproc_per_node, step, instance=instance,
                       rank_peak_bytes=plan.peak_rank.total_bytes, link_gbit_s=link, mfu=rate,
                       peak_of=lambda inst, ranks: instance_rank_peak(inst, settings.precision, ranks),
-                      memory_of=lambda **changes: rank_peak_bytes(plan, **changes), mfu_source=choice.describe())
+                      memory_of=lambda **changes: rank_peak_bytes(plan, **changes), candidates=candidates,
+                      mfu_source=choice.describe())
     return TimePlan(step, choice, instance, advice)
 
 

@@ -222,3 +222,12 @@ def test_parameters_kept_gathered_across_micro_batches_gather_once_a_step():
     sent = comm_pattern(shape, "fsdp", "bf16", W, 4, gather_once_per_step=True).rank_bytes(W)
     assert sent["all_gather"] == pytest.approx((W - 1) / W * (blocks + root) * 2)  # no backward gather either
     assert sent["reduce_scatter"] == pytest.approx((W - 1) / W * (blocks + root) * 4)
+
+
+def test_a_measured_efficiency_table_slows_the_network_by_its_factor():
+    line_rate = plan("fsdp", 1, 1e-3)
+    half = plan_step_time(settings("fsdp", "bf16", global_batch=W), W, 1, tiny_shape(), link_gbit_s=1e-3,
+                          peak_flops_per_s=1e9, mfu=0.5, efficiency=table([
+                              ("all_gather", 1e-3, 1, 0.5), ("reduce_scatter", 1e-3, 1, 0.5)]))
+    assert half.network_s == pytest.approx(2 * line_rate.network_s)
+    assert half.efficiency_by_kind["all_gather"] == 0.5 and "measured on test" in half.source["efficiency"]
