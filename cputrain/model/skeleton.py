@@ -49,7 +49,9 @@ def enable_activation_checkpointing(model: nn.Module, setting: bool | int | str 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if setting not in (True, "selective"):  # N blocks: any architecture with findable blocks (true needs none)
+    # N blocks: any architecture with findable blocks (true needs none). `is not True`, not `in`:
+    # 1 == True, and one block must not become every block.
+    if setting is not True and setting != "selective":
         blocks = decoder_blocks(model)
         for block in blocks[checkpointed_blocks(setting, len(blocks)):]:
             block.gradient_checkpointing = False
