@@ -20,7 +20,10 @@ recomputed from the kept q and k. cputrain.plan.activations counts what this kee
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 aten = torch.ops.aten
 

@@ -89,9 +89,8 @@ def selective_block_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_
         kept += tokens * m.heads * 4  # the flash kernel's fp32 log-sum-exp
     adapters = [p for p in m.params if p.unit != "root" and (".lora_A." in p.name or ".lora_B." in p.name)]
     for p in (p for p in adapters if p.unit == adapters[0].unit):  # one block's adapters
-        if ".lora_A." in p.name:  # lora_A (r × in): its t × r output
-            kept += tokens * p.shape[0] * matmul_bytes
-        elif p.shape[1] * THIN_RATIO > p.shape[0]:  # lora_B (out × r) not thin: its t × out output too
+        # lora_A (r × in): its t × r output; lora_B (out × r): its t × out output where not thin
+        if ".lora_A." in p.name or p.shape[1] * THIN_RATIO > p.shape[0]:
             kept += tokens * p.shape[0] * matmul_bytes
     return kept
 
