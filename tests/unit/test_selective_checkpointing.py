@@ -12,13 +12,13 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _tiny_llama(lora: bool = False):
+def _tiny_llama(lora: bool = False, attention: str = "sdpa"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, num_hidden_layers=LAYERS, max_position_embeddings=64,
-                      attn_implementation="sdpa", **SHAPE)
+                      attn_implementation=attention, **SHAPE)
     model = LlamaForCausalLM(cfg).train()
     if lora:  # as cputrain.lora.adapters puts them in, on a model with weights
         from peft import LoraConfig, inject_adapter_in_model
@@ -87,7 +87,7 @@ def test_selective_steps_as_without_checkpointing_and_runs_no_matmul_twice(lora)
     assert whole[2] >= none[2] + LAYERS * len(TARGETS)
 
 
-def _kept_per_block(monkeypatch, lora: bool, bf16: bool) -> float:
+def _kept_per_block(monkeypatch, lora: bool, bf16: bool, attention: str = "sdpa") -> float:
     """Bytes selective checkpointing keeps per block in the forward: what the policy names, read
     from the ops' own outputs (each storage once)."""
     import torch
@@ -108,28 +108,30 @@ def _kept_per_block(monkeypatch, lora: bool, bf16: bool) -> float:
         return decision
 
     monkeypatch.setattr(sc, "policy", counting)
-    _step(_tiny_llama(lora), "selective", bf16=bf16)
+    _step(_tiny_llama(lora, attention), "selective", bf16=bf16)
     return sum(kept.values()) / LAYERS
 
 
-@pytest.mark.parametrize("lora,bf16", [(False, False), (False, True), (True, False)],
-                         ids=["full-fp32", "full-bf16", "lora-fp32"])
-def test_the_plan_counts_what_selective_keeps(monkeypatch, lora, bf16):
+@pytest.mark.parametrize("lora,bf16,attention", [(False, False, "sdpa"), (False, True, "sdpa"), (True, False, "sdpa"),
+                                                 (False, False, "eager")],
+                         ids=["full-fp32", "full-bf16", "lora-fp32", "eager-fp32"])
+def test_the_plan_counts_what_selective_keeps(monkeypatch, lora, bf16, attention):
     """The plan's bytes kept per block (selective_block_bytes) against the outputs the policy kept
     in a real forward, within 2% (equal on this model); and with the block's input, under 60% of
     what a block keeps without checkpointing."""
     from cputrain.plan.activations import activation_bytes, selective_block_bytes
     from cputrain.plan.model_shape import shape_of
 
-    measured = _kept_per_block(monkeypatch, lora, bf16)
+    measured = _kept_per_block(monkeypatch, lora, bf16, attention)
     m = shape_of(_tiny_llama(lora))
     matmul_bytes = 2 if bf16 else 4
-    planned = selective_block_bytes(m, BATCH, SEQ, matmul_bytes)
+    # eager at seq 32, head_dim 16: q·kᵀ is not thin (16 × 4 > 32), its 2 × 4 × 32² scores are kept
+    planned = selective_block_bytes(m, BATCH, SEQ, matmul_bytes, eager_attention=attention == "eager")
     assert measured == pytest.approx(planned, rel=0.02), f"measured {measured:,.0f} B, planned {planned:,} B"
     # the plan of a whole run: every block's input and kept outputs + one block recomputed, over none
     precision = "bf16" if bf16 else "fp32"
-    plan = {s: activation_bytes(m, BATCH, SEQ, precision, s, local_weight_params=0).saved_bytes
-            for s in (False, True, "selective")}
+    plan = {s: activation_bytes(m, BATCH, SEQ, precision, s, local_weight_params=0,
+                                eager_attention=attention == "eager").saved_bytes for s in (False, True, "selective")}
     block_input = BATCH * SEQ * m.hidden * 4
     one_block = (plan[False] - plan[True] + LAYERS * block_input) / (LAYERS - 1)  # what a kept block adds
     assert plan["selective"] - plan[True] == LAYERS * planned
@@ -152,3 +154,30 @@ def test_compiled_blocks_keep_the_step(tmp_path):
     assert loss == pytest.approx(ref_loss, abs=1e-5)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_cputrain_plan_shows_selective_with_no_matmul_recomputed():
+    """`cputrain plan ... model.activation_checkpointing=selective`: named in the plan's first
+    lines, activations between none and every block, and step FLOPs those of no checkpointing."""
+    from cputrain.config.file import load_config
+    from cputrain.plan.report import table_lines
+    from cputrain.plan.stop_window import step_flops
+    from cputrain.run_choices import decided_plan
+
+    plans = {s: decided_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",
+                                                f"model.activation_checkpointing={s}"]), 1)
+             for s in ("false", "selective", "true")}
+    assert any("activation checkpointing selective" in line for line in table_lines(plans["selective"]))
+    act = {s: p.peak_rank.activation_bytes for s, p in plans.items()}
+    assert act["true"] < act["selective"] < act["false"]
+    flops = {s: step_flops(p.shape, 512, 8, p.inputs.activation_checkpointing) for s, p in plans.items()}
+    assert flops["selective"] == flops["false"] < flops["true"]
+
+
+def test_zero3_refuses_selective_in_one_line():
+    from cputrain.config.file import load_config
+    from cputrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="selective does not take parallel.strategy=zero3") as err:
+        load_config(None, ["model.activation_checkpointing=selective", "parallel.strategy=zero3"])
+    assert "\n" not in str(err.value)
