@@ -139,7 +139,7 @@ def test_the_plan_counts_what_selective_keeps(monkeypatch, lora, bf16, attention
 
 
 @pytest.mark.slow  # inductor compiles a block: ~30 s on 2 cores
-def test_compiled_blocks_keep_the_step(tmp_path):
+def test_compiled_blocks_keep_the_step(tmp_path, monkeypatch):
     """model.compile=true with selective: torch.compile traces the policy into each block's graph
     (inductor's partitioner keeps what it names); loss and gradients as eager without checkpointing."""
     import torch
@@ -149,6 +149,9 @@ def test_compiled_blocks_keep_the_step(tmp_path):
     ref_loss, ref_grads, _ = _step(_tiny_llama(), False)
     model = _tiny_llama()
     models.enable_activation_checkpointing(model, "selective")
+    # compile_blocks sets the process's inductor cache variables: put them back after the test
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     models.compile_blocks(model, str(tmp_path / "inductor"))
     loss, grads, _ = _step(model, False)  # already checkpointed: False adds nothing
     assert loss == pytest.approx(ref_loss, abs=1e-5)
