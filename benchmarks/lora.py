@@ -28,8 +28,9 @@ base-dtype  LoRA in fp32 on the base saved in bf16: model.lora.base_dtype=bf16 (
          converted per matmul) vs fp32 (the same values stored in fp32); speed, memory, losses.
 compile-timed  LoRA with every decoder block compiled (model.compile=true) vs eager blocks
          (model.compile=false); speed, first step, memory.
-checkpointing  LoRA at seq 2,048, micro-batch 1: every block checkpointed, half of them, none
-         (model.activation_checkpointing=true, N, false); speed, step peak against the plan.
+checkpointing  LoRA at seq 2,048, micro-batch 1: every block checkpointed, selective (every block
+         keeps its matmul outputs), half of the blocks, none (model.activation_checkpointing=true,
+         selective, N, false); speed, step peak against the plan.
 
 Each run is a fresh process; the configurations alternate within each of --runs repetitions and
 medians are reported. Tokens/s is the median of the per-step rates after the first --warmup
@@ -492,7 +493,9 @@ Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:
         # model.activation_checkpointing: what each block recomputed costs, and what keeping it costs in memory
         ck_seq = 128 if a.quick else LAYER_SEQ_LEN
         half = arch["num_hidden_layers"] // 2
-        sides = {"every block (true)": "true", f"the first {half} blocks ({half})": str(half), "none (false)": "false"}
+        # in order of recompute, most first; selective recomputes no matmul, only norms, RoPE and SiLU × up
+        sides = {"every block (true)": "true", "selective": "selective",
+                 f"the first {half} blocks ({half})": str(half), "none (false)": "false"}
         with tempfile.TemporaryDirectory(prefix="cputrain-lora-base-") as tmp:
             base = str(Path(tmp) / "base")
             shape = make_base(Path(base), arch, source, a.cache_dir, "bfloat16" if bf16 else "float32")
@@ -512,17 +515,18 @@ Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:
             f"{med(results[s], 'step_peak_rss_gib'):.2f} | {med(results[s], 'plan_peak_rss_gib'):.2f} "
             f"({statistics.median(r['plan_error'] for r in results[s]):+.1%}) | {tps[s] / tps[every]:.2f}× |"
             for s in sides)
-        blocks["checkpointing"] = f"""### Activation checkpointing with LoRA: blocks recomputed against memory, ~300M Llama
+        blocks["checkpointing"] = f"""### Activation checkpointing with LoRA: recompute against memory, ~300M Llama
 
 {machine_line()}
 
 `python benchmarks/lora.py --only checkpointing --steps {steps} --runs {runs}`: the ~300M base above
 ({shape['parameters'] / 1e6:.1f}M parameters, {arch['num_hidden_layers']} blocks), LoRA r={RANK} on the seven projections, {precision},
 {steps} optimizer steps of 2 micro-batches × 1 × {ck_seq} tokens, eager blocks, tokens/s after the first {warmup} step(s), the sides
-alternated, median of {runs} fresh-process run(s). `model.activation_checkpointing=auto` picks among these by the plan
-and the node's memory (cputrain.plan.checkpointing).
+alternated, median of {runs} fresh-process run(s). `selective` keeps every block's matmul and attention outputs and
+recomputes the rest (cputrain.model.selective_checkpointing). `model.activation_checkpointing=auto` picks among these
+by the plan and the node's memory (cputrain.plan.checkpointing): none, else selective, else the fewest blocks.
 
-| blocks checkpointed | tokens/s | range | step peak RSS (GiB) | plan peak (error) | tokens/s vs every block |
+| checkpointing | tokens/s | range | step peak RSS (GiB) | plan peak (error) | tokens/s vs every block |
 | --- | ---: | ---: | ---: | ---: | ---: |
 {rows}
 """

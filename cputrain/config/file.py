@@ -61,7 +61,7 @@ def _union_error(errors: list[dict]) -> str | None:
     allowed = []
     for e in same:
         tag = str(e["loc"][-1])
-        allowed.append(tag.removeprefix("literal[").removesuffix("]").replace("'", "") if tag.startswith("literal[")
+        allowed.append(tag.removeprefix("literal[").removesuffix("]").replace("'", "").replace(",", " or ") if tag.startswith("literal[")
                        else _UNION_MEMBERS.get(tag, tag))
     return f"bad value for '{key}' ({first.get('input')!r}): use {', or '.join(allowed)}"
 

@@ -87,7 +87,7 @@ class DecidedLoraConfig(ResolvedLoraConfig):
 class DecidedModelConfig(ResolvedModelConfig):
     attn_implementation: Literal["sdpa", "eager"]
     chunked_loss: bool
-    activation_checkpointing: bool | int
+    activation_checkpointing: bool | int | Literal["selective"]
     lora: DecidedLoraConfig
 
 
@@ -132,7 +132,7 @@ class PlannedModelConfig(ModelConfig):
     model_config = _READ_ONLY
     attn_implementation: Literal["sdpa", "eager"]
     chunked_loss: bool
-    activation_checkpointing: bool | int
+    activation_checkpointing: bool | int | Literal["selective"]
     lora: DecidedLoraConfig
 
 

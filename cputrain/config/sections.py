@@ -128,11 +128,15 @@ class ModelConfig(Section):
     reference (plain matmuls + softmax), or auto: both are timed once, forward and backward, on
     this run's attention shape and dtype, and the faster is used (cached per machine and shape)."""
 
-    activation_checkpointing: bool | int | Literal["auto"] = False
+    activation_checkpointing: bool | int | Literal["auto", "selective"] = False
     """Recompute decoder blocks' activations in the backward pass: less memory, more compute (a
     checkpointed block runs its forward twice: ~1.5× its FLOPs). true: every block; an integer N:
-    the first N blocks, the others keep their activations; auto: the fewest blocks with which the
-    memory plan fits this node (none where the whole run fits), by `cputrain.plan.checkpointing`."""
+    the first N blocks, the others keep their activations; selective: every block keeps the
+    outputs of its matmuls and attention and recomputes only the cheap operations between them
+    (norms, RoPE, SiLU × up, casts): no matmul runs twice, and about half a block's activations
+    are kept (not with parallel.strategy=zero3); auto: none where the memory plan fits this node
+    without checkpointing, else selective where that fits, else the fewest blocks that fit, by
+    `cputrain.plan.checkpointing`."""
 
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
@@ -157,8 +161,8 @@ class ModelConfig(Section):
     @classmethod
     def _blocks_not_negative(cls, value):
         if not isinstance(value, bool) and isinstance(value, int) and value < 0:
-            raise ValueError(f"model.activation_checkpointing is {value}; use true, false, auto or a number of "
-                             "decoder blocks ≥ 0")
+            raise ValueError(f"model.activation_checkpointing is {value}; use true, false, selective, auto or a "
+                             "number of decoder blocks ≥ 0")
         return value
 
     @field_validator("arch", mode="before")
@@ -176,6 +180,8 @@ def checkpointed_blocks(setting: bool | int, layers: int) -> int:
     whose backward runs last, after the other blocks' kept activations are freed."""
     if setting == "auto":
         raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.checkpointing)")
+    if setting == "selective":  # every block, but not in whole: its callers count it on its own
+        raise ValueError("model.activation_checkpointing=selective recomputes parts of every block, not whole blocks")
     if isinstance(setting, bool):
         return layers if setting else 0
     return min(setting, layers)
@@ -499,6 +505,15 @@ class Config(Section):
             raise ValueError(error)
         if self.train.max_steps is None and self.train.epochs is None:
             raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+    @model_validator(mode="after")
+    def _selective_fits(self):
+        # DeepSpeed gathers and releases each linear's weight in hooks inside the block, and its
+        # collectives would pass through the selective policy's dispatch mode: untested, refused.
+        if self.model.activation_checkpointing == "selective" and self.parallel.strategy == "zero3":
+            raise ValueError("model.activation_checkpointing=selective does not take parallel.strategy=zero3; use "
+                             "true, a number of blocks, or strategy fsdp (which shards the same way)")
         return self
 
     @model_validator(mode="after")

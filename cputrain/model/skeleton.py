@@ -29,19 +29,29 @@ def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
     return model
 
 
-def enable_activation_checkpointing(model: nn.Module, setting: bool | int = True) -> None:
-    """Checkpoint the model's blocks as model.activation_checkpointing says (resolved: true, false
-    or a number of blocks, the first ones). The others keep their activations: transformers checks
-    each block's own `gradient_checkpointing` flag at every call."""
+def enable_activation_checkpointing(model: nn.Module, setting: bool | int | str = True) -> None:
+    """Checkpoint the model's blocks as model.activation_checkpointing says (resolved: true, false,
+    a number of blocks, the first ones, or selective: every block, keeping its matmul outputs).
+    The others keep their activations: transformers checks each block's own
+    `gradient_checkpointing` flag at every call."""
     if not setting:  # false or 0
         return
-    # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
-    kwargs = {"use_reentrant": False}
+    if setting == "selective":
+        from cputrain.model.selective_checkpointing import checkpoint_kwargs
+
+        kwargs = checkpoint_kwargs()
+    else:
+        # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
+        kwargs = {"use_reentrant": False}
+    # transformers checkpoints each block's forward, not its __call__: FSDP2's hooks on the block
+    # (all-gather, reshard) stay outside the checkpoint and do not run again in the recompute.
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x: the other name warns on every run
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if setting is not True:  # N blocks: any architecture with findable blocks (true needs none)
+    # N blocks: any architecture with findable blocks (true needs none). `is not True`, not `in`:
+    # 1 == True, and one block must not become every block.
+    if setting is not True and setting != "selective":
         blocks = decoder_blocks(model)
         for block in blocks[checkpointed_blocks(setting, len(blocks)):]:
             block.gradient_checkpointing = False

@@ -20,6 +20,19 @@ and one block at a time is recomputed in full. With the first n of L blocks chec
 L − n others keep all of theirs: their backward runs first and frees them before any
 checkpointed block is recomputed, so the peak is n inputs + max(L − n, 1) whole blocks.
 
+Selective checkpointing (cputrain.model.selective_checkpointing) keeps, per block, its input and
+what its matmuls and its attention kernel produce, and recomputes the rest in the backward:
+
+    q, k, v projections  t·h + 2·t·kv        before RoPE (the rotated copies are recomputed)
+    attention            t·h + t·heads       output, and the fp32 log-sum-exp the backward reads
+    o_proj, down_proj    2·t·h               outputs (what the residual adds read)
+    gate, up             2·t·i               outputs (SiLU and the product are recomputed)
+
+(the norms, RoPE, the GQA expand, SiLU × up and the casts are recomputed), about half of a whole
+block for Llama's shapes; one block at a time is then recomputed in full, as with whole blocks.
+LoRA's lora_A outputs (t·r) are kept; lora_B's (t·out, a thin product) and the adapters' dropout
+are recomputed. Eager attention's q·kᵀ is recomputed where it is thin (head_dim × 4 ≤ seq).
+
 Under bf16 autocast the matmul outputs are bf16 (2 bytes) while norms and the softmax stay
 fp32; autocast also keeps a bf16 copy of every fp32 weight used in the forward for the backward.
 
@@ -55,6 +68,31 @@ def _block_elements(m: ModelShape, tokens: int) -> tuple[int, int]:
     if m.kv_heads < m.heads:
         matmul += 2 * tokens * m.hidden
     return norms, matmul
+
+
+def selective_block_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_bytes: int,
+                          eager_attention: bool = False) -> int:
+    """What one block keeps under selective checkpointing beyond its input: the outputs of its
+    matmuls and attention kernel (docstring above), lora_A's outputs, and under eager attention
+    its q·kᵀ where that product is not thin enough to be recomputed."""
+    from cputrain.model.selective_checkpointing import THIN_RATIO
+
+    tokens = micro_batch * seq_len
+    head_dim = m.hidden // m.heads
+    kv = m.kv_heads * head_dim
+    matmul = 4 * tokens * m.hidden + 2 * tokens * kv + 2 * tokens * m.intermediate
+    kept = matmul * matmul_bytes
+    if eager_attention:
+        if head_dim * THIN_RATIO > seq_len:  # q·kᵀ kept: batch × heads × seq² in the compute dtype
+            kept += micro_batch * m.heads * seq_len * seq_len * matmul_bytes
+    else:
+        kept += tokens * m.heads * 4  # the flash kernel's fp32 log-sum-exp
+    adapters = [p for p in m.params if p.unit != "root" and (".lora_A." in p.name or ".lora_B." in p.name)]
+    for p in (p for p in adapters if p.unit == adapters[0].unit):  # one block's adapters
+        # lora_A (r × in): its t × r output; lora_B (out × r): its t × out output where not thin
+        if ".lora_A." in p.name or p.shape[1] * THIN_RATIO > p.shape[0]:
+            kept += tokens * p.shape[0] * matmul_bytes
+    return kept
 
 
 def adapter_bytes(m: ModelShape, tokens: int, matmul_bytes: int, dropout: float = 0.0) -> dict[str, int]:
@@ -104,7 +142,7 @@ def eager_attention_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_
     return micro_batch * m.heads * seq_len * seq_len * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
 
 
-def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool | int,
+def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool | int | str,
                      local_weight_params: int, lora_dropout: float = 0.0, chunked_loss: bool = False,
                      eager_attention: bool = False) -> ActivationBytes:
     tokens = micro_batch * seq_len
@@ -114,11 +152,14 @@ def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: s
     block = norms * 4 + matmul * matmul_bytes + max((v for u, v in adapters.items() if u != "root"), default=0)
     if eager_attention:
         block += eager_attention_bytes(m, micro_batch, seq_len, matmul_bytes)
-    checkpointed = checkpointed_blocks(checkpointing, m.layers)
-    if checkpointed:
-        # their inputs + the whole blocks kept or one recomputed; under fp32 compute the stream is fp32
-        # whatever the base's dtype
-        residual_bytes = m.residual_bytes if precision == "bf16" else 4
+    # under fp32 compute the stream between blocks is fp32 whatever the base's dtype
+    residual_bytes = m.residual_bytes if precision == "bf16" else 4
+    if checkpointing == "selective":
+        # every block's input and kept outputs, and one block recomputed in full at a time
+        kept = selective_block_bytes(m, micro_batch, seq_len, matmul_bytes, eager_attention)
+        blocks = m.layers * (tokens * m.hidden * residual_bytes + kept) + block
+    elif checkpointed := checkpointed_blocks(checkpointing, m.layers):
+        # their inputs + the whole blocks kept or one recomputed
         blocks = checkpointed * tokens * m.hidden * residual_bytes + max(m.layers - checkpointed, 1) * block
     else:
         blocks = m.layers * block

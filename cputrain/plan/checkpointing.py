@@ -1,13 +1,15 @@
-"""model.activation_checkpointing=auto: as few checkpointed blocks as the node's memory allows.
+"""model.activation_checkpointing=auto: as little recompute as the node's memory allows.
 
 A checkpointed block runs its forward again in the backward: for full fine-tuning about a third
 more compute for that block, for LoRA (no weight gradients of the frozen base) about a half. A
 block that keeps its activations costs memory instead: the plan's bytes of one whole block. The
 recipes turn checkpointing on for every block whatever the machine, so a Llama-3-8B LoRA step on a
 64 GiB node recomputes 33 TFLOP it had the memory to keep (plan: 37.3 GiB per rank without
-checkpointing at seq 2048, 17.6 GiB with it). auto asks the plan for the fewest checkpointed blocks
-(the first ones) with which each rank's peak fits its share of the node, with a margin for what
-the plan leaves out.
+checkpointing at seq 2048, 17.6 GiB with it). auto asks the plan, in order of recompute, for the first
+setting with which each rank's peak fits its share of the node, with a margin for what the plan
+leaves out: none; selective (cputrain.model.selective_checkpointing: every block keeps its matmul
+outputs and recomputes only norms, RoPE and SiLU × up, so no matmul runs twice, for about half a
+block's activations; not under zero3); then the fewest whole blocks (the first ones), up to all.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ GIB = 2**30
 MEMORY_FRACTION = 0.8
 
 
-def _with_blocks(cfg: Config, blocks: bool | int) -> Config:
+def _with_blocks(cfg: Config, blocks: bool | int | str) -> Config:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"activation_checkpointing": blocks})})
 
 
 def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, memory_gib: float,
-                         vocab_size: int | None = None, memory_fraction: float = MEMORY_FRACTION) -> tuple[bool | int, str]:
-    """The resolved model.activation_checkpointing for this node (false, a number of blocks, or
-    true) and why, from the run's plan at each candidate."""
+                         vocab_size: int | None = None,
+                         memory_fraction: float = MEMORY_FRACTION) -> tuple[bool | int | str, str]:
+    """The resolved model.activation_checkpointing for this node (false, selective, a number of
+    blocks, or true) and why, from the run's plan at each candidate."""
     budget_gib = memory_gib * memory_fraction / local_world_size
     where = f"{budget_gib:.1f} GiB per rank ({memory_fraction:.0%} of this node's {memory_gib:.1f} GiB ÷ " \
             f"{local_world_size} rank(s))"
@@ -46,6 +49,14 @@ def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, me
     if peak_gib(False) <= budget_gib:
         return False, (f"the plan without it, {peak_gib(False):.1f} GiB per rank, fits {where}: no block runs its "
                        "forward twice")
+    selective_gib = None
+    if cfg.parallel.strategy != "zero3":  # refused there (config.sections)
+        selective_gib = make_plan(_with_blocks(cfg, "selective"), world_size, shape=shape).peak_rank.total_bytes / GIB
+        if selective_gib <= budget_gib:
+            return "selective", (f"without it the plan, {peak_gib(False):.1f} GiB per rank, is over {where}; with "
+                                 f"selective checkpointing it is {selective_gib:.1f} GiB and fits: every block keeps "
+                                 "its matmul outputs and recomputes only norms, RoPE and SiLU × up, no matmul twice")
+    over_selective = "" if selective_gib is None else f", selective {selective_gib:.1f} GiB"
     # Peaks fall as blocks are added up to all but the last (checkpointing the last block as well
     # keeps one more input and saves nothing: its recompute would follow its forward at once).
     most = max(layers - 1, 1)
@@ -60,5 +71,5 @@ def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, me
         else:
             low = mid + 1
     return low, (f"the first {low} of {layers} blocks: the fewest with which the plan, {peak_gib(low):.1f} GiB per "
-                 f"rank, fits {where}; without checkpointing {peak_gib(False):.1f} GiB, with every block "
-                 f"{peak_gib(True):.1f} GiB")
+                 f"rank, fits {where}; without checkpointing {peak_gib(False):.1f} GiB{over_selective}, with every "
+                 f"block {peak_gib(True):.1f} GiB")

@@ -45,7 +45,7 @@ class PlanInputs:
     world_size: int
     micro_batch: int
     seq_len: int
-    activation_checkpointing: bool | int = False  # resolved: every block, none, or the first N
+    activation_checkpointing: bool | int | str = False  # resolved: every block, none, the first N, or "selective"
     offload_optimizer: bool = False
     offload_param: bool = False
     from_scratch: bool = True  # random init from model.arch; False: weights from a model folder

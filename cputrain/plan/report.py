@@ -68,8 +68,10 @@ def _lora_line(plan: Plan) -> str | None:
             + (", each matrix converted to fp32 for its matmul" if stored == 2 and plan.inputs.precision == "fp32" else ""))
 
 
-def checkpointing_words(setting: bool | int, layers: int) -> str:
+def checkpointing_words(setting: bool | int | str, layers: int) -> str:
     """model.activation_checkpointing as the plan's first lines say it."""
+    if setting == "selective":
+        return "selective (every block keeps its matmul outputs, recomputes the rest)"
     count = checkpointed_blocks(setting, layers)
     return "on" if count == layers else "off" if count == 0 else f"on {count} of {layers} blocks"
 

@@ -69,7 +69,8 @@ def checkpoint_bytes(shape: ModelShape, strategy: str, precision: str) -> int:
     return shape.trainable_params * (p_bytes + k_bytes)
 
 
-def step_flops(shape: ModelShape, seq_len: int, global_batch: int, activation_checkpointing: bool | int) -> float:
+def step_flops(shape: ModelShape, seq_len: int, global_batch: int,
+               activation_checkpointing: bool | int | str) -> float:
     """Model FLOPs of one optimizer step, counted as cputrain.metrics.flops counts them."""
     embeddings = [p for p in shape.params if "embed_tokens" in p.name]
     # The input table is a lookup, not a matmul; a tied lm_head still multiplies by it.
@@ -77,8 +78,10 @@ def step_flops(shape: ModelShape, seq_len: int, global_batch: int, activation_ch
     non_embedding = shape.total_params - untied
     trained = shape.trainable_params - (0 if shape.tied_embeddings else sum(p.numel for p in embeddings if p.trainable))
     per_token = flops_per_token(non_embedding, shape.layers, shape.hidden, seq_len, trained_params=trained)
-    # the forward of each checkpointed block runs again in the backward
-    per_token += 2 * non_embedding * checkpointed_blocks(activation_checkpointing, shape.layers) / shape.layers
+    # the forward of each checkpointed block runs again in the backward; selective checkpointing
+    # runs no matmul again (only norms, RoPE, SiLU × up and LoRA's thin lora_B: no count here)
+    if activation_checkpointing != "selective":
+        per_token += 2 * non_embedding * checkpointed_blocks(activation_checkpointing, shape.layers) / shape.layers
     return per_token * seq_len * global_batch
 
 
@@ -90,7 +93,7 @@ def instance_peak_flops(instance: Instance, precision: str) -> float:
 
 
 def stop_window(shape: ModelShape, strategy: str, precision: str, seq_len: int, global_batch: int,
-                activation_checkpointing: bool | int, instance: Instance, nnodes: int,
+                activation_checkpointing: bool | int | str, instance: Instance, nnodes: int,
                 storage_write_mib_s: float = DEFAULT_STORAGE_WRITE_MIB_S) -> StopWindow:
     flops = step_flops(shape, seq_len, global_batch, activation_checkpointing)
     step_s = flops / (instance_peak_flops(instance, precision) * nnodes * ASSUMED_MFU)

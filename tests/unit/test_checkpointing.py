@@ -131,11 +131,16 @@ def test_auto_takes_the_fewest_blocks_that_fit_the_node():
     # a node that holds the run without checkpointing
     blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=peaks[0] / MEMORY_FRACTION * 1.01)
     assert blocks is False and "no block runs its forward twice" in why
-    # between: the fewest blocks whose plan fits, named with the budget
-    for n in (1, 3, 5):
+    # a node that holds selective checkpointing but not the run without it: selective before any whole block
+    selective = peak_gib("selective")
+    assert peaks[2] < selective < peaks[0]  # this shape: between 1 and 2 whole blocks' savings
+    blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=(selective + peaks[0]) / 2 / MEMORY_FRACTION)
+    assert blocks == "selective" and "no matmul twice" in why
+    # below selective: the fewest blocks whose plan fits, named with the budget
+    for n in (3, 5):
         memory = (peaks[n] + peaks[n - 1]) / 2 / MEMORY_FRACTION  # fits with n, not with n − 1
         blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=memory)
-        assert blocks == n and f"the first {n} of 6 blocks" in why
+        assert blocks == n and f"the first {n} of 6 blocks" in why and f"selective {selective:.1f} GiB" in why
     # two ranks on the node: each has half of it
     memory = (peaks[3] + peaks[2]) / 2 / MEMORY_FRACTION
     assert checkpointing_choice(cfg, 1, 2, memory_gib=2 * memory)[0] == checkpointing_choice(cfg, 1, 1, memory)[0] == 3
