@@ -166,7 +166,9 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     micro_batches = s.global_batch // (s.micro_batch * world_size)
     tokens_mb = s.micro_batch * s.seq_len
     tokens = micro_batches * tokens_mb
-    checkpointed = checkpointed_blocks(s.activation_checkpointing, shape.layers)
+    # selective checkpointing reruns no matmul, only elementwise work the FLOP count leaves out
+    checkpointed = (0 if s.activation_checkpointing == "selective"
+                    else checkpointed_blocks(s.activation_checkpointing, shape.layers))
     model_ft, recompute_ft, fwd_ft, bwd_ft = _flops_per_token(shape, s.seq_len, checkpointed)
     rate = peak_flops_per_s * mfu  # FLOPs the cores execute per second
     compute_s = (model_ft + recompute_ft) * tokens / rate

@@ -231,3 +231,16 @@ def test_a_measured_efficiency_table_slows_the_network_by_its_factor():
                               ("all_gather", 1e-3, 1, 0.5), ("reduce_scatter", 1e-3, 1, 0.5)]))
     assert half.network_s == pytest.approx(2 * line_rate.network_s)
     assert half.efficiency_by_kind["all_gather"] == 0.5 and "measured on test" in half.source["efficiency"]
+
+
+def test_checkpointing_adds_each_blocks_forward_and_selective_no_matmul():
+    def with_checkpointing(setting):
+        s = StepSettings("fsdp", "bf16", 1, 16, W, setting)
+        return plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=None, peak_flops_per_s=1e9, mfu=0.5, efficiency=1.0)
+
+    none, every, selective = (with_checkpointing(v) for v in (False, True, "selective"))
+    assert none.recompute_flops_per_rank == 0 and selective.recompute_flops_per_rank == 0
+    assert selective.compute_s == pytest.approx(none.compute_s)
+    # the 2 blocks' forwards again: 2 × (2 × 136 parameters (norm included, as the MFU counts
+    # them) + the attention's 4·d·T) per token, 16 tokens
+    assert every.recompute_flops_per_rank == pytest.approx(2 * (2 * 136 + 4 * 8 * 16) * 16)
