@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli, tiny_overrides

@@ -263,7 +263,7 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
         cfg = Config.model_validate({"output_dir": str(out), "train": {"objective": "dpo"},
                                      "data": {"source": "p.jsonl", "format": "preference", "shared_prompt": shared}})
         res = with_data_choices(Resolution(cfg))
-        return res.config, dict((key, (value, why)) for key, value, why in res.reasons)
+        return res.config, {key: (value, why) for key, value, why in res.reasons}
 
     cfg, reasons = decided()
     assert cfg.data.shared_prompt is True and "preference pairs" in reasons["data.shared_prompt"][1]  # nothing to resume
