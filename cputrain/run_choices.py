@@ -5,7 +5,7 @@ strategy, backend). What is left needs the data, the model or the process group:
 
     1. data.format          from the first record's fields                     (data.sources)
     2. data.train_on        from the format                                    (data.example_kind)
-       data.shared_prompt   from the format                                    (data.pairs)
+       data.shared_prompt   from the format; a resumed run's from its folder  (data.pairs)
     3. model.lora.target_modules   from the model's linear layers              (lora.adapters)
     4. model.lora.base_dtype       from the compute dtype and the weight files (lora.base_storage)
     5. model.attn_implementation   timed on rank 0 on the run's shape          (kernels.attention_choice)
@@ -67,8 +67,27 @@ def with_data_choices(res: Resolution) -> Resolution:
     data = res.config.data
     shared, why = shared_prompt_choice(data.shared_prompt, data.format)
     if why:
-        res = with_model_choice(res, "data.shared_prompt", shared, why)
+        res = with_model_choice(res, "data.shared_prompt", *_resumed_layout(res.config, shared, why))
     return res
+
+
+def _resumed_layout(cfg: Config, shared: bool, why: str) -> tuple[bool, str]:
+    """data.shared_prompt=auto on a run folder with preference checkpoints: the layout the run
+    started with, so its rows, and each step's pairs, stay those of a run never stopped; a folder
+    written before the key existed laid its pairs out whole. Elsewhere auto's own choice."""
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import recorded_config, recorded_identity
+
+    recorded = recorded_config(RunFolder(cfg.output_dir))
+    if recorded is None or recorded_identity(recorded, "data.format")[0] != "preference":
+        return shared, why  # nothing to resume (another format is refused by the folder's check)
+    value, held = recorded_identity(recorded, "data.shared_prompt")
+    if not held:
+        return False, ("this run folder's config.yaml was written before data.shared_prompt existed: its pairs "
+                       "were laid out as two whole sequences, and the resumed run keeps them so")
+    if value in (True, False):
+        return value, "chosen when this run started (config.yaml)"
+    return shared, why  # "auto" recorded: decided now, as the folder's check allows
 
 
 def decide(res: Resolution, hw: HardwareFacts, ranks: RankEnv) -> Resolution:

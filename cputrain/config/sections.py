@@ -248,8 +248,10 @@ class DataConfig(Section):
     """preference: lay each pair out as prompt + chosen, then the rejected answer after one copy
     of the prompt's last token, attending to the prompt through a 4D attention mask, so the prompt
     is computed once per pair instead of twice (the pair's log-probabilities are the same). false:
-    the two sequences whole, one after the other. auto: true for data.format=preference, false
-    otherwise; true on other data is refused."""
+    the two sequences whole, one after the other. A pair is kept where it fits data.seq_len as laid
+    out. auto: true for data.format=preference, false otherwise, and on a run folder to resume what
+    its config.yaml recorded (false for a folder from before this key); true on other data is
+    refused."""
 
     truncation: Literal["drop", "truncate"] = "drop"
     """An example longer than data.seq_len: drop it, or keep its first data.seq_len tokens. Counted

@@ -232,7 +232,7 @@ class PreferenceData:
         return (f"preference: {s['train_pairs']} train + {s['val_pairs']} validation pairs, {s['train_tokens']} train "
                 f"tokens of which {s['trained_token_share']:.1%} trained; {how}; {shared}; skipped "
                 f"{s['skipped_identical']} with identical answers and {s['skipped_empty']} with an empty one, dropped "
-                f"{s['dropped_long']} whose two sequences exceed data.seq_len")
+                f"{s['dropped_long']} longer than data.seq_len as laid out in a row")
 
 
 def open_pairs(folder: Path, packing: bool, shared_prompt: bool = False) -> PreferenceData:

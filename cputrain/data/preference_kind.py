@@ -18,6 +18,12 @@ from cputrain.errors import DataError
 log = logging.getLogger("cputrain")
 
 
+def shared_prompt(data_cfg: DataConfig) -> bool:
+    """The layout of the pairs in rows; "auto" only where the config was not decided (run_choices
+    decides it first): preference's auto is true."""
+    return data_cfg.shared_prompt in (True, "auto")
+
+
 class PreferenceKind:
     what = "preference pairs"
     counters = tokenize_preferences.COUNTERS
@@ -33,7 +39,8 @@ class PreferenceKind:
         except DataError:
             template = None  # string pairs need none; a conversational pair then says so (the worker)
         self.spec = PreferenceSpec(data_cfg.prompt_field, data_cfg.chosen_field, data_cfg.rejected_field, template,
-                                   chat_template.template_variables(tokenizer), data_cfg.seq_len)
+                                   chat_template.template_variables(tokenizer), data_cfg.seq_len,
+                                   shared_prompt(data_cfg))
         self.tokenizer = tokenizer
 
     @property
@@ -54,15 +61,15 @@ class PreferenceKind:
 
     def open(self, folder: Path, data_cfg: DataConfig) -> PreferenceData:
         # "auto" only where the config was not decided (run_choices decides it first): preference's auto
-        return open_pairs(folder, data_cfg.packing, data_cfg.shared_prompt in (True, "auto"))
+        return open_pairs(folder, data_cfg.packing, shared_prompt(data_cfg))
 
     def stats(self, facts: BuildFacts) -> dict:
         data_cfg, progress, tok = facts.data_cfg, facts.progress, self.tokenizer
         train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
         for counter, what in (("skipped_identical", "had the same chosen and rejected answer"),
                               ("skipped_empty", "had an empty answer"),
-                              ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len} for both answers "
-                                               "together (a pair is packed whole into one row)"),
+                              ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len} as laid out in a "
+                                               "row (a pair is packed whole into one row)"),
                               ("non_text_parts", "had content parts that are not text"),
                               ("tools_unsupported", "had tool calls the chat template cannot write")):
             if progress[counter]:
@@ -72,7 +79,7 @@ class PreferenceKind:
             raise DataError(
                 f"no training pair in '{data_cfg.source}': {progress['skipped_identical']} had identical answers, "
                 f"{progress['skipped_empty']} an empty one and {progress['dropped_long']} were longer than "
-                f"data.seq_len={data_cfg.seq_len} for both answers together; check the data's fields, or raise "
+                f"data.seq_len={data_cfg.seq_len} as laid out in a row; check the data's fields, or raise "
                 "data.seq_len")
         return {
             **facts.common_stats(),

@@ -13,8 +13,10 @@ the whole text, then the prompt alone, the answer starting where the two token s
 then EOS, trained. A conversational pair is the rendering of prompt + answer, the answer's
 assistant turns trained (with the token that ends each). A pair whose answers are the same
 teaches nothing (skipped_identical), one with an empty answer is skipped (skipped_empty), and one
-whose two sequences together exceed data.seq_len is dropped (dropped_long): a pair is packed whole
-into one row, never cut.
+longer than data.seq_len as it is laid out in a row is dropped (dropped_long): a pair is packed
+whole into one row, never cut. Laid out is the two sequences whole, or with a shared prompt
+(data.shared_prompt) prompt + chosen + one copied token + rejected answer, so a pair too long as
+two sequences is kept where the shared layout fits.
 """
 
 from __future__ import annotations
@@ -51,9 +53,15 @@ class PreferenceSpec:
     template: str | None  # the chat template's text, for conversational records
     template_variables: dict
     seq_len: int
+    # Pairs are measured in the shared-prompt layout (cputrain.data.pairs): a pair that fits
+    # only shared is kept, so the cache's pairs depend on it.
+    shared_prompt: bool = False
 
     def key(self) -> dict:
-        return {"format": "preference", **self.__dict__}
+        key = {"format": "preference", **self.__dict__}
+        if not self.shared_prompt:  # caches tokenized before the key existed measured pairs whole: still valid
+            del key["shared_prompt"]
+        return key
 
 
 def init_worker(arrow_files: list[str] | None, dataset, spec: PreferenceSpec, tokenizer_json: str, eos_id: int,
@@ -138,6 +146,23 @@ def pair_sequences(prompt, chosen, rejected, row: int) -> tuple[tuple[list[int],
                  for name, answer in zip(names, (chosen, rejected)))
 
 
+def shared_prefix(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> int:
+    """P of one pair, as cputrain.data.pairs.shared_prefixes finds it on the cache: the longest
+    common prefix of the two sequences' ids, capped at the first trained token of either."""
+    (c_ids, c_mask), (r_ids, r_mask) = chosen, rejected
+    n = 0
+    while n < min(len(c_ids), len(r_ids)) and c_ids[n] == r_ids[n] and not c_mask[n] and not r_mask[n]:
+        n += 1
+    return n
+
+
+def row_tokens(pair: tuple[tuple[list[int], list[int]], ...], shared_prompt: bool) -> int:
+    """Tokens the pair takes in a row: its two sequences whole, or with a shared prompt the
+    rejected one without its prompt's 0…P-2 (cputrain.data.pairs lays it out so)."""
+    whole = sum(len(ids) for ids, _ in pair)
+    return whole - max(shared_prefix(*pair) - 1, 0) if shared_prompt else whole
+
+
 def _chars(value) -> int:
     if isinstance(value, list):
         return sum(len(content_text(m.get("content")) or "") for m in value if isinstance(m, dict))
@@ -169,13 +194,14 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
         if isinstance(pair, str):
             counts[pair] += 1
             continue
-        if sum(len(ids) for ids, _ in pair) > spec.seq_len:
+        for _, mask in pair:
+            mask[0] = 0  # a sequence's first token is predicted from nothing of its own: never a target
+        if row_tokens(pair, spec.shared_prompt) > spec.seq_len:  # measured on the masks as stored
             counts["dropped_long"] += 1  # a pair is packed whole into one row, never cut
             continue
         name = "val" if is_val else "train"
         ids_out, masks_out, lengths_out = split[name]
         for ids, mask in pair:
-            mask[0] = 0  # a sequence's first token is predicted from nothing of its own: never a target
             ids_out.extend(ids)
             masks_out.extend(mask)
             lengths_out.append(len(ids))

@@ -102,12 +102,27 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
             )
 
 
-def recorded_value(run: RunFolder, dotted: str):
-    """The value of `dotted` in the config.yaml of a run folder with checkpoints to resume, or None."""
+def recorded_config(run: RunFolder) -> dict | None:
+    """The config.yaml of a run folder with checkpoints to resume, or None (nothing to resume)."""
     if not run.complete_steps():
         return None
     text = run.read_text(NAME)
-    return _get(yaml.safe_load(text) or {}, dotted) if text else None
+    return (yaml.safe_load(text) or {}) if text else None
+
+
+def recorded_value(run: RunFolder, dotted: str):
+    """The value of `dotted` in the config.yaml of a run folder with checkpoints to resume, or None."""
+    recorded = recorded_config(run)
+    return _get(recorded, dotted) if recorded is not None else None
+
+
+def recorded_identity(recorded: dict, key: str) -> tuple[object, bool]:
+    """An identity key's value in a recorded config, and whether the file holds it: a key added
+    since the file was written gives the value every run had before it existed (ADDED_KEYS)."""
+    value = _get(recorded, key)
+    if value is None and key in ADDED_KEYS:
+        return ADDED_KEYS[key], False
+    return value, value is not None
 
 
 def write_run_config(run: RunFolder, cfg: Config, reasons: list) -> None:

@@ -102,15 +102,24 @@ def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path
 def test_a_shared_prompt_trains_as_two_whole_sequences(tmp_path, cache_dir, base, straight):
     """One pair per row (data.packing=false), so both layouts put the same pairs in each step:
     the prompt laid out once (data.shared_prompt=true) or twice (false), the same losses. Packed,
-    a shared row holds more pairs, and a step of rows more pairs than unshared. The reference is
-    the straight run's, read back: it lines up with either layout."""
+    a shared row holds more pairs, and a step of rows more pairs than unshared. The demo's pairs with
+    answers cut to 100 characters, so every pair fits both layouts (pairs that fit only shared are
+    kept shared and dropped unshared: other pairs, other steps)."""
+    from cputrain.data.sources import BUILTINS
+
+    data = tmp_path / "pairs.jsonl"
+    with open(data, "w") as f:
+        for pair in BUILTINS["builtin:pydoc-dpo"]():
+            for answer in ("chosen", "rejected"):
+                pair[answer][0]["content"] = pair[answer][0]["content"][:100]
+            f.write(json.dumps(pair) + "\n")
     losses, norms = {}, {}
     for shared in ("true", "false"):
         out = tmp_path / f"shared-{shared}"
-        run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO, "train.max_steps": 3,
-                                                            "train.eval_every": 100, "train.checkpoint_every": 100,
-                                                            "data.packing": "false", "data.shared_prompt": shared}),
-                check=True)
+        proc = run_cli("train", *tiny_overrides(out, cache_dir, **{
+            "model.name_or_path": base, **DPO, "data.source": data, "train.max_steps": 3, "train.eval_every": 100,
+            "train.checkpoint_every": 100, "data.packing": "false", "data.shared_prompt": shared}), check=True)
+        assert "dropped 0 longer than data.seq_len" in proc.stderr, proc.stderr[-2000:]
         losses[shared] = _losses(out)
         norms[shared] = [r["grad_norm"] for r in _rows(out) if "grad_norm" in r]
     assert sorted(losses["true"]) == [1, 2, 3] and losses["true"][3] != losses["true"][1]

@@ -33,9 +33,10 @@ class _Records:
         return {name: [record.get(name) for record in self.records[rows]] for name in names}
 
 
-def _tokenize(tok, records, seq_len=256):
+def _tokenize(tok, records, seq_len=256, shared_prompt=False):
     template = chat_template.template_of(tok, None)
-    spec = PreferenceSpec("prompt", "chosen", "rejected", template, chat_template.template_variables(tok), seq_len)
+    spec = PreferenceSpec("prompt", "chosen", "rejected", template, chat_template.template_variables(tok), seq_len,
+                          shared_prompt)
     tokenize_preferences.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
                                      "uint16")
     return tokenize_preferences.tokenize_rows(0, len(records), np.zeros(len(records), bool))
@@ -93,6 +94,26 @@ def test_identical_and_empty_answers_are_counted_long_pairs_dropped(tok):
     c = chunk.counts
     assert (c["skipped_identical"], c["skipped_empty"], c["dropped_long"], c["train_pairs"]) == (1, 1, 1, 1)
     assert len(chunk.parts["train.lengths.bin"]) == 2  # one pair: two sequences
+
+
+def test_a_pair_too_long_as_two_sequences_is_kept_where_the_shared_layout_fits(tok):
+    record = {"prompt": "Explain this in one word: " + "word " * 40, "chosen": "yes", "rejected": "no"}
+    whole = sum(len(ids) for ids, _ in _sequences(_tokenize(tok, [record])))
+    seq_len = whole - 10  # the prompt's 40+ tokens laid out once fit; twice they do not
+    unshared = _tokenize(tok, [record], seq_len, shared_prompt=False).counts
+    assert (unshared["dropped_long"], unshared["train_pairs"]) == (1, 0)
+    chunk = _tokenize(tok, [record], seq_len, shared_prompt=True)
+    assert (chunk.counts["dropped_long"], chunk.counts["train_pairs"]) == (0, 1)
+    # …and trained: one row of seq_len holds the pair, both answers' tokens are targets
+    (c_ids, c_mask), (r_ids, r_mask) = _sequences(chunk)
+    rows = PairRows(chunk.parts["train.bin"], chunk.parts["train.mask.bin"], chunk.parts["train.lengths.bin"],
+                    seq_len, packing=True, pad_id=0, shared_prompt=True)
+    batch = rows.batch([0])
+    assert len(rows) == 1 and batch.input_ids.shape[1] == seq_len
+    targets = batch.labels[0][batch.labels[0] != IGNORE_INDEX].tolist()
+    assert targets == [i for i, m in zip(c_ids, c_mask) if m] + [i for i, m in zip(r_ids, r_mask) if m]
+    # a shared cache is its own entry: its pairs differ from an unshared one's
+    assert PreferenceSpec("p", "c", "r", None, {}, 64, True).key() != PreferenceSpec("p", "c", "r", None, {}, 64).key()
 
 
 @pytest.mark.parametrize("record, message", [

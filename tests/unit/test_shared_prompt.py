@@ -244,3 +244,39 @@ def test_a_dpo_folder_from_before_the_shared_prompt_resumes_with_it_off(tmp_path
     check_compatible(run, dpo(False))
     with pytest.raises(RunFolderError, match="set data.shared_prompt back"):
         check_compatible(run, dpo(True))
+
+
+def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
+    """data.shared_prompt=auto on a folder to resume takes what the folder recorded; a folder from
+    before the key (no data.shared_prompt in its config.yaml) laid its pairs out whole: false."""
+    import yaml
+
+    from cputrain.config import Config
+    from cputrain.resolve import Resolution
+    from cputrain.run_choices import with_data_choices
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import check_compatible, write_run_config
+
+    out = tmp_path / "run"
+
+    def decided(shared="auto"):
+        cfg = Config.model_validate({"output_dir": str(out), "train": {"objective": "dpo"},
+                                     "data": {"source": "p.jsonl", "format": "preference", "shared_prompt": shared}})
+        res = with_data_choices(Resolution(cfg))
+        return res.config, {key: (value, why) for key, value, why in res.reasons}
+
+    cfg, reasons = decided()
+    assert cfg.data.shared_prompt is True and "preference pairs" in reasons["data.shared_prompt"][1]  # nothing to resume
+    run = RunFolder(str(out))
+    write_run_config(run, decided(False)[0], [])
+    run.fs.makedirs(run.step_path(4), exist_ok=True)
+    run.write_text("{}", "checkpoints", "step-000004", "trainer_state.json")
+    cfg, reasons = decided()
+    assert cfg.data.shared_prompt is False and reasons["data.shared_prompt"][1].startswith("chosen when this run started")
+    recorded = yaml.safe_load(decided(True)[0].dump_yaml())
+    del recorded["data"]["shared_prompt"]  # a folder written before the key existed
+    run.write_text(yaml.safe_dump(recorded), "config.yaml")
+    cfg, reasons = decided()
+    assert cfg.data.shared_prompt is False and "written before data.shared_prompt existed" in reasons["data.shared_prompt"][1]
+    check_compatible(run, cfg)  # …and the folder's check lets it resume, without the override
+
