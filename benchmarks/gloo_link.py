@@ -199,10 +199,11 @@ def run_settings(model: list[str], seq_len: int, micro: int, steps: int, cache: 
             "train.warmup_steps=1", "hardware.threads=1", "hardware.precision=auto"]
 
 
-def median_step_s(run_dir: Path) -> float:
+def median_step_s(run_dir: Path, key: str = "step_time_s") -> float:
+    """The median of a per-step figure of metrics.jsonl (rank 0) over the steps after the warm-up."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r["step_time_s"] for r in rows if "step_time_s" in r and r.get("step", 0) > WARMUP_STEPS]
-    return statistics.median(steps)
+    values = [r.get(key, 0.0) for r in rows if "step_time_s" in r and r.get("step", 0) > WARMUP_STEPS]
+    return statistics.median(values)
 
 
 def train_alone(settings: list[str], micro: int, run_dir: Path) -> None:
@@ -247,7 +248,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
     cfg = decide_for_plan(cfg, world, vocab_size=vocab).config
     shape = make_plan(cfg, world, nproc_per_node=1, vocab_size=vocab).shape
     return plan_step_time(cfg, world, 1, shape, link_gbit_s=link_gbit_s,
-                          peak_flops_per_s=rank_peak_flops_here(cfg.hardware.precision, 1), mfu=mfu,
+                          peak_flops_per_s=rank_peak_flops_here(cfg.hardware.precision, 1), mfu=mfu, gloo_cpu_capped=True,
                           mfu_source="measured here: the same rank's step alone")
 
 
@@ -268,6 +269,7 @@ def runs(names: list[str], rates: list[float], quick: bool, tmp: Path) -> list[d
             measured_s = median_step_s(run_dir)
             plan = step_plan(settings, strategy, WORLD, rate, mfu)
             rows.append({"strategy": strategy, "link_gbit_s": rate, "measured_step_s": measured_s,
+                         "measured_comm_s": median_step_s(run_dir, "comm_time_s"),
                          "alone_step_s": alone_step_s, "mfu": mfu, "planned_step_s": plan.step_s,
                          "planned_network_s": plan.network_s, "planned_exposed_s": plan.exposed_network_s,
                          "link_bytes": sum(plan.link_bytes_by_kind.values())})
@@ -283,12 +285,15 @@ def write_collectives(rows: list[dict], sizes_mib: list[int], reps: int) -> None
 
     machine = machine_line()
     shaped = [r for r in rows if r["link_gbit_s"]]
+    unshaped = [r for r in rows if not r["link_gbit_s"]]
     EFFICIENCY_FILE.write_text(json.dumps({
-        "machine": machine.removeprefix("Machine: "),
+        "machine": machine.removeprefix("Machine: ").split("; torch")[0],
         "measured": time.strftime("%Y-%m-%d"),
         "how": "benchmarks/gloo_link.py: gloo between two network namespaces over a veth pair shaped by tc tbf, "
-               f"MTU {MTU}, one rank per namespace, one thread, median of {reps} calls",
+               f"MTU {MTU}, one rank per namespace, one core and thread each, median of {reps} calls",
         "rows": [{k: r[k] for k in ("collective", "link_gbit_s", "message_bytes", "efficiency")} for r in shaped],
+        "cpu_cap_rows": [{"collective": r["collective"], "message_bytes": r["message_bytes"],
+                          "gbit_s": r["achieved_gbit_s"]} for r in unshaped],
     }, indent=1) + "\n")
     rates = sorted({r["link_gbit_s"] for r in rows}, key=lambda r: (r is not None, r or 0))
     lines = [machine, "",
@@ -311,7 +316,40 @@ def write_collectives(rows: list[dict], sizes_mib: list[int], reps: int) -> None
                 cells.append(f"{row['achieved_gbit_s']:.2f} Gbit/s" if rate is None
                              else f"{row['efficiency']:.0%} ({row['time_s'] * 1e3:,.0f} ms)")
             lines.append(f"| {kind.replace('_', '-')} | {size_mib} MiB | " + " | ".join(cells) + " |")
+    lines += model_check_lines(rows, sizes_mib)
     write_block("gloo_link", "\n".join(lines))
+
+
+def model_check_lines(rows: list[dict], sizes_mib: list[int]) -> list[str]:
+    """The time plan's efficiency (cputrain.plan.link_efficiency: the slowest rate's share, capped by
+    the unshaped Gbit/s) against what was measured at the faster rates."""
+    from cputrain.plan.link_efficiency import load_table
+
+    table = load_table(EFFICIENCY_FILE)
+    rates = sorted({r["link_gbit_s"] for r in rows if r["link_gbit_s"]})
+    if table is None or not table.cpu_caps or len(rates) < 2:
+        return []
+    lines = ["", f"The plan's model of these rows: the share gloo reaches at {rates[0]:g} Gbit/s (its protocol: the CPU "
+             "is not the limit there), capped by the Gbit/s it reaches unshaped (the CPU's limit). Measured ÷ "
+             "modelled efficiency at the faster rates:", "",
+             "| collective | " + " | ".join(f"{m} MiB" for m in sizes_mib) + " |",
+             "| --- |" + " ---: |" * len(sizes_mib)]
+    ratios = []
+    for rate in rates[1:]:
+        for kind in KINDS:
+            cells = []
+            for size_mib in sizes_mib:
+                row = next(r for r in rows if r["collective"] == kind and r["link_gbit_s"] == rate
+                           and r["message_bytes"] == size_mib * MIB)
+                ratio = row["efficiency"] / table.efficiency(kind, size_mib * MIB, rate)
+                ratios.append(ratio)
+                cells.append(f"{ratio:.2f}")
+            lines.append(f"| {kind.replace('_', '-')} at {rate:g} Gbit/s | " + " | ".join(cells) + " |")
+    big = [r for r, size in zip(ratios, [m for _ in range(len(rates) - 1) for _ in KINDS for m in sizes_mib])
+           if size >= 64]
+    lines += ["", f"Measured ÷ modelled: {min(ratios):.2f}–{max(ratios):.2f} over every size, "
+              f"{min(big):.2f}–{max(big):.2f} at 64 MiB and above (FSDP's block messages, DDP's buckets are 25 MiB)."]
+    return lines
 
 
 def write_runs(rows: list[dict], quick: bool) -> None:

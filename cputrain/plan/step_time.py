@@ -7,13 +7,18 @@
               efficiency for that collective and message size: cputrain.plan.link_efficiency)
     exposed   the part of the network time no compute hides (below); step = compute + exposed
 
-Overlap, modelled per micro-batch: FSDP2 and ZeRO-3 gather the next block while the current one
-computes and reduce-scatter a block's gradients behind the next block's backward, so each block
-exposes max(0, its communication − its compute); the first gather of a pass and the last
-reduce-scatter never hide. DDP's bucketed all-reduce runs behind the last micro-batch's backward,
-all but its last bucket. A measured overlap (the share of network time hidden, 0 to 1) replaces
-the model where a benchmark has one. Within one node no link is used: collectives there are
-memory copies, not planned as network time.
+Overlap. FSDP2 on CPU hides none of it: measured over a shaped link (block gloo_link-runs of
+docs/benchmarks.md), its gathers and reduce-scatters add to the step whole at every rate (a CPU has
+no side streams for the gather to run on while a block computes). ZeRO-3, modelled: DeepSpeed
+gathers the next block while the current one computes and reduce-scatters a block's gradients
+behind the next block's backward, so each block exposes max(0, its communication − its compute),
+plus the first gather of a pass and the last reduce-scatter, which never hide. DDP's bucketed
+all-reduce runs behind the last micro-batch's backward, all but its last bucket (measured within
+10% at 1 Gbit/s). A measured overlap (the share of network time hidden, 0 to 1) replaces these
+where a benchmark has one. Within one node no link is used: collectives there are memory copies,
+not planned as network time. Planned for the machine the efficiency table was measured on
+(`gloo_cpu_capped`), gloo's CPU time (its bytes at the rate it reached unshaped) never hides: it
+comes out of the cores the compute keeps busy.
 """
 
 from __future__ import annotations
@@ -134,7 +139,8 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
                    link_gbit_s: float | None, peak_flops_per_s: float, mfu: float,
                    efficiency: float | EfficiencyTable | None = None, overlap: float | None = None,
                    mfu_source: str = "given", reshard_after_forward: bool = True,
-                   gather_once_per_step: bool = False, hybrid: bool = False) -> StepTimePlan:
+                   gather_once_per_step: bool = False, hybrid: bool = False,
+                   gloo_cpu_capped: bool = False) -> StepTimePlan:
     """One optimizer step of `cfg` (a decided config, or StepSettings) on `world_size` ranks,
     `nproc_per_node` to a node.
 
@@ -147,7 +153,10 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     assumes 1.0 without it. `overlap`: the share of network time hidden behind compute, 0 to 1
     (None: the model in this module's docstring). The last three keywords plan layouts cputrain
     does not build yet (FSDP/ZeRO-3): no resharding after the forward, parameters kept gathered
-    across the micro-batches of a step, a hybrid layout (shard in a node, replicate across nodes)."""
+    across the micro-batches of a step, a hybrid layout (shard in a node, replicate across nodes).
+    `gloo_cpu_capped`: the ranks run on the CPU the efficiency table was measured on (one core per
+    rank), so gloo's collectives are also limited by what that CPU pushed through unshaped, and
+    that CPU time, taken from the cores the compute runs on, is never hidden."""
     s = cfg if isinstance(cfg, StepSettings) else StepSettings.of_config(cfg)
     if world_size < 1 or nproc_per_node < 1 or world_size % nproc_per_node:
         raise ConfigError(f"world size {world_size} must be a positive multiple of the ranks per node ({nproc_per_node})")
@@ -194,7 +203,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     else:
         table = efficiency if efficiency is not None else load_table()
         fixed = 1.0
-        source["efficiency"] = table.describe() if table is not None else NOT_MEASURED
+        source["efficiency"] = table.describe(gloo_cpu_capped) if table is not None else NOT_MEASURED
     network_used = nnodes > 1 and any(link_bytes.values())
     if network_used and link_gbit_s is None:
         source["link"] = "no link given: network time not planned"
@@ -209,16 +218,26 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     def seconds(kind: str, nbytes: float) -> float:
         if not planned or nbytes <= 0:
             return 0.0
-        eff = table.efficiency(kind, messages[kind], link_gbit_s) if table is not None else fixed
+        eff = table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped) if table is not None else fixed
         return nbytes / (link_bytes_per_s * eff)
 
-    efficiencies = {kind: (table.efficiency(kind, messages[kind], link_gbit_s) if table is not None and planned
-                           else fixed) for kind in KINDS}
+    def cpu_seconds(kind: str, nbytes: float) -> float:
+        """The time gloo's transfers and reductions hold a core: the bytes at the unshaped rate."""
+        cap = table.cpu_cap_gbit_s(kind, messages[kind]) if planned and gloo_cpu_capped and table else None
+        return nbytes * 8 / (cap * 1e9) if cap and nbytes > 0 else 0.0
+
+    efficiencies = {kind: (table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped)
+                           if table is not None and planned else fixed) for kind in KINDS}
     network_s = sum(seconds(kind, link_bytes[kind]) for kind in KINDS)
+    gloo_cpu_s = sum(cpu_seconds(kind, link_bytes[kind]) for kind in KINDS)
     if not planned or network_s == 0:
         exposed = 0.0
     elif overlap is not None:
         exposed = (1 - overlap) * network_s
+    elif s.strategy == "fsdp":
+        # FSDP2 on CPU: measured, a block's gather and the gradients' reduce-scatter show in the step
+        # whole at every link rate (block gloo_link-runs of docs/benchmarks.md): no overlap
+        exposed = network_s
     else:
         exposed = 0.0
         if pattern.gathering_micro_batches and not pattern.hybrid_ranks_per_node:
@@ -237,6 +256,10 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
             backward_s = bwd_block_s * max(shape.layers, 1)
             exposed += last_bucket + max(0.0, allreduce_s - last_bucket - backward_s)
         exposed = min(exposed, network_s)
+        # gloo's own CPU time comes out of the cores the compute saturates: it never hides; the
+        # rest of the wait (the link's) hides as the model above says
+        if gloo_cpu_s:
+            exposed = gloo_cpu_s + (network_s - gloo_cpu_s) * exposed / network_s
     step_s = compute_s + exposed
     hidden = 1 - exposed / network_s if network_s else 1.0
     return StepTimePlan(
