@@ -97,12 +97,15 @@ def shape_link(names: list[str], rate_gbit_s: float | None) -> None:
                        check=True, capture_output=True)
 
 
-def _clean_env(**extra: str) -> dict:
+def _clean_env(in_namespace: bool = True) -> dict:
+    """The environment of a rank: gloo bound to the shaped link inside a namespace (outside, the
+    link does not exist and gloo takes loopback)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GLOO_SOCKET_IFNAME")
            and not k.startswith(("PET_", "OMPI_", "PMI_"))}
-    return {**env, "GLOO_SOCKET_IFNAME": LINK, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", **extra}
+    env = {**env, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return {**env, "GLOO_SOCKET_IFNAME": LINK} if in_namespace else env
 
 
 # ---- part 1: collectives -------------------------------------------------------------------
@@ -206,11 +209,12 @@ def median_step_s(run_dir: Path, key: str = "step_time_s") -> float:
     return statistics.median(values)
 
 
-def train_alone(settings: list[str], micro: int, run_dir: Path) -> None:
-    """One rank on core 0, no network: the compute the 2-node runs add communication to."""
+def train_alone(settings: list[str], micro: int, strategy: str, run_dir: Path) -> None:
+    """One rank of `strategy` on core 0, no network: the compute (and the strategy's own work on
+    the rank: FSDP2's casts and copies, DDP's buckets) the 2-node runs add the network to."""
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "cputrain", "train", *settings,
-           f"train.global_batch_size={micro}", "parallel.strategy=single", f"output_dir={run_dir}"]
-    proc = subprocess.run(cmd, env=_clean_env(), cwd=REPO, capture_output=True, text=True)
+           f"train.global_batch_size={micro}", f"parallel.strategy={strategy}", f"output_dir={run_dir}"]
+    proc = subprocess.run(cmd, env=_clean_env(in_namespace=False), cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
 
@@ -255,13 +259,13 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
 def runs(names: list[str], rates: list[float], quick: bool, tmp: Path) -> list[dict]:
     model, seq_len, micro, steps = (MODEL_TINY, 32, 2, 4) if quick else (MODEL_34M, 512, 2, 10)
     settings = run_settings(model, seq_len, micro, steps, tmp / "cache")
-    alone = tmp / "alone"
-    train_alone(settings, micro, alone)
-    alone_step_s = median_step_s(alone)
-    # the share of one core's peak the rank's step reached alone: the compute the plan is given
-    mfu = step_plan(settings, "single", 1, None, 1.0).compute_s / alone_step_s
     rows = []
     for strategy in ("ddp", "fsdp"):
+        alone = tmp / f"alone-{strategy}"
+        train_alone(settings, micro, strategy, alone)
+        alone_step_s = median_step_s(alone)
+        # the share of one core's peak the strategy's rank reached alone: the compute the plan is given
+        mfu = step_plan(settings, "single", 1, None, 1.0).compute_s / alone_step_s
         for rate in rates:
             shape_link(names, rate)
             run_dir = tmp / f"{strategy}-{rate:g}"
@@ -355,22 +359,26 @@ def model_check_lines(rows: list[dict], sizes_mib: list[int]) -> list[str]:
 def write_runs(rows: list[dict], quick: bool) -> None:
     from benchmarks.report import machine_line, write_block
 
-    alone, mfu = rows[0]["alone_step_s"], rows[0]["mfu"]
+    alone = {r["strategy"]: (r["alone_step_s"], r["mfu"]) for r in rows}
     lines = [machine_line(), "",
              f"2-node `cputrain train` runs over the shaped link ({'tiny smoke model' if quick else '~34M Llama'}, "
              "one rank per namespace on its own core, one thread, precision auto, micro-batch 2 × 512 tokens, one "
              f"micro-batch per rank per step), median step time of the steps after the {WARMUP_STEPS} first, against "
-             "`cputrain plan`'s time plan (cputrain/plan/step_time.py) of the same settings. The plan is given the "
-             f"compute: the MFU of the same rank's step run alone on one core, no network ({alone:.2f} s a step, "
-             f"{mfu:.1%} of the core's peak); the network time, its overlap and the efficiency (the table above) "
-             "are the plan's own. `python benchmarks/gloo_link.py --part runs`.", "",
+             "`cputrain plan`'s time plan (cputrain/plan/step_time.py) of the same settings, as planned for this "
+             "machine (`gloo_cpu_capped`: the efficiency capped by what gloo reached unshaped). The plan is given the "
+             "compute: the MFU of one rank of the same strategy run alone on one core, no network ("
+             + ", ".join(f"{k} {v[0]:.2f} s a step, {v[1]:.1%} of the core's peak" for k, v in alone.items())
+             + "); the network time, its overlap and the efficiency (the table above) are the plan's own; "
+             "\"in collectives\" is what the run's comm meter logged (comm_time_s). "
+             "`python benchmarks/gloo_link.py --part runs`.", "",
              "| strategy | link | bytes through the link / step | planned network (exposed) | planned step | "
-             "measured step | measured ÷ planned |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "measured step | in collectives | measured ÷ planned |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         ratio = r["measured_step_s"] / r["planned_step_s"]
         lines.append(f"| {r['strategy']} | {r['link_gbit_s']:g} Gbit/s | {r['link_bytes'] / MIB:,.0f} MiB | "
                      f"{r['planned_network_s']:.2f} s ({r['planned_exposed_s']:.2f} s) | {r['planned_step_s']:.2f} s | "
-                     f"{r['measured_step_s']:.2f} s | {ratio:.2f} |")
+                     f"{r['measured_step_s']:.2f} s | {r['measured_comm_s']:.2f} s | {ratio:.2f} |")
     within = [abs(r["measured_step_s"] / r["planned_step_s"] - 1) <= 0.2 for r in rows]
     lines += ["", f"Within ±20%: {sum(within)} of {len(rows)} runs."]
     write_block("gloo_link-runs", "\n".join(lines))

@@ -119,6 +119,10 @@ def steady_median(rates: list[float], warmup: int) -> float:
     return statistics.median(rates[warmup:] or rates)
 
 
+# `--set KEY=VALUE` overrides appended to every run (a variant printed, never written to the doc)
+EXTRA_OVERRIDES: list[str] = []
+
+
 def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, source: str, cache_dir: str,
                  precision: str, extra: tuple[str, ...] = ()) -> dict:
     overrides = [f"model.name_or_path={base}", f"data.cache_dir={cache_dir}", f"data.source={source}",
@@ -130,7 +134,7 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
     if lora:
         overrides += ["model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
                       "model.lora.dropout=0.0", f"model.lora.target_modules=[{','.join(TARGETS)}]"]
-    return train_and_read([*overrides, *extra], warmup, "LoRA" if lora else "full")
+    return train_and_read([*overrides, *extra, *EXTRA_OVERRIDES], warmup, "LoRA" if lora else "full")
 
 
 def train_and_read(overrides: list[str], warmup: int, what: str) -> dict:
@@ -305,7 +309,10 @@ def main() -> None:
                     "else builtin:pydoc)")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench"), help="tokenizer/data cache")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run (e.g. hardware.allocator=system); prints, writes no doc")
     a = ap.parse_args()
+    EXTRA_OVERRIDES.extend(a.set)
     if a.child:
         kind, opts = a.child[0], json.loads(a.child[1])
         print(json.dumps(peft_child(opts) if kind == "peft" else layers_child(opts)))
@@ -579,7 +586,7 @@ time {per_layer_s[True] / per_layer_s[False]:.2f}×, memory {per_layer_gib[True]
         if part in blocks:
             print(blocks[part])
     print(f"wall time {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
-    if not a.quick:
+    if not a.quick and not a.set:
         write_doc(blocks)
         print("written to docs/benchmarks.md", file=sys.stderr)
 

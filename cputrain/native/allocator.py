@@ -15,7 +15,9 @@ freed blocks for reuse, and the bf16 step peaks were 1.19× glibc's at ~100M and
 A bare install has no tcmalloc (a system package). There, on single and ddp, `auto` tells glibc
 itself to keep what a step frees (glibc-tuned, tune_glibc: no mmap, no trimming): measured the
 same way in bf16, 1.19× glibc as is on the demo, 1.04× at ~100M, 1.13× with LoRA on ~300M, at the
-same step peak (tcmalloc on that run: 1.33×, 1.13×, 1.14×, at 1.19× and 1.55× the step peak).
+same step peak (tcmalloc on that run: 1.33×, 1.13×, 1.14×, at 1.19× and 1.55× the step peak); in
+fp32 1.17×, 0.92× and 1.10× (the ~100M full run the one loss, within its runs' spread of 196–218
+tokens/s against 225–226), so auto takes it in both precisions.
 fsdp and zero3 keep glibc as is: they pin its mmap threshold so that what a rank frees of the
 gathered parameters leaves the process (pin_mmap_threshold).
 
@@ -64,9 +66,13 @@ class AllocatorChoice:
 # What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
 # (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
 # glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
-GLIBC_TUNED_MEASURED = ("measured on bf16 runs of a 2-core AVX512-BF16 EPYC at 1.19× glibc as is on the demo, "
-                        "1.04× on ~100M, 1.13× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py; "
-                        "fp32 runs not measured yet)")
+# What benchmarks/allocator.py measured, by the run's precision (tokens/s against glibc as is).
+GLIBC_TUNED_MEASURED = {
+    "bf16": ("measured on bf16 runs of a 2-core AVX512-BF16 EPYC at 1.19× glibc as is on the demo, 1.04× on ~100M, "
+             "1.13× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py)"),
+    "fp32": ("measured on fp32 runs of a 2-core AVX512-BF16 EPYC at 1.17× glibc as is on the demo, 0.92× on ~100M "
+             "fully fine-tuned, 1.10× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py)"),
+}
 SHARDED = ("fsdp", "zero3")
 
 
@@ -110,7 +116,8 @@ def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] 
         package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
         if setting == "auto" and strategy is not None and strategy not in SHARDED:
             return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}; {auto_why}): "
-                                                        f"glibc keeping what a step frees, {GLIBC_TUNED_MEASURED}")
+                                                        f"glibc keeping what a step frees, "
+                                   + GLIBC_TUNED_MEASURED.get(precision, GLIBC_TUNED_MEASURED["bf16"]))
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")

@@ -72,17 +72,17 @@ class EfficiencyTable:
     cpu_caps: tuple[CpuCapRow, ...] = ()
 
     def describe(self, cpu_capped: bool = True) -> str:
-        where = f"gloo's efficiency measured on {self.machine} ({self.measured})"
+        machine = self.machine.split(",")[0]  # the CPU's name; the whole line is in the file
+        where = f"gloo's efficiency measured on {machine} ({self.measured})"
         if not self.cpu_caps:
             return where
         if cpu_capped:
             return f"{where}: the link's share, capped by what gloo reached there unshaped"
         largest = max(c.message_bytes for c in self.cpu_caps)
-        caps = ", ".join(f"{c.gbit_s:.1f} {c.collective.replace('_', '-')}" for c in self.cpu_caps
-                         if c.message_bytes == largest)
-        return (f"{where}, the link's share only: gloo's CPU limit on this instance is not measured (one core per "
-                f"rank there reached {caps} Gbit/s unshaped; where a node's is as low, its network time is the CPU's: "
-                "run benchmarks/gloo_link.py on a node)")
+        caps = "/".join(f"{c.gbit_s:.1f}" for c in sorted(self.cpu_caps, key=lambda c: COLLECTIVES.index(c.collective))
+                        if c.message_bytes == largest)
+        return (f"{where}: the link's share; gloo's CPU limit on a node not measured (one {machine} core per rank: "
+                f"{caps} Gbit/s all-gather/reduce-scatter/all-reduce)")
 
     def cpu_cap_gbit_s(self, collective: str, message_bytes: float) -> float | None:
         points = sorted((c.message_bytes, c.gbit_s) for c in self.cpu_caps if c.collective == collective)

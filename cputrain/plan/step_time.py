@@ -77,7 +77,7 @@ class StepTimePlan:
     network_s: float
     exposed_network_s: float
     overlap: float  # share of the network time hidden behind compute
-    overlap_source: str  # "modelled" or "given"
+    overlap_source: str  # "given", "modelled", or for FSDP2 "measured on CPU: none hides"
     step_s: float
     tokens_per_s_per_rank: float
     tokens_per_s: float  # the cluster's
@@ -267,7 +267,8 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         model_flops_per_rank=model_ft * tokens, recompute_flops_per_rank=recompute_ft * tokens,
         compute_s=compute_s, comm_bytes_by_kind=rank_bytes, link_bytes_by_kind=link_bytes,
         message_bytes_by_kind=messages, efficiency_by_kind=efficiencies, network_s=network_s,
-        exposed_network_s=exposed, overlap=hidden, overlap_source="given" if overlap is not None else "modelled",
+        exposed_network_s=exposed, overlap=hidden, overlap_source=("given" if overlap is not None
+                        else "FSDP2 on CPU, measured: none hides" if s.strategy == "fsdp" else "modelled"),
         step_s=step_s, tokens_per_s_per_rank=tokens / step_s, tokens_per_s=tokens * world_size / step_s,
         mfu=model_ft * tokens / (step_s * peak_flops_per_s), network_share=exposed / step_s,
         link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s,
