@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,20 +148,26 @@ def worker(rank: int, port: int, sizes_mib: list[int], reps: int, out: Path | No
     dist.destroy_process_group()
 
 
-def run_collectives(names: list[str], sizes_mib: list[int], reps: int, tmp: Path) -> dict[str, dict[int, float]]:
-    out = tmp / f"times-{uuid.uuid4().hex[:6]}.json"
-    port = 29600 + int(uuid.uuid4().int % 300)
+def run_on_each_node(names: list[str], argv_for: Callable[[int], list[str]], what: str, timeout_s: float) -> None:
+    """Node i's process in namespace i, pinned to core i, all at once; fails with the first's stderr."""
     procs = []
-    for rank, ns in enumerate(names):
-        cmd = ["ip", "netns", "exec", ns, "taskset", "-c", str(rank % os.cpu_count()), sys.executable, __file__,
-               "--worker", str(rank), "--port", str(port), "--sizes", ",".join(map(str, sizes_mib)),
-               "--reps", str(reps), "--out", str(out)]
+    for node, ns in enumerate(names):
+        cmd = ["ip", "netns", "exec", ns, "taskset", "-c", str(node % os.cpu_count()), sys.executable,
+               *argv_for(node)]
         procs.append(subprocess.Popen(cmd, env=_clean_env(), cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     for p in procs:
-        _, err = p.communicate(timeout=1800)
+        _, err = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
-            raise SystemExit(f"collective worker failed:\n{err[-3000:]}")
+            raise SystemExit(f"{what} failed:\n{err[-3000:]}")
+
+
+def run_collectives(names: list[str], sizes_mib: list[int], reps: int, tmp: Path) -> dict[str, dict[int, float]]:
+    out = tmp / f"times-{uuid.uuid4().hex[:6]}.json"
+    port = 29600 + int(uuid.uuid4().int % 300)
+    run_on_each_node(names, lambda rank: [__file__, "--worker", str(rank), "--port", str(port), "--sizes",
+                                          ",".join(map(str, sizes_mib)), "--reps", str(reps), "--out", str(out)],
+                     "collective worker", 1800)
     raw = json.loads(out.read_text())
     return {kind: {int(b): s for b, s in by_size.items()} for kind, by_size in raw.items()}
 
@@ -222,19 +229,12 @@ def train_alone(settings: list[str], micro: int, strategy: str, run_dir: Path) -
 def train_two_nodes(names: list[str], settings: list[str], micro: int, strategy: str, run_dir: Path) -> None:
     """Node i in namespace i on core i, one rank each, rendezvous over the shaped link."""
     port = 29900 + int(uuid.uuid4().int % 90)
-    procs = []
-    for node_rank, ns in enumerate(names):
-        cmd = ["ip", "netns", "exec", ns, "taskset", "-c", str(node_rank % os.cpu_count()), sys.executable, "-m",
-               "cputrain", "train", *settings, f"train.global_batch_size={micro * WORLD}",
-               f"parallel.strategy={strategy}", f"output_dir={run_dir}", "launch.rdzv_timeout_s=120",
-               "--nnodes", str(WORLD), "--node-rank", str(node_rank), "--nproc-per-node", "1",
-               "--rdzv-endpoint", f"{ADDRS[0]}:{port}"]
-        procs.append(subprocess.Popen(cmd, env=_clean_env(), cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        _, err = p.communicate(timeout=3600)
-        if p.returncode != 0:
-            raise SystemExit(f"2-node {strategy} run failed:\n{err[-3000:]}")
+    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings,
+                                          f"train.global_batch_size={micro * WORLD}", f"parallel.strategy={strategy}",
+                                          f"output_dir={run_dir}", "launch.rdzv_timeout_s=120", "--nnodes", str(WORLD),
+                                          "--node-rank", str(node), "--nproc-per-node", "1",
+                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
+                     f"2-node {strategy} run", 3600)
 
 
 def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float | None, mfu: float):
@@ -346,12 +346,12 @@ def model_check_lines(rows: list[dict], sizes_mib: list[int]) -> list[str]:
                 row = next(r for r in rows if r["collective"] == kind and r["link_gbit_s"] == rate
                            and r["message_bytes"] == size_mib * MIB)
                 ratio = row["efficiency"] / table.efficiency(kind, size_mib * MIB, rate)
-                ratios.append(ratio)
+                ratios.append((ratio, size_mib))
                 cells.append(f"{ratio:.2f}")
             lines.append(f"| {kind.replace('_', '-')} at {rate:g} Gbit/s | " + " | ".join(cells) + " |")
-    big = [r for r, size in zip(ratios, [m for _ in range(len(rates) - 1) for _ in KINDS for m in sizes_mib])
-           if size >= 64]
-    lines += ["", f"Measured ÷ modelled: {min(ratios):.2f}–{max(ratios):.2f} over every size, "
+    every = [r for r, _ in ratios]
+    big = [r for r, size_mib in ratios if size_mib >= 64]
+    lines += ["", f"Measured ÷ modelled: {min(every):.2f}–{max(every):.2f} over every size, "
               f"{min(big):.2f}–{max(big):.2f} at 64 MiB and above (FSDP's block messages, DDP's buckets are 25 MiB)."]
     return lines
 

@@ -215,19 +215,19 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     planned = network_used and link_gbit_s is not None
     link_bytes_per_s = (link_gbit_s or 0) * 1e9 / 8
 
+    efficiencies = {kind: (table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped)
+                           if table is not None and planned else fixed) for kind in KINDS}
+
     def seconds(kind: str, nbytes: float) -> float:
         if not planned or nbytes <= 0:
             return 0.0
-        eff = table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped) if table is not None else fixed
-        return nbytes / (link_bytes_per_s * eff)
+        return nbytes / (link_bytes_per_s * efficiencies[kind])
 
     def cpu_seconds(kind: str, nbytes: float) -> float:
         """The time gloo's transfers and reductions hold a core: the bytes at the unshaped rate."""
         cap = table.cpu_cap_gbit_s(kind, messages[kind]) if planned and gloo_cpu_capped and table else None
         return nbytes * 8 / (cap * 1e9) if cap and nbytes > 0 else 0.0
 
-    efficiencies = {kind: (table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped)
-                           if table is not None and planned else fixed) for kind in KINDS}
     network_s = sum(seconds(kind, link_bytes[kind]) for kind in KINDS)
     gloo_cpu_s = sum(cpu_seconds(kind, link_bytes[kind]) for kind in KINDS)
     if not planned or network_s == 0:
