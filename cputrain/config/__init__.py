@@ -5,4 +5,5 @@ checked (model_file), and the configuration reference page rendered from the fie
 
 from cputrain.config.sections import (DEFAULT_ARCH, LLAMA_PROJECTIONS, Config, DataConfig,  # noqa: F401
                                       HardwareConfig, LaunchConfig, LoraConfig, ModelConfig, ParallelConfig,
-                                      TrainConfig, batch_error, checkpointed_blocks)
+                                      TrainConfig, batch_error, checkpointed_blocks,
+                                      checkpointing_split, uses_selective)

@@ -44,6 +44,11 @@ _UNION_MEMBERS = {"bool": "true or false", "int": "a whole number", "float": "a 
                   "list[str]": "a list of names"}
 
 
+def pattern_words(pattern: str) -> str:
+    """A string pattern as a user writes the value: ^[0-9]+\\+selective$ → N+selective."""
+    return pattern.strip("^$").replace("[0-9]+", "N").replace("\\", "")
+
+
 def _union_error(errors: list[dict]) -> str | None:
     """One line for a value that fits no member of a union: the key without the member's name, and
     what it may be; a member's own check (a number out of range) is said as it is."""
@@ -61,6 +66,9 @@ def _union_error(errors: list[dict]) -> str | None:
     allowed = []
     for e in same:
         tag = str(e["loc"][-1])
+        if tag == "constrained-str" and "pattern" in e.get("ctx", {}):  # a pattern such as ^[0-9]+\+selective$
+            allowed.append(pattern_words(e["ctx"]["pattern"]))
+            continue
         allowed.append(tag.removeprefix("literal[").removesuffix("]").replace("'", "").replace(",", " or ") if tag.startswith("literal[")
                        else _UNION_MEMBERS.get(tag, tag))
     return f"bad value for '{key}' ({first.get('input')!r}): use {', or '.join(allowed)}"

@@ -62,6 +62,11 @@ def _type_text(ann: typing.Any) -> str:
         return "mapping"
     if ann is type(None):
         return "`null`"
+    if origin is typing.Annotated:  # a string with a pattern: said as a user writes it
+        from cputrain.config.file import pattern_words
+
+        pattern = next((getattr(a, "pattern", None) for a in args[1:] if getattr(a, "pattern", None)), None)
+        return f"`{pattern_words(pattern)}`" if pattern else _type_text(args[0])
     return {bool: "`true` \\| `false`", int: "integer", float: "number", str: "string"}.get(ann, str(ann))
 
 

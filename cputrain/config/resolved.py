@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from cputrain.config.sections import (Config, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
+from cputrain.config.sections import (Config, MixedCheckpointing, DataConfig, HardwareConfig, LaunchConfig, LoraConfig, ModelConfig,
                                       ParallelConfig, TrainConfig)
 
 # Read-only: after resolution nothing in a run may change the config (a value changed in the middle
@@ -87,7 +87,7 @@ class DecidedLoraConfig(ResolvedLoraConfig):
 class DecidedModelConfig(ResolvedModelConfig):
     attn_implementation: Literal["sdpa", "eager"]
     chunked_loss: bool
-    activation_checkpointing: bool | int | Literal["selective"]
+    activation_checkpointing: bool | int | Literal["selective"] | MixedCheckpointing
     lora: DecidedLoraConfig
 
 
@@ -132,7 +132,7 @@ class PlannedModelConfig(ModelConfig):
     model_config = _READ_ONLY
     attn_implementation: Literal["sdpa", "eager"]
     chunked_loss: bool
-    activation_checkpointing: bool | int | Literal["selective"]
+    activation_checkpointing: bool | int | Literal["selective"] | MixedCheckpointing
     lora: DecidedLoraConfig
 
 

@@ -9,10 +9,13 @@ a reason, by `cputrain.resolve` once the hardware is known, into a read-only
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+# model.activation_checkpointing="N+selective": the first N blocks whole, the others selective.
+MixedCheckpointing = Annotated[str, StringConstraints(pattern=r"^[0-9]+\+selective$")]
 
 # The demo's model: a small Llama (~5M parameters with a 4096-token vocabulary).
 DEFAULT_ARCH: dict[str, Any] = {
@@ -128,14 +131,16 @@ class ModelConfig(Section):
     reference (plain matmuls + softmax), or auto: both are timed once, forward and backward, on
     this run's attention shape and dtype, and the faster is used (cached per machine and shape)."""
 
-    activation_checkpointing: bool | int | Literal["auto", "selective"] = False
+    activation_checkpointing: bool | int | Literal["auto", "selective"] | MixedCheckpointing = False
     """Recompute decoder blocks' activations in the backward pass: less memory, more compute (a
     checkpointed block runs its forward twice: ~1.5× its FLOPs). true: every block; an integer N:
     the first N blocks, the others keep their activations; selective: every block keeps the
     outputs of its matmuls and attention and recomputes only the cheap operations between them
     (norms, RoPE, SiLU × up, casts): no matmul runs twice, and about half a block's activations
-    are kept (not with parallel.strategy=zero3); auto: none where the memory plan fits this node
-    without checkpointing, else selective where that fits, else the fewest blocks that fit, by
+    are kept; "N+selective": the first N blocks whole, the others selective (selective and its
+    mix not with parallel.strategy=zero3); auto: none where the memory plan fits this node
+    without checkpointing, else selective where that fits, else the fewest whole blocks with the
+    others selective (zero3: the others keeping everything) that fit, by
     `cputrain.plan.checkpointing`."""
 
     compile: bool | Literal["auto"] = "auto"
@@ -161,8 +166,8 @@ class ModelConfig(Section):
     @classmethod
     def _blocks_not_negative(cls, value):
         if not isinstance(value, bool) and isinstance(value, int) and value < 0:
-            raise ValueError(f"model.activation_checkpointing is {value}; use true, false, selective, auto or a "
-                             "number of decoder blocks ≥ 0")
+            raise ValueError(f"model.activation_checkpointing is {value}; use true, false, selective, auto, a "
+                             "number of decoder blocks ≥ 0, or N+selective")
         return value
 
     @field_validator("arch", mode="before")
@@ -175,16 +180,29 @@ class ModelConfig(Section):
         return value
 
 
-def checkpointed_blocks(setting: bool | int, layers: int) -> int:
-    """How many decoder blocks a resolved model.activation_checkpointing recomputes: the first ones,
-    whose backward runs last, after the other blocks' kept activations are freed."""
+def checkpointing_split(setting: bool | int | str, layers: int) -> tuple[int, int]:
+    """(whole, selective): how many decoder blocks a resolved model.activation_checkpointing
+    recomputes whole (the first ones, whose backward runs last, after the other blocks' kept
+    activations are freed) and how many of the others keep only their matmul outputs; the rest
+    keep everything."""
     if setting == "auto":
         raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.checkpointing)")
-    if setting == "selective":  # every block, but not in whole: its callers count it on its own
-        raise ValueError("model.activation_checkpointing=selective recomputes parts of every block, not whole blocks")
+    if isinstance(setting, str):  # "selective" or "N+selective"
+        whole = min(int(setting.split("+")[0]), layers) if "+" in setting else 0
+        return whole, layers - whole
     if isinstance(setting, bool):
-        return layers if setting else 0
-    return min(setting, layers)
+        return (layers if setting else 0), 0
+    return min(setting, layers), 0
+
+
+def checkpointed_blocks(setting: bool | int | str, layers: int) -> int:
+    """How many decoder blocks a resolved model.activation_checkpointing recomputes whole."""
+    return checkpointing_split(setting, layers)[0]
+
+
+def uses_selective(setting: bool | int | str) -> bool:
+    """Whether some blocks are checkpointed selectively ("selective" or "N+selective")."""
+    return isinstance(setting, str) and setting.endswith("selective")
 
 
 class DataConfig(Section):
@@ -513,8 +531,9 @@ class Config(Section):
     def _selective_fits(self):
         # DeepSpeed gathers and releases each linear's weight in hooks inside the block, and its
         # collectives would pass through the selective policy's dispatch mode: untested, refused.
-        if self.model.activation_checkpointing == "selective" and self.parallel.strategy == "zero3":
-            raise ValueError("model.activation_checkpointing=selective does not take parallel.strategy=zero3; use "
+        if uses_selective(self.model.activation_checkpointing) and self.parallel.strategy == "zero3":
+            raise ValueError(f"model.activation_checkpointing={self.model.activation_checkpointing} does not take "
+                             "parallel.strategy=zero3; use "
                              "true, a number of blocks, or strategy fsdp (which shards the same way)")
         return self
 

@@ -3,10 +3,13 @@ what is done to them (activation checkpointing, compiled blocks), and its parame
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
-from cputrain.config import ModelConfig, checkpointed_blocks
+from cputrain.config import ModelConfig, checkpointing_split, uses_selective
 from cputrain.errors import ModelError, first_line
 from cputrain.model.source import ModelSource
 
@@ -31,29 +34,37 @@ def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
 
 def enable_activation_checkpointing(model: nn.Module, setting: bool | int | str = True) -> None:
     """Checkpoint the model's blocks as model.activation_checkpointing says (resolved: true, false,
-    a number of blocks, the first ones, or selective: every block, keeping its matmul outputs).
-    The others keep their activations: transformers checks each block's own
-    `gradient_checkpointing` flag at every call."""
+    a number of blocks, the first ones, selective: every block, keeping its matmul outputs, or
+    "N+selective": the first N whole, the others selective). Blocks not checkpointed keep their
+    activations: transformers checks each block's own `gradient_checkpointing` flag at every call."""
     if not setting:  # false or 0
         return
-    if setting == "selective":
+    # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
+    whole_kwargs = {"use_reentrant": False}
+    if uses_selective(setting):
         from cputrain.model.selective_checkpointing import checkpoint_kwargs
 
         kwargs = checkpoint_kwargs()
     else:
-        # Non-reentrant checkpointing composes with FSDP2 and torch.compile.
-        kwargs = {"use_reentrant": False}
+        kwargs = whole_kwargs
     # transformers checkpoints each block's forward, not its __call__: FSDP2's hooks on the block
     # (all-gather, reshard) stay outside the checkpoint and do not run again in the recompute.
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x: the other name warns on every run
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    # N blocks: any architecture with findable blocks (true needs none). `is not True`, not `in`:
-    # 1 == True, and one block must not become every block.
-    if setting is not True and setting != "selective":
-        blocks = decoder_blocks(model)
-        for block in blocks[checkpointed_blocks(setting, len(blocks)):]:
+    if setting is True or setting == "selective":  # `is`, not ==: 1 == True, and one block is not all
+        return
+    blocks = decoder_blocks(model)
+    whole, selective = checkpointing_split(setting, len(blocks))
+    if selective:
+        # transformers gives every block one checkpoint function; the first `whole` get the plain one
+        for block in blocks[:whole]:
+            block._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                   **whole_kwargs)
+    else:
+        # N blocks: any architecture with findable blocks (true needs none)
+        for block in blocks[whole:]:
             block.gradient_checkpointing = False
 
 

@@ -32,6 +32,8 @@ what its matmuls and its attention kernel produce, and recomputes the rest in th
 block for Llama's shapes; one block at a time is then recomputed in full, as with whole blocks.
 LoRA's lora_A outputs (t·r) are kept; lora_B's (t·out, a thin product) and the adapters' dropout
 are recomputed. Eager attention's q·kᵀ is recomputed where it is thin (head_dim × 4 ≤ seq).
+"N+selective" checkpoints the first N blocks whole and the others selectively: N inputs, L − N
+selective blocks, and one block recomputed in full at a time.
 
 Under bf16 autocast the matmul outputs are bf16 (2 bytes) while norms and the softmax stay
 fp32; autocast also keeps a bf16 copy of every fp32 weight used in the forward for the backward.
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cputrain.config import checkpointed_blocks
+from cputrain.config import checkpointing_split
 from cputrain.plan.model_shape import ModelShape
 
 
@@ -154,15 +156,15 @@ def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: s
         block += eager_attention_bytes(m, micro_batch, seq_len, matmul_bytes)
     # under fp32 compute the stream between blocks is fp32 whatever the base's dtype
     residual_bytes = m.residual_bytes if precision == "bf16" else 4
-    if checkpointing == "selective":
-        # every block's input and kept outputs, and one block recomputed in full at a time
-        kept = selective_block_bytes(m, micro_batch, seq_len, matmul_bytes, eager_attention)
-        blocks = m.layers * (tokens * m.hidden * residual_bytes + kept) + block
-    elif checkpointed := checkpointed_blocks(checkpointing, m.layers):
-        # their inputs + the whole blocks kept or one recomputed
-        blocks = checkpointed * tokens * m.hidden * residual_bytes + max(m.layers - checkpointed, 1) * block
-    else:
-        blocks = m.layers * block
+    whole, selective = checkpointing_split(checkpointing, m.layers)
+    kept_whole = m.layers - whole - selective
+    block_input = tokens * m.hidden * residual_bytes
+    kept = selective_block_bytes(m, micro_batch, seq_len, matmul_bytes, eager_attention) if selective else 0
+    # Checkpointed blocks keep their input (selective ones their matmul outputs as well); the
+    # blocks that keep everything are the last ones, whose backward runs first and frees them
+    # before any checkpointed block is recomputed, in full, one at a time.
+    blocks = (whole * block_input + selective * (block_input + kept)
+              + max(kept_whole, 1 if whole + selective else 0) * block)
     head = head_bytes(m, tokens, matmul_bytes, chunked_loss) + adapters.get("root", 0)  # an adapted head
     weight_copies = local_weight_params * 2 if precision == "bf16" else upcast_copy_bytes(m, precision)
     return ActivationBytes(saved_bytes=blocks + head, weight_copy_bytes=weight_copies)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cputrain.config import checkpointed_blocks
+from cputrain.config import checkpointing_split
 from cputrain.plan.build import Plan
 from cputrain.plan.fit import NODE_RESERVED_FRACTION, NODE_RESERVED_GIB, POD_HEADROOM
 
@@ -70,10 +70,12 @@ def _lora_line(plan: Plan) -> str | None:
 
 def checkpointing_words(setting: bool | int | str, layers: int) -> str:
     """model.activation_checkpointing as the plan's first lines say it."""
-    if setting == "selective":
+    whole, selective = checkpointing_split(setting, layers)
+    if selective == layers:
         return "selective (every block keeps its matmul outputs, recomputes the rest)"
-    count = checkpointed_blocks(setting, layers)
-    return "on" if count == layers else "off" if count == 0 else f"on {count} of {layers} blocks"
+    if selective:
+        return f"on {whole} of {layers} blocks whole, the other {selective} selective"
+    return "on" if whole == layers else "off" if whole == 0 else f"on {whole} of {layers} blocks"
 
 
 def table_lines(plan: Plan) -> list[str]:

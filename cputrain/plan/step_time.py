@@ -41,7 +41,7 @@ class StepSettings:
     micro_batch: int
     seq_len: int
     global_batch: int
-    activation_checkpointing: bool | int
+    activation_checkpointing: bool | int | str
     persistence_threshold: int | None = None  # zero3: DeepSpeed's stage3_param_persistence_threshold (None: 10 × hidden)
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance
 
@@ -175,9 +175,9 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     micro_batches = s.global_batch // (s.micro_batch * world_size)
     tokens_mb = s.micro_batch * s.seq_len
     tokens = micro_batches * tokens_mb
-    # selective checkpointing reruns no matmul, only elementwise work the FLOP count leaves out
-    checkpointed = (0 if s.activation_checkpointing == "selective"
-                    else checkpointed_blocks(s.activation_checkpointing, shape.layers))
+    # blocks checkpointed whole run their forward again; selective ones rerun no matmul, only
+    # elementwise work the FLOP count leaves out
+    checkpointed = checkpointed_blocks(s.activation_checkpointing, shape.layers)
     model_ft, recompute_ft, fwd_ft, bwd_ft = _flops_per_token(shape, s.seq_len, checkpointed)
     rate = peak_flops_per_s * mfu  # FLOPs the cores execute per second
     compute_s = (model_ft + recompute_ft) * tokens / rate

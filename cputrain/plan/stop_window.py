@@ -78,10 +78,9 @@ def step_flops(shape: ModelShape, seq_len: int, global_batch: int,
     non_embedding = shape.total_params - untied
     trained = shape.trainable_params - (0 if shape.tied_embeddings else sum(p.numel for p in embeddings if p.trainable))
     per_token = flops_per_token(non_embedding, shape.layers, shape.hidden, seq_len, trained_params=trained)
-    # the forward of each checkpointed block runs again in the backward; selective checkpointing
-    # runs no matmul again (only norms, RoPE, SiLU × up and LoRA's thin lora_B: no count here)
-    if activation_checkpointing != "selective":
-        per_token += 2 * non_embedding * checkpointed_blocks(activation_checkpointing, shape.layers) / shape.layers
+    # the forward of each block checkpointed whole runs again in the backward; selective blocks
+    # run no matmul again (only norms, RoPE, SiLU × up and LoRA's thin lora_B: no count here)
+    per_token += 2 * non_embedding * checkpointed_blocks(activation_checkpointing, shape.layers) / shape.layers
     return per_token * seq_len * global_batch
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cputrain.config import checkpointed_blocks
+from cputrain.config import checkpointed_blocks, checkpointing_split
 from cputrain.config.file import load_config
 from cputrain.errors import ConfigError
 
@@ -136,17 +136,41 @@ def test_auto_takes_the_fewest_blocks_that_fit_the_node():
     assert peaks[2] < selective < peaks[0]  # this shape: between 1 and 2 whole blocks' savings
     blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=(selective + peaks[0]) / 2 / MEMORY_FRACTION)
     assert blocks == "selective" and "no matmul twice" in why
-    # below selective: the fewest blocks whose plan fits, named with the budget
-    for n in (3, 5):
-        memory = (peaks[n] + peaks[n - 1]) / 2 / MEMORY_FRACTION  # fits with n, not with n − 1
+    # below selective: the fewest whole blocks with which the others selective, or keeping
+    # everything, fit (the mix keeps less unless nearly every block is whole), named with the budget
+    mixed = {n: peak_gib(f"{n}+selective") for n in range(7)}
+    assert all(mixed[n] > mixed[n + 1] for n in range(6))
+    assert mixed[1] < peaks[1] and mixed[5] > peaks[5]
+    for n in (2, 3):
+        memory = (mixed[n] + mixed[n - 1]) / 2 / MEMORY_FRACTION  # fits with n, not with n − 1
         blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=memory)
-        assert blocks == n and f"the first {n} of 6 blocks" in why and f"selective {selective:.1f} GiB" in why
+        assert blocks == f"{n}+selective", (n, blocks)
+        assert f"the first {n} of 6 blocks whole, the other {6 - n} selective" in why
+        assert f"selective {selective:.1f} GiB" in why
+    memory = (peaks[5] + peaks[4]) / 2 / MEMORY_FRACTION  # 5 whole blocks fit, 5+selective does not
+    blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=memory)
+    assert blocks == 5 and "the first 5 of 6 blocks whole, the others keeping everything" in why
     # two ranks on the node: each has half of it
-    memory = (peaks[3] + peaks[2]) / 2 / MEMORY_FRACTION
-    assert checkpointing_choice(cfg, 1, 2, memory_gib=2 * memory)[0] == checkpointing_choice(cfg, 1, 1, memory)[0] == 3
+    memory = (mixed[3] + mixed[2]) / 2 / MEMORY_FRACTION
+    assert checkpointing_choice(cfg, 1, 2, memory_gib=2 * memory)[0] == checkpointing_choice(cfg, 1, 1, memory)[0] \
+        == "3+selective"
     # nothing fits: every block, and the run's memory warning follows
     blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=peaks[6] * 0.5)
     assert blocks is True and "every block" in why
+
+
+def test_auto_under_zero3_takes_whole_blocks_only():
+    """zero3 takes no selective checkpointing: the fewest whole blocks, the others keeping everything."""
+    from cputrain.plan.build import make_plan
+    from cputrain.plan.checkpointing import MEMORY_FRACTION, checkpointing_choice
+
+    cfg = _plan_config("model.activation_checkpointing=auto", "parallel.strategy=zero3",
+                       "model.attn_implementation=sdpa", "model.chunked_loss=false")
+    peaks = {n: make_plan(cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"activation_checkpointing": n})}), 1).peak_rank.total_bytes / 2**30 for n in (2, 3)}
+    blocks, why = checkpointing_choice(cfg, 1, 1, memory_gib=(peaks[3] + peaks[2]) / 2 / MEMORY_FRACTION)
+    assert blocks == 3 and "the first 3 of 6 blocks whole, the others keeping everything" in why
+    assert "selective" not in why
 
 
 def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
@@ -155,7 +179,15 @@ def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
     assert load_config(None, ["model.activation_checkpointing=3"]).model.activation_checkpointing == 3
     with pytest.raises(ValueError, match="resolved by the run"):
         checkpointed_blocks("auto", 4)
-    assert [checkpointed_blocks(s, 4) for s in (False, True, 0, 2, 9)] == [0, 4, 0, 2, 4]
+    assert [checkpointed_blocks(s, 4) for s in (False, True, 0, 2, 9, "selective", "3+selective", "9+selective")] \
+        == [0, 4, 0, 2, 4, 0, 3, 4]
+    assert [checkpointing_split(s, 4) for s in (True, 2, "selective", "3+selective")] == [(4, 0), (2, 0), (0, 4),
+                                                                                           (3, 1)]
+    assert load_config(None, ["model.activation_checkpointing=3+selective"]).model.activation_checkpointing == \
+        "3+selective"
+    with pytest.raises(ConfigError, match=r"use true or false, or a whole number, or auto or selective, or "
+                                          r"N\+selective$"):
+        load_config(None, ["model.activation_checkpointing=three+selective"])
 
 
 def test_cputrain_plan_plans_auto_as_every_block_and_says_so():

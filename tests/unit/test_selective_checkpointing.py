@@ -3,6 +3,8 @@ twice in the backward, and per block the bytes the plan counts (cputrain.plan.ac
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 LAYERS = 3
@@ -75,8 +77,8 @@ def test_selective_steps_as_without_checkpointing_and_runs_no_matmul_twice(lora)
     thin products (rank 4 into the projection's width) may run again, and are not counted."""
     import torch
 
-    none, whole, selective = (_step(_tiny_llama(lora), s) for s in (False, True, "selective"))
-    for loss, grads, _ in (selective, whole):
+    none, whole, selective, mixed = (_step(_tiny_llama(lora), s) for s in (False, True, "selective", "1+selective"))
+    for loss, grads, _ in (selective, whole, mixed):
         assert loss == pytest.approx(none[0], abs=1e-6)
         assert grads.keys() == none[1].keys() and grads
         for name, g in none[1].items():
@@ -85,6 +87,8 @@ def test_selective_steps_as_without_checkpointing_and_runs_no_matmul_twice(lora)
     # whole blocks: every block's projections and attention again (but down_proj's own product,
     # which no backward reads: torch stops a block's recompute once it has what the backward needs)
     assert whole[2] >= none[2] + LAYERS * len(TARGETS)
+    # the first block whole, the other two selective: that one block's matmuls again, no more
+    assert none[2] + len(TARGETS) <= mixed[2] <= none[2] + (whole[2] - none[2]) / LAYERS
 
 
 def _kept_per_block(monkeypatch, lora: bool, bf16: bool, attention: str = "sdpa") -> float:
@@ -131,10 +135,12 @@ def test_the_plan_counts_what_selective_keeps(monkeypatch, lora, bf16, attention
     # the plan of a whole run: every block's input and kept outputs + one block recomputed, over none
     precision = "bf16" if bf16 else "fp32"
     plan = {s: activation_bytes(m, BATCH, SEQ, precision, s, local_weight_params=0,
-                                eager_attention=attention == "eager").saved_bytes for s in (False, True, "selective")}
+                                eager_attention=attention == "eager").saved_bytes
+            for s in (False, True, "selective", "1+selective")}
     block_input = BATCH * SEQ * m.hidden * 4
     one_block = (plan[False] - plan[True] + LAYERS * block_input) / (LAYERS - 1)  # what a kept block adds
     assert plan["selective"] - plan[True] == LAYERS * planned
+    assert plan["1+selective"] - plan[True] == (LAYERS - 1) * planned  # the first block whole
     assert planned + block_input < 0.6 * one_block
 
 
@@ -181,6 +187,7 @@ def test_zero3_refuses_selective_in_one_line():
     from cputrain.config.file import load_config
     from cputrain.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="selective does not take parallel.strategy=zero3") as err:
-        load_config(None, ["model.activation_checkpointing=selective", "parallel.strategy=zero3"])
-    assert "\n" not in str(err.value)
+    for setting in ("selective", "2+selective"):
+        with pytest.raises(ConfigError, match=re.escape(f"{setting} does not take parallel.strategy=zero3")) as err:
+            load_config(None, [f"model.activation_checkpointing={setting}", "parallel.strategy=zero3"])
+        assert "\n" not in str(err.value)
