@@ -1,7 +1,8 @@
 """cputrain against the Hugging Face Trainer: the same Llama, corpus, tokenizer, batch and threads,
 this machine, at three sizes (the demo's model, ~30M, ~100M) and in each precision the CPU runs
 natively (fp32 always; bf16 where it has AMX or AVX512-BF16), with the ceiling this machine's matrix
-products set. Writes its table to docs/benchmarks.md (block vs_hf_trainer).
+products set. Writes its table to docs/benchmarks.md (block vs_hf_trainer, or the name block_name()
+gives: precisions other than fp32, a CPU other than AVX2, torch's kernels limited by ATEN_CPU_CAPABILITY).
 
     python benchmarks/vs_hf_trainer.py            # full run, several repetitions, writes the doc
     python benchmarks/vs_hf_trainer.py --quick    # smoke: the demo size only, one repetition, prints only
@@ -291,6 +292,23 @@ def spread(results: list[dict], key: str = "tokens_per_s") -> str:
     return f"{min(r[key] for r in results):,.0f}–{max(r[key] for r in results):,.0f}"
 
 
+def block_name(precisions: list[str]) -> str:
+    """fp32 blocks per kernel level (an AVX-512 run must not replace the AVX2 machine's block; the
+    AVX2 one keeps the plain name), bf16-only runs per precision, and a run whose torch kernels were
+    held back by ATEN_CPU_CAPABILITY apart from the machines that have that level natively."""
+    import torch
+
+    name = "vs_hf_trainer"
+    capability = torch.backends.cpu.get_cpu_capability()  # what ATen dispatches to: AVX2, AVX512, ...
+    if "fp32" not in precisions:
+        name += "-" + "-".join(precisions)
+    elif capability != "AVX2":
+        name += "-" + "-".join(precisions) + "-" + capability.lower()
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        name += "-aten-" + os.environ["ATEN_CPU_CAPABILITY"].lower()
+    return name
+
+
 def native_precisions() -> list[str]:
     """fp32 everywhere; bf16 only where the CPU runs it in hardware (emulated bf16 is 100× slower)."""
     from cputrain.hardware import detect
@@ -448,9 +466,8 @@ Reproduce: `python benchmarks/vs_hf_trainer.py {" ".join(sys.argv[1:])}`
 """
     print(table)
     if not a.quick or a.write_doc:
-        # fp32 rows (every machine has them) and bf16-only runs (machines with bf16 units) are kept apart
-        write_block("vs_hf_trainer" if "fp32" in precisions else "vs_hf_trainer-" + "-".join(precisions), table)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        write_block(block_name(precisions), table)
+        print(f"written to docs/benchmarks.md (block {block_name(precisions)})", file=sys.stderr)
 
 
 if __name__ == "__main__":
