@@ -7,6 +7,7 @@ replaces only that, so scripts can be rerun one at a time.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import statistics
 from pathlib import Path
@@ -22,9 +23,14 @@ def machine_line() -> str:
 
     hw = detect()
     flags = ", ".join(k for k, v in hw.flags.items() if v) or "none of interest"
+    # The flags say what the CPU has; with ATEN_CPU_CAPABILITY torch's own kernels use less of it.
+    limited = os.environ.get("ATEN_CPU_CAPABILITY")
+    kernels = (f"ATEN_CPU_CAPABILITY={limited} (torch's kernels limited to {limited.upper()}; "
+               f"torch.backends.cpu.get_cpu_capability() reports {torch.backends.cpu.get_cpu_capability()}); "
+               if limited else "")
     return (
         f"Machine: {hw.cpu_model}, {hw.physical_cores} physical cores, {hw.memory_gib:.0f} GiB, "
-        f"flags {flags}; torch {torch.__version__}; measured {datetime.date.today().isoformat()}."
+        f"flags {flags}; torch {torch.__version__}; {kernels}measured {datetime.date.today().isoformat()}."
     )
 
 

@@ -1,7 +1,8 @@
 """cputrain against the Hugging Face Trainer: the same Llama, corpus, tokenizer, batch and threads,
 this machine, at three sizes (the demo's model, ~30M, ~100M) and in each precision the CPU runs
-natively (fp32 always; bf16 where it has AMX or AVX512-BF16). Writes its table to
-docs/benchmarks.md (block vs_hf_trainer).
+natively (fp32 always; bf16 where it has AMX or AVX512-BF16), with the ceiling this machine's matrix
+products set. Writes its table to docs/benchmarks.md (block vs_hf_trainer, or the name block_name()
+gives: precisions other than fp32, a CPU other than AVX2, torch's kernels limited by ATEN_CPU_CAPABILITY).
 
     python benchmarks/vs_hf_trainer.py            # full run, several repetitions, writes the doc
     python benchmarks/vs_hf_trainer.py --quick    # smoke: the demo size only, one repetition, prints only
@@ -13,6 +14,9 @@ Configurations, each in a fresh process per repetition, alternated (medians repo
              cputrain's batch: micro-batch and accumulation the same
   cputrain   `cputrain train` through its real code path (subprocess, summary.json), every
              setting at its default for that precision
+  ceiling    the same step's matrix products and attention kernel alone, each timed in isolation
+             (benchmarks/step_ceiling.py): the fastest a step that runs the model's products at
+             these shapes could be here, whatever else it does faster
 Useful tokens are the non-padding ones. Also measured here: the fp32 rate of a large torch.mm,
 the MFU of the ~30M model against that measured rate, the time from command to first training
 step of the default run (tokenizer cached), and the full default run from a fresh cache.
@@ -52,6 +56,8 @@ SEQ_LEN = 512
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torch dtype names per precision
 PAD_TO = 512  # the recipe's max_length="max_length" padding
 LR, WARMUP, SEED = 3e-3, 2, 1337
+# What cputrain is asked to reach against the packed Trainer, at every size; set against the ceiling.
+SPEEDUP_TARGET = {"fp32": 1.1, "bf16": 1.5}
 
 
 def env() -> dict:
@@ -251,9 +257,20 @@ def default_run(extra: list[str], cache_dir: str) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
+def run_ceiling(micro: int, global_batch: int, source: str, cache_dir: str, arch: dict, precision: str,
+                vocab: int = VOCAB) -> dict:
+    from benchmarks.step_ceiling import step_ceiling
+
+    # the model's vocabulary is the tokenizer's length, as run_hf builds it
+    vocab_size = len(shared_tokenizer(source, cache_dir, vocab))
+    return step_ceiling(arch, vocab_size, micro, global_batch, SEQ_LEN, precision, threads=physical_cores())
+
+
 def child(kind: str, opts: dict) -> dict:
     if kind in ("hf-padded", "hf-packed"):
         return run_hf(kind, **opts)
+    if kind == "ceiling":
+        return run_ceiling(**opts)
     if kind == "matmul":
         return {"flops": matmul_rate(**opts)}
     raise ValueError(kind)
@@ -273,6 +290,23 @@ def med(results: list[dict], key: str) -> float:
 
 def spread(results: list[dict], key: str = "tokens_per_s") -> str:
     return f"{min(r[key] for r in results):,.0f}–{max(r[key] for r in results):,.0f}"
+
+
+def block_name(precisions: list[str]) -> str:
+    """fp32 blocks per kernel level (an AVX-512 run must not replace the AVX2 machine's block; the
+    AVX2 one keeps the plain name), bf16-only runs per precision, and a run whose torch kernels were
+    held back by ATEN_CPU_CAPABILITY apart from the machines that have that level natively."""
+    import torch
+
+    name = "vs_hf_trainer"
+    capability = torch.backends.cpu.get_cpu_capability()  # what ATen dispatches to: AVX2, AVX512, ...
+    if "fp32" not in precisions:
+        name += "-" + "-".join(precisions)
+    elif capability != "AVX2":
+        name += "-" + "-".join(precisions) + "-" + capability.lower()
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        name += "-aten-" + os.environ["ATEN_CPU_CAPABILITY"].lower()
+    return name
 
 
 def native_precisions() -> list[str]:
@@ -332,6 +366,14 @@ def main() -> None:
                     in_fresh_process("hf-packed", micro=micro, accum=global_batch // micro, **common))
                 results.setdefault((precision, name, "cputrain"), []).append(
                     run_cputrain(steps, micro, global_batch, source, a.cache_dir, arch, precision=precision, vocab=vocab))
+                ceiling = in_fresh_process("ceiling", micro=micro, global_batch=global_batch, source=source,
+                                           cache_dir=a.cache_dir, arch=arch, precision=precision, vocab=vocab)
+                if not ceiling["gemm_flops_are_6n"]:
+                    raise RuntimeError(f"{precision} {name}: the ceiling's products add up to "
+                                       f"{ceiling['gemm_flops_per_step']:,} FLOPs a step, not the model's 6·N·tokens "
+                                       f"{ceiling['six_n_flops_per_step']:,}")
+                results.setdefault((precision, name, "ceiling"), []).append(
+                    {**ceiling, "tokens_per_s": ceiling["ceiling_tokens_per_s"]})
                 print(f"  {precision} {name}: " + "  ".join(
                     f"{side} {runs[-1]['tokens_per_s']:,.0f}" for (p, n, side), runs in results.items()
                     if (p, n) == (precision, name)), file=sys.stderr)
@@ -350,12 +392,15 @@ def main() -> None:
     warm = [default_run(quick_default, default_cache) for _ in range(repeats)]  # tokenizer cached
     first_step = statistics.median(w["first_step_s"] for w in warm)
 
-    rows, ratios = [], []
+    rows, ratios, ceiling_ratios = [], [], []
     for precision in precisions:
         for name, arch, vocab, steps in sizes:
             cp, pk = results[(precision, name, "cputrain")], results[(precision, name, "hf-packed")]
             ratio = med(cp, "tokens_per_s") / med(pk, "tokens_per_s")
             ratios.append((precision, name, ratio))
+            ce = results[(precision, name, "ceiling")]
+            ceiling_ratio = med(ce, "tokens_per_s") / med(pk, "tokens_per_s")
+            ceiling_ratios.append((precision, name, ceiling_ratio, med(ce, "gemm_gflops_per_s")))
             shape = (f"{name}: {cp[0]['parameters'] / 1e6:.0f}M parameters, {arch['hidden_size']} × "
                      f"{arch['num_hidden_layers']}, vocabulary {vocab:,}, {steps} steps")
             if (precision, name, "hf-padded") in results:
@@ -367,7 +412,22 @@ def main() -> None:
                         f"{med(pk, 'tokens_per_s'):,.0f} ({spread(pk)}) | {ratio:.2f}× (target ≥ 1.0×) |")
             rows.append(f"| {precision} | {shape} | `cputrain train` (attention {cp[-1]['attn_implementation']}, "
                         f"compile {cp[-1]['compile']}, malloc {cp[-1]['allocator']}) | {med(cp, 'tokens_per_s'):,.0f} ({spread(cp)}) | 1.00× |")
+            rows.append(f"| {precision} | {shape} | ceiling: the step's matmuls and attention alone, timed in isolation "
+                        f"(no norms, activations, loss, optimizer, allocator) | {med(ce, 'tokens_per_s'):,.0f} ({spread(ce)}) "
+                        f"| at most {ceiling_ratio:.2f}× the Trainer |")
     met = [f"{p} {n} {r:.2f}×" for p, n, r in ratios]
+    bounds = []
+    for precision in precisions:
+        target = SPEEDUP_TARGET[precision]
+        at = [(n, r, gflops) for p, n, r, gflops in ceiling_ratios if p == precision]
+        short = [n for n, r, _ in at if r < target]
+        per_size = [f"{r:.2f}× at {n}" for n, r, _ in at]
+        per_size[0] = per_size[0].replace("× at", "× the Trainer at")
+        bounds.append(
+            f"{precision}: the ceiling is " + ", ".join(per_size)
+            + " (its matmuls at " + ", ".join(f"{gflops:,.0f}" for *_, gflops in at) + f" GFLOP/s), so {target}× is "
+            + (f"out of reach at {', '.join(short)} on this machine's matmul rate." if short
+               else "not ruled out by the matmul rate at any size measured."))
     missing = "" if "bf16" in precisions else (
         " bf16 is not measured here: this CPU has neither AMX nor AVX512-BF16, so bf16 would be emulated; its rows "
         "come from a run on such a machine.")
@@ -396,14 +456,18 @@ the end of the first step to the end of the last.{missing}
 
 cputrain against the packed Trainer: {", ".join(met)} (target ≥ 1.0× each; {"met" if all(r >= 1.0 for *_, r in ratios) else "not met"}).
 
+The ceiling against the speed-up targets (≥ {SPEEDUP_TARGET['bf16']}× the packed Trainer in bf16, ≥ {SPEEDUP_TARGET['fp32']}× in fp32, at every
+size); its products add up to 6 FLOPs a token per non-embedding matrix parameter of transformers' model, lm_head
+included (checked each run).
+{chr(10).join(bounds)}
+
 Reproduce: `python benchmarks/vs_hf_trainer.py {" ".join(sys.argv[1:])}`
 (needs `scripts/install.sh bench` for the Trainer's `accelerate`).
 """
     print(table)
     if not a.quick or a.write_doc:
-        # fp32 rows (every machine has them) and bf16-only runs (machines with bf16 units) are kept apart
-        write_block("vs_hf_trainer" if "fp32" in precisions else "vs_hf_trainer-" + "-".join(precisions), table)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        write_block(block_name(precisions), table)
+        print(f"written to docs/benchmarks.md (block {block_name(precisions)})", file=sys.stderr)
 
 
 if __name__ == "__main__":
