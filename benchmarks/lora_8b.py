@@ -4,6 +4,7 @@
                                             # of memory; a step of 2,048 tokens: 5.5 min on 2 AVX512-BF16
                                             # cores, ~35 min on 2 AVX2 cores (fp32)
     python benchmarks/lora_8b.py --quick    # 2 layers of the 8B shape, seq 256, 2 steps: checks the script
+    python benchmarks/lora_8b.py --profile-step 2   # also where step 2's time goes (train.profile_step)
 
 The model folder has Llama-3-8B's exact config (32 layers, d 4,096, ffn 14,336, 32 heads / 8 KV
 heads, vocab 128,256, untied head) and random bf16 weights in safetensors shards, as Meta's
@@ -18,7 +19,10 @@ bf16 where the CPU has AMX or AVX512-BF16, else fp32 with the base stored in bf1
 Reported: the time from the command to the first step; the loading peak and the training step
 peak against `cputrain plan` (the run's plan.json); tokens/s and MFU against the theoretical and
 the measured matmul peak; and a projection to a c7i.8xlarge (16 cores) and a 96-core node of the
-same family, with its assumption named.
+same family, with its assumption named. With `--profile-step N`, step N runs under torch.profiler
+(train.profile_step) and the table gains its time by operator family and the rate of its matmul
+kernels (the run folder's profile_stepN.json); that step, slowed by the profiler, is left out of
+the step median when another steady step is there.
 """
 
 from __future__ import annotations
@@ -153,6 +157,28 @@ def projection(flops: float, mfu: float, peak_flops: float, seq_len: int, target
         "| node | bf16 peak (TFLOP/s) | MFU assumed | step (s) | tokens/s |", "| --- | ---: | --- | ---: | ---: |", *rows]
 
 
+# Families of train.profile_step's summary, as the table names them.
+FAMILY_ROWS = {"matmul": "matrix products", "attention": "attention kernels", "cross_entropy": "cross-entropy",
+               "optimizer": "clip + optimizer", "recompute": "checkpointing's recompute", "casts_copies": "casts and copies",
+               "elementwise": "elementwise", "compiled": "compiled kernels (inductor)", "collectives": "collectives",
+               "other": "other operators",
+               "python": "outside operators (Python)"}
+
+
+def profile_rows(run_dir: Path, step: int) -> list[str]:
+    """Table rows from the run's profile_step<step>.json: the step's time, its shares by operator
+    family (largest first), the matmul kernels' rate."""
+    profile = json.loads((run_dir / f"profile_step{step}.json").read_text())
+    matmuls = profile["matmul_kernels"]
+    rows = [f"| profile of step {step}: the step under torch.profiler | {profile['step_s']:,.1f} s |",
+            f"| profile of step {step}: matmul kernels, FLOPs / rate | {matmuls['flops'] / 1e12:,.2f} TFLOP / "
+            f"{matmuls['gflop_per_s']:,.0f} GFLOP/s |"]
+    for name, figures in sorted(profile["families"].items(), key=lambda item: -item[1]["share"]):
+        if figures["share"] >= 0.0005:
+            rows.append(f"| profile of step {step}: {FAMILY_ROWS.get(name, name)} | {figures['share']:.1%} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 layers, seq 256, 2 steps; prints, writes no doc")
@@ -163,6 +189,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override on top of the config's (repeatable); the block's name carries it")
+    ap.add_argument("--profile-step", type=int, default=None, metavar="N",
+                    help="profile step N (train.profile_step) and add where its time went to the table")
     a = ap.parse_args()
 
     from benchmarks.report import machine_line, write_block
@@ -187,6 +215,8 @@ def main() -> None:
                  f"train.max_steps={steps}", "train.global_batch_size=1", "train.micro_batch_size=1",
                  "train.warmup_steps=1", "train.log_every=1", f"train.eval_every={10 * steps}", "train.eval_batches=1",
                  f"train.checkpoint_every={steps}", "train.sample_tokens=0", *a.set]
+    if a.profile_step is not None:
+        overrides.append(f"train.profile_step={a.profile_step}")
     try:
         result = run_train([str(REPO / "configs" / "llama3-8b-lora.yaml"), *overrides], run_dir.parent / "lora-8b.log")
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -201,8 +231,11 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
     first = steps_rows[0]
     setup_s = result["step_seen_s"][1] - first["step_time_s"]
-    steady = steps_rows[1:] or steps_rows
+    # the profiled step runs slower (the profiler records every operator): out of the median if it can be
+    steady = [r for r in steps_rows[1:] if r["step"] != a.profile_step] or steps_rows[1:] or steps_rows
     step_s = sorted(r["step_time_s"] for r in steady)[len(steady) // 2]
+    left_out = f" (step {a.profile_step}, profiled, left out)" if a.profile_step not in (None, 1) and all(
+        r["step"] != a.profile_step for r in steady) else ""
     tps = seq_len / step_s
     mfu = sorted(r["mfu"] for r in steady)[len(steady) // 2]
     mfu_measured = sorted(r["mfu_of_measured_peak"] for r in steady)[len(steady) // 2]
@@ -213,6 +246,7 @@ def main() -> None:
     flags = detect().flags
     units = "AMX" if flags.get("amx_bf16") else "AVX512-BF16" if flags.get("avx512_bf16") else "no bf16 units"
     command = "python benchmarks/lora_8b.py" + "".join(f" --set {o}" for o in a.set) + (" --quick" if a.quick else "") + (
+        f" --profile-step {a.profile_step}" if a.profile_step is not None else "") + (
         f" --seq-len {seq_len}" if seq_len != 2048 and not a.quick else "") + (f" --steps {steps}" if steps != 3 and not a.quick else "")
     lines = [
         f"### Llama-3-8B LoRA on one machine, {summary['precision']} ({units})",
@@ -230,7 +264,7 @@ def main() -> None:
         "| --- | ---: |",
         f"| command to first step (start, load, data, plan) | {setup_s:,.0f} s |",
         f"| first step | {first['step_time_s']:,.0f} s |",
-        f"| step, median of steps 2+ | {step_s:,.0f} s |",
+        f"| step, median of steps 2+{left_out} | {step_s:,.0f} s |",
         f"| tokens/s | {tps:,.2f} |",
         f"| MFU, theoretical peak / measured matmul peak | {mfu:.1%} / {mfu_measured:.1%} |",
         f"| loading peak RSS, measured / plan | {compared['measured_load_peak_gib']:.2f} / "
@@ -239,6 +273,7 @@ def main() -> None:
         f"{compared['plan_peak_rss_gib']:.2f} GiB ({compared['rss_error']:+.1%}) |",
         f"| process peak RSS (ru_maxrss) | {result['process_peak_rss_gib']:.2f} GiB |",
         f"| losses | {losses} |",
+        *(profile_rows(run_dir, a.profile_step) if a.profile_step is not None else []),
         "",
         *projection(target_flops, mfu, summary["peak_flops"], seq_len),
     ]

@@ -9,6 +9,7 @@ checkpoint object's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
+from cputrain.metrics.step_profile import OPTIMIZER_REGION, StepProfile
 from cputrain.metrics.summary import read_summary, write_summary
 from cputrain.objectives.objective import check_objective, objective_for
 from cputrain.parallel import get_strategy
@@ -110,6 +112,7 @@ class Trainer:
         #    poll for its completion marker instead of waiting in a collective, so preparing a
         #    10B-token corpus may take far longer than the process group's timeout.
         self._prepare_data()
+        self._check_profile_step()
 
         # 3. Model skeleton on the meta device: the structure, no memory.
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
@@ -198,6 +201,14 @@ class Trainer:
             return t.max_steps
         return max(1, math.ceil(t.epochs * len(self.train_rows) / t.global_batch_size))
 
+    def _check_profile_step(self) -> None:
+        """With train.epochs, the run's last step is known once the data is (with max_steps the
+        config refused a later profile_step): refused here, before any weight is loaded."""
+        t, last = self.cfg.train, self._total_steps()
+        if t.profile_step is not None and t.profile_step > last:
+            raise ConfigError(f"train.profile_step ({t.profile_step}) is past the run's last step ({last}: train.epochs="
+                              f"{t.epochs:g} of {len(self.train_rows)} sequences); choose a step from 1 to {last}")
+
     # ------------------------------------------------------------------------------------
     def train_step(self) -> StepOutcome:
         """One optimizer step over this rank's share of the global batch."""
@@ -238,8 +249,10 @@ class Trainer:
             0.0 if math.isfinite(loss) else 1.0, float(self.stop_request.requested), float(time_due),
             *figure_sums.tolist()])
         figures = {name: v / max(items, 1) for name, v in zip(objective.names, figure_totals)} or None
-        grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
-                                                loss_finite=bad_losses == 0)
+        # A named region (microseconds when no profiler runs): train.profile_step counts what is in it.
+        with torch.profiler.record_function(OPTIMIZER_REGION):
+            grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
+                                                    loss_finite=bad_losses == 0)
         # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
         # lr): read once after the update (docs/benchmarks.md, block weights-check: the cost per step).
         weights_finite = self._weights_finite_on_every_rank() if stepped else True
@@ -363,12 +376,16 @@ class Trainer:
         # stop_at_step ends this session early; the schedule still runs to total_steps.
         stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
         metrics = self.metrics
+        profile_step = self._profile_step_of_this_session(stop_at)
         metrics.start(self.step)
         self.stop_request.install()
         try:
             while self.step < stop_at:
-                with metrics.step():
+                profile = StepProfile(self.run, profile_step) if self.step + 1 == profile_step else None
+                with metrics.step(), profile.recording() if profile else contextlib.nullcontext():
                     outcome = self.train_step()
+                if profile:
+                    metrics.exclude_s(profile.outside_step_s)
                 if metrics.steps_this_session == 1:
                     self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
                 row = metrics.record(self.step, outcome.loss, outcome.grad_norm, self.schedule.get_last_lr()[0],
@@ -377,6 +394,13 @@ class Trainer:
                 if self._validation_due() and not outcome.stop_signal:
                     row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)
+                if profile:
+                    try:
+                        log.info(profile.write())
+                    except Exception as exc:  # a profile is an aid: its failure must not end the run
+                        log.warning("train.profile_step: the profile of step %d was not written: %s", profile.step,
+                                    one_line(exc))
+                    metrics.exclude_s(profile.write_s)
                 self._guard(outcome)  # after the row is written: the step that stops the run is on record
                 saved = False
                 if (outcome.stop_signal or outcome.save_due
@@ -395,6 +419,19 @@ class Trainer:
         self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
                          rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
         return self._finish()
+
+    def _profile_step_of_this_session(self, stop_at: int) -> int | None:
+        """train.profile_step if this session trains it and this is rank 0 (the others never run
+        the profiler: its cost is one rank's); else None, said once if the step is not in this session."""
+        step = self.cfg.train.profile_step
+        if step is None or not self.ranks.is_main:
+            return None
+        if self.step < step <= stop_at:
+            return step
+        why = (f"it was trained before this session, which resumes at step {self.step}" if step <= self.step
+               else f"this session stops at step {stop_at} (train.stop_at_step)")
+        log.info("train.profile_step=%d: not profiled, %s", step, why)
+        return None
 
     def _save_unless_in_a_bad_streak(self) -> bool:
         """Save the step, unless it is inside a streak of bad steps: its weights are then not known

@@ -428,6 +428,17 @@ class TrainConfig(Section):
     """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)
     untouched: for time-boxed or preemptible jobs. Run again without it to continue."""
 
+    profile_step: int | None = Field(None, gt=0)
+    """Profile this optimizer step (1-based, as the log counts them: all its micro-batches, forward
+    and backward, clipping and the optimizer) with torch.profiler on rank 0 only, so one rank pays
+    the profiler's cost; the other ranks run unprofiled. Writes profile_step<N>.json (the step's
+    time by operator family: matmuls with their GFLOP/s, attention, cross-entropy, optimizer,
+    checkpointing's recompute, compiled kernels, casts, elementwise; the top 10 operators) and
+    profile_step<N>.trace.json.gz (a Chrome trace, tens of MB unpacked at 8B) into the run folder,
+    and logs one line. That step runs slower (every operator and Python call is recorded) and its
+    time counts so in metrics.jsonl; starting the profiler and writing the files are left out. The
+    first step holds one-time work (allocation, compiling): profile a later one. Empty: no profile."""
+
 
 class HardwareConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -525,6 +536,15 @@ class Config(Section):
             raise ValueError(error)
         if self.train.max_steps is None and self.train.epochs is None:
             raise ValueError("set train.max_steps or train.epochs")
+        return self
+
+    @model_validator(mode="after")
+    def _profile_step_reached(self):
+        # With train.epochs the run's length is known once the data is: the trainer checks it then.
+        profile, last = self.train.profile_step, self.train.max_steps
+        if profile is not None and last is not None and profile > last:
+            raise ValueError(f"train.profile_step ({profile}) is past train.max_steps ({last}): the run never "
+                             f"reaches it; choose a step from 1 to {last}")
         return self
 
     @model_validator(mode="after")

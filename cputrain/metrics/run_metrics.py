@@ -172,6 +172,11 @@ class RunMetrics:
         """Time since the last step (an evaluation, a checkpoint save) is left out of the window."""
         self._window_t0 = time.perf_counter()
 
+    def exclude_s(self, seconds: float) -> None:
+        """Leave `seconds` of work done since the window began, outside any step's own work (starting
+        and stopping the profiler of train.profile_step, writing its files), out of the window."""
+        self._window_t0 += seconds
+
     def publish(self, row: dict | None) -> None:
         """Rank 0 writes the row (metrics.jsonl and the sinks); the bar moves one step."""
         if row and self.sinks is not None:

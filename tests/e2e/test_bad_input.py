@@ -82,6 +82,8 @@ def tiny(out, cache_dir, **extra) -> list[str]:
         # a value no member of a union takes: the key as written, and what it may be (not 'model.compile.bool')
         ("model.compile=abc", "bad value for 'model.compile' ('abc'): use true or false, or auto"),
         ("model.activation_checkpointing=-1", "a number of decoder blocks ≥ 0"),
+        ("train.profile_step=0", "'train.profile_step'"),
+        ("train.profile_step=3", "train.profile_step (3) is past train.max_steps (2): the run never reaches it"),
     ],
     ids=lambda v: v if "=" in v else "",
 )

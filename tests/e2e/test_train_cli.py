@@ -17,10 +17,14 @@ METRIC_FIELDS = {"step", "loss", "lr", "tokens_per_s", "mfu", "rss_gib"}
 SUMMARY_FIELDS = {"final_loss", "val_loss", "tokens_per_s", "mfu", "peak_rss_gib", "wall_time_s"}
 
 
+# train.profile_step rides along: the profile of a real step, at no extra training process
+TINY_RUN = {"train.sample_tokens": 12, "train.profile_step": 2}
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("cli") / "run"
-    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"train.sample_tokens": 12}), check=True)
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **TINY_RUN), check=True)
     return out, proc
 
 
@@ -38,6 +42,20 @@ def test_run_folder_has_every_file(tiny_run):
         assert any((folder / "state").iterdir())
     state = json.loads((out / "checkpoints" / "step-000010" / "trainer_state.json").read_text())
     assert state["step"] == 10 and state["sequences_consumed"] == 80  # the data position
+
+
+def test_the_profiled_step_leaves_its_summary_trace_and_line(tiny_run):
+    out, proc = tiny_run
+    profile = json.loads((out / "profile_step2.json").read_text())
+    assert profile["step"] == 2 and profile["step_s"] > 0
+    families = profile["families"]
+    assert families["matmul"]["share"] > 0 and families["optimizer"]["share"] > 0
+    assert families["attention"]["share"] > 0  # the run's sdpa kernel (tiny_overrides)
+    assert sum(f["share"] for f in families.values()) == pytest.approx(1.0, abs=1e-6)
+    assert profile["matmul_kernels"]["gflop_per_s"] > 0
+    assert (out / "profile_step2.trace.json.gz").stat().st_size > 0
+    lines = [line for line in proc.stderr.splitlines() if "profile of step" in line]
+    assert len(lines) == 1 and "matmuls" in lines[0] and lines[0].endswith(f"written to {out}/profile_step2.json")
 
 
 def test_resolved_config_records_reasons(tiny_run):
@@ -118,7 +136,7 @@ def test_eval_reports_loss_and_perplexity(tiny_run):
 def test_a_finished_run_is_not_retrained(tiny_run, cache_dir):
     out, _ = tiny_run
     before = (out / "metrics.jsonl").read_text()
-    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"train.sample_tokens": 12}), check=True)
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **TINY_RUN), check=True)
     assert "already complete" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == before
 

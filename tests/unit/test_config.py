@@ -64,6 +64,7 @@ def test_unknown_key_names_it_and_the_nearest(override, expected):
         ("data.val_fraction=1.5", "data.val_fraction"),
         ("hardware.precision=fp8", "hardware.precision"),
         ("train.max_steps=ten", "train.max_steps"),
+        ("train.profile_step=0", "train.profile_step"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(override, key):
@@ -71,6 +72,14 @@ def test_bad_values_are_refused_naming_the_key(override, key):
         load_config(None, [override])
     message = str(err.value)
     assert key in message and "\n" not in message
+
+
+def test_profile_step_past_the_last_step_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.max_steps=10", "train.profile_step=11"])
+    assert str(err.value) == ("train.profile_step (11) is past train.max_steps (10): the run never reaches it; "
+                              "choose a step from 1 to 10")
+    assert load_config(None, ["train.max_steps=10", "train.profile_step=10"]).train.profile_step == 10
 
 
 def test_batch_must_divide():
