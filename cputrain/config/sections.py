@@ -437,7 +437,10 @@ class TrainConfig(Section):
     profile_step<N>.trace.json.gz (a Chrome trace, tens of MB unpacked at 8B) into the run folder,
     and logs one line. That step runs slower (every operator and Python call is recorded) and its
     time counts so in metrics.jsonl; starting the profiler and writing the files are left out. The
-    first step holds one-time work (allocation, compiling): profile a later one. Empty: no profile."""
+    first step holds one-time work (allocation, compiling): profile a later one. It also takes
+    memory the plan does not count: a Llama-3-8B LoRA step planned at 18.3 GiB was killed for
+    memory on a 24 GiB machine in its profiled step, and ran its unprofiled ones; leave headroom,
+    or profile a smaller model of the same shape. Empty: no profile."""
 
 
 class HardwareConfig(Section):
