@@ -182,6 +182,9 @@ def profile_rows(run_dir: Path, step: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 layers, seq 256, 2 steps; prints, writes no doc")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the first N decoder layers of the 8B shape (a block-level proxy that fits beside the "
+                         "profiler: where a step's time goes per block, at the full sequence length)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--folder", default=None, help="model folder to build (or reuse, if it has config.json)")
@@ -199,9 +202,11 @@ def main() -> None:
     from cputrain.hardware import detect
     from cputrain.plan.compare import compare_run
 
-    arch = {**LLAMA3_8B, "num_hidden_layers": 2} if a.quick else LLAMA3_8B
+    layers = 2 if a.quick else a.layers
+    arch = {**LLAMA3_8B, "num_hidden_layers": layers} if layers else LLAMA3_8B
     steps, seq_len = (2, 256) if a.quick else (a.steps, a.seq_len)
-    folder = Path(a.folder or (Path(a.cache_dir) / ("llama3-8b-shape-2-layers" if a.quick else "llama3-8b-random")))
+    folder = Path(a.folder or (Path(a.cache_dir) / (f"llama3-8b-shape-{layers}-layers" if layers
+                                                   else "llama3-8b-random")))
     built_here = not (folder / "config.json").is_file()
     t = time.perf_counter()
     if built_here:
@@ -247,9 +252,11 @@ def main() -> None:
     units = "AMX" if flags.get("amx_bf16") else "AVX512-BF16" if flags.get("avx512_bf16") else "no bf16 units"
     command = "python benchmarks/lora_8b.py" + "".join(f" --set {o}" for o in a.set) + (" --quick" if a.quick else "") + (
         f" --profile-step {a.profile_step}" if a.profile_step is not None else "") + (
+        f" --layers {layers}" if layers and not a.quick else "") + (
         f" --seq-len {seq_len}" if seq_len != 2048 and not a.quick else "") + (f" --steps {steps}" if steps != 3 and not a.quick else "")
     lines = [
-        f"### Llama-3-8B LoRA on one machine, {summary['precision']} ({units})",
+        (f"### {layers} decoder layers of Llama-3-8B's shape, LoRA, {summary['precision']} ({units})" if layers
+         else f"### Llama-3-8B LoRA on one machine, {summary['precision']} ({units})"),
         "",
         machine_line(),
         "",
@@ -281,7 +288,8 @@ def main() -> None:
     print(markdown)
     if not a.quick:
         # one block per precision (both are published), and per set of overrides
-        write_block(f"lora_8b-{summary['precision']}" + "".join(f"-{o}" for o in a.set), markdown)
+        write_block(f"lora_8b-{summary['precision']}" + (f"-{layers}-layers" if layers else "")
+                    + "".join(f"-{o}" for o in a.set), markdown)
         print("written to docs/benchmarks.md", file=sys.stderr)
 
 
