@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -109,16 +110,8 @@ def step_child(opts: dict) -> dict:
 
 
 def in_process(opts: dict, extra_env: dict) -> dict:
-    old = {k: os.environ.get(k) for k in extra_env}
-    os.environ.update(extra_env)  # the child inherits it (run_child copies os.environ)
-    try:
+    with mock.patch.dict(os.environ, extra_env):  # the child inherits it (run_child copies os.environ)
         return run_child(__file__, json.dumps(opts))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,16 +48,8 @@ SETTINGS = {
 
 def run_with_env(extra_env: dict, **kwargs) -> dict:
     """run_cputrain with `extra_env` in the child's environment (its env() copies os.environ)."""
-    saved = {k: os.environ.get(k) for k in extra_env}
-    os.environ.update(extra_env)
-    try:
+    with mock.patch.dict(os.environ, extra_env):
         return run_cputrain(**kwargs)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:

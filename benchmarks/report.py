@@ -23,9 +23,11 @@ def machine_line() -> str:
 
     hw = detect()
     flags = ", ".join(k for k, v in hw.flags.items() if v) or "none of interest"
-    # The flags say what the CPU has; with ATEN_CPU_CAPABILITY torch's own kernels use less of it.
+    # The flags say what the CPU has; with ATEN_CPU_CAPABILITY torch's own kernels use less of it
+    # (not the matmuls: MKL and oneDNN choose their instructions themselves).
     limited = os.environ.get("ATEN_CPU_CAPABILITY")
-    kernels = (f"ATEN_CPU_CAPABILITY={limited} (torch's kernels limited to {limited.upper()}; "
+    kernels = (f"ATEN_CPU_CAPABILITY={limited} (torch's own kernels limited to {limited.upper()}, not MKL's or "
+               f"oneDNN's matmuls; "
                f"torch.backends.cpu.get_cpu_capability() reports {torch.backends.cpu.get_cpu_capability()}); "
                if limited else "")
     return (

@@ -216,17 +216,13 @@ def run_cputrain(steps: int, micro: int, global_batch: int, source: str, cache_d
 
 
 def matmul_rate(n: int, repeats: int, dtype: str = "float32") -> float:
+    """FLOP/s of an n × n × n torch.mm, timed as the ceiling times each of its products."""
     import torch
 
+    from benchmarks.step_ceiling import one_gemm_s
+
     torch.set_num_threads(physical_cores())
-    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
-    torch.mm(a, b)  # warm-up: thread pool, packing buffers
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / one_gemm_s(n, n, n, getattr(torch, dtype), repeats)
 
 
 # ------------------------------------------------------------------------------------------
@@ -421,8 +417,7 @@ def main() -> None:
         target = SPEEDUP_TARGET[precision]
         at = [(n, r, gflops) for p, n, r, gflops in ceiling_ratios if p == precision]
         short = [n for n, r, _ in at if r < target]
-        per_size = [f"{r:.2f}× at {n}" for n, r, _ in at]
-        per_size[0] = per_size[0].replace("× at", "× the Trainer at")
+        per_size = [f"{r:.2f}×{' the Trainer' if i == 0 else ''} at {n}" for i, (n, r, _) in enumerate(at)]
         bounds.append(
             f"{precision}: the ceiling is " + ", ".join(per_size)
             + " (its matmuls at " + ", ".join(f"{gflops:,.0f}" for *_, gflops in at) + f" GFLOP/s), so {target}× is "
