@@ -1,7 +1,7 @@
 """cputrain against the Hugging Face Trainer: the same Llama, corpus, tokenizer, batch and threads,
 this machine, at three sizes (the demo's model, ~30M, ~100M) and in each precision the CPU runs
 natively (fp32 always; bf16 where it has AMX or AVX512-BF16), with the ceiling this machine's matrix
-products set. Writes its table to docs/benchmarks.md (block vs_hf_trainer, or the name block_name()
+products set. Writes its table to docs/benchmarks/vs-hf-trainer.md (block vs_hf_trainer, or the name block_name()
 gives: precisions other than fp32, a CPU other than AVX2, torch's kernels limited by ATEN_CPU_CAPABILITY).
 
     python benchmarks/vs_hf_trainer.py            # full run, several repetitions, writes the doc
@@ -344,7 +344,7 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="corpus (default: ../shared/data/tinyshakespeare.txt if present, "
                     "else builtin:pydoc)")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench"), help="tokenizer/data cache")
-    ap.add_argument("--write-doc", action="store_true", help="write docs/benchmarks.md even with --quick")
+    ap.add_argument("--write-doc", action="store_true", help="write docs/benchmarks/vs-hf-trainer.md even with --quick")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -480,7 +480,7 @@ Reproduce: `python benchmarks/vs_hf_trainer.py {" ".join(sys.argv[1:])}`
     print(table)
     if not a.quick or a.write_doc:
         write_block(block_name(precisions), table)
-        print(f"written to docs/benchmarks.md (block {block_name(precisions)})", file=sys.stderr)
+        print(f"written to docs/benchmarks/vs-hf-trainer.md (block {block_name(precisions)})", file=sys.stderr)
 
 
 if __name__ == "__main__":
