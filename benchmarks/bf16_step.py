@@ -1,5 +1,5 @@
 """The bf16 training step on this machine: what each change buys, and cputrain against the
-Hugging Face Trainer (packed data, bf16) side by side. Writes block bf16_step of docs/benchmarks.md.
+Hugging Face Trainer (packed data, bf16) side by side. Writes block bf16_step of docs/benchmarks/step-time.md.
 
     python benchmarks/bf16_step.py            # the figures (needs `scripts/install.sh bench`)
     python benchmarks/bf16_step.py --quick    # a tiny model, one repetition: checks the script only

@@ -10,7 +10,7 @@ reduce dtype) and all-reduce (fp32, DDP's gradient buckets) between the two node
 1–256 MiB (a message = the whole unsharded tensor: an FSDP block's parameters, a DDP bucket).
 Time per call is the median of `--reps` calls after a warm-up, timed on rank 0 between barriers.
 Efficiency = the ring's bytes per rank (all-reduce 2·(W−1)/W·N, the others (W−1)/W·N; the
-counts cputrain's comm meter uses) ÷ time ÷ the line rate. The table goes to docs/benchmarks.md
+counts cputrain's comm meter uses) ÷ time ÷ the line rate. The table goes to docs/benchmarks/network.md
 (block `gloo_link`) and, as JSON, to cputrain/plan/gloo_link_efficiency.json, which the time plan
 (`cputrain plan`) reads.
 

@@ -1,4 +1,4 @@
-"""Llama-3-8B LoRA fine-tuning on this machine, end to end: block lora_8b-<precision> of docs/benchmarks.md.
+"""Llama-3-8B LoRA fine-tuning on this machine, end to end: block lora_8b-<precision> of docs/benchmarks/lora.md.
 
     python benchmarks/lora_8b.py            # ~16 GB of disk for the model folder (deleted after), ~20 GiB
                                             # of memory; a step of 2,048 tokens: 5.5 min on 2 AVX512-BF16
@@ -290,7 +290,7 @@ def main() -> None:
         # one block per precision (both are published), and per set of overrides
         write_block(f"lora_8b-{summary['precision']}" + (f"-{layers}-layers" if layers else "")
                     + "".join(f"-{o}" for o in a.set), markdown)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        print("written to docs/benchmarks/lora.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Supervised fine-tuning on chat data: cputrain against TRL's SFTTrainer, side by side, full and
-LoRA. Writes block sft of docs/benchmarks.md.
+LoRA. Writes block sft of docs/benchmarks/sft-and-dpo.md.
 
     python benchmarks/sft.py            # needs the sft-peer extra (trl); ~15 min on 2 cores: run it alone
     python benchmarks/sft.py --quick    # a tiny model and 3 steps, one run: checks the script only

@@ -254,7 +254,7 @@ class Trainer:
             grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
                                                     loss_finite=bad_losses == 0)
         # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
-        # lr): read once after the update (docs/benchmarks.md, block weights-check: the cost per step).
+        # lr): read once after the update (docs/benchmarks/step-time.md, block weights-check: the cost per step).
         weights_finite = self._weights_finite_on_every_rank() if stepped else True
         self.schedule.step()
         self.step += 1

@@ -411,7 +411,7 @@ class TrainConfig(Section):
     """Where DPO's reference log-probabilities come from. precompute: one no-grad pass over the
     pairs before the first step (the weights as loaded; with LoRA the base, adapters off), kept in
     memory (8 bytes a pair), so no step runs the reference: with LoRA 1.35× the trained tokens/s of
-    live on a 2-core AVX512-BF16 EPYC (docs/benchmarks.md, block dpo). live (LoRA only): the base
+    live on a 2-core AVX512-BF16 EPYC (docs/benchmarks/sft-and-dpo.md, block dpo). live (LoRA only): the base
     with the adapters off on every micro-batch, which costs less only where a run sees fewer pairs
     than the data holds. Full weights precompute always: live would need a second model."""
 

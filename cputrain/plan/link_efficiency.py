@@ -15,7 +15,7 @@ an all-reduce whose result is sliced, ~45% of the rate in the ring's bytes). On 
 that runs gloo's transfers and reductions is the limit: the Gbit/s it reached unshaped (the
 cap rows), whatever the link. On the measuring machine this pair of figures gave the measured
 efficiency at the other rates (10 and 25 Gbit/s) within its noise (block gloo_link of
-docs/benchmarks.md). Without cap rows, the rows of the nearest measured rate answer. Sizes
+docs/benchmarks/network.md). Without cap rows, the rows of the nearest measured rate answer. Sizes
 between measured ones are interpolated in log(message size), clamped outside them. Without
 the file the plan assumes the line rate (efficiency 1.0) and says so.
 """

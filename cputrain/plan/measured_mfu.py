@@ -1,4 +1,4 @@
-"""The MFU a time plan assumes: this project's own measurements (docs/benchmarks.md), one row per
+"""The MFU a time plan assumes: this project's own measurements (docs/benchmarks/), one row per
 precision × CPU kind × what is trained, each naming the block and machine it comes from.
 
 MFU here is the trainer's (cputrain.metrics.flops): model FLOPs per second ÷ the theoretical
@@ -28,7 +28,7 @@ class MeasuredMfu:
     training: str  # full | lora
     mfu: float  # model FLOPs ÷ theoretical peak, as the run logged it
     executed_per_model_flops: float  # > 1 where the run recomputed checkpointed blocks
-    block: str  # the <!-- bench: NAME --> block of docs/benchmarks.md
+    block: str  # the <!-- bench: NAME --> block of a page of docs/benchmarks/
     machine: str
     what: str
 
@@ -38,7 +38,7 @@ class MeasuredMfu:
         return self.mfu * self.executed_per_model_flops
 
     def describe(self) -> str:
-        return f"{self.mfu:.1%} from docs/benchmarks.md block {self.block} ({self.what}; {self.machine})"
+        return f"{self.mfu:.1%} from docs/benchmarks/, block {self.block} ({self.what}; {self.machine})"
 
 
 ROWS = (

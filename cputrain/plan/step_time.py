@@ -8,7 +8,7 @@
     exposed   the part of the network time no compute hides (below); step = compute + exposed
 
 Overlap. FSDP2 on CPU hides none of it: measured over a shaped link (block gloo_link-runs of
-docs/benchmarks.md), its gathers and reduce-scatters add to the step whole at every rate (a CPU has
+docs/benchmarks/network.md), its gathers and reduce-scatters add to the step whole at every rate (a CPU has
 no side streams for the gather to run on while a block computes). ZeRO-3, modelled: DeepSpeed
 gathers the next block while the current one computes and reduce-scatters a block's gradients
 behind the next block's backward, so each block exposes max(0, its communication − its compute),
@@ -236,7 +236,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         exposed = (1 - overlap) * network_s
     elif s.strategy == "fsdp":
         # FSDP2 on CPU: measured, a block's gather and the gradients' reduce-scatter show in the step
-        # whole at every link rate (block gloo_link-runs of docs/benchmarks.md): no overlap
+        # whole at every link rate (block gloo_link-runs of docs/benchmarks/network.md): no overlap
         exposed = network_s
     else:
         exposed = 0.0
