@@ -220,7 +220,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from cputrain.inference import generate_text
+    from cputrain.finished.generate import generate_text
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
@@ -234,8 +234,8 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from cputrain.data.prepare import prepare, rows_of
-    from cputrain.evaluation import evaluate_loss
-    from cputrain.inference import load_for_inference, model_folder
+    from cputrain.objectives.validation_loss import evaluate_loss
+    from cputrain.finished.generate import load_for_inference, model_folder
     from cputrain.objectives.objective import PREFERENCE_OBJECTIVES
 
     if args.max_sequences < 1:
@@ -254,7 +254,7 @@ def cmd_eval(args) -> int:
     preference = cfg.train.objective in PREFERENCE_OBJECTIVES
     if preference:  # the models are loaded by evaluate_pairs, one after the other
         from cputrain.data.tokenizer import load_tokenizer
-        from cputrain.objectives.held_out import require_reference
+        from cputrain.finished.preference_eval import require_reference
 
         require_reference(args.path, cfg)
         model, tokenizer = None, load_tokenizer(model_folder(args.path), cfg.model.trust_remote_code)
@@ -265,7 +265,7 @@ def cmd_eval(args) -> int:
     if args.split != "val" or len(rows) == 0:
         rows = rows_of(data, "train")
     if preference:  # held-out pairs: the objective's loss, reward accuracy and margin (TRL's names)
-        from cputrain.objectives.held_out import evaluate_pairs
+        from cputrain.finished.preference_eval import evaluate_pairs
 
         result = evaluate_pairs(args.path, cfg, rows, args.max_sequences)
     else:
@@ -282,10 +282,10 @@ def _eval_tasks(args, config_path) -> int:
     config.yaml; key=value overrides change them), through lm-evaluation-harness."""
     from pathlib import Path
 
-    from cputrain import lm_harness
+    from cputrain.finished import lm_harness
     from cputrain.config.file import load_config
     from cputrain.hardware import detect
-    from cputrain.inference import model_folder
+    from cputrain.finished.generate import model_folder
     from cputrain.resolve import resolve
 
     for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
@@ -323,7 +323,7 @@ def _resolved_here(config_path, overrides):
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from cputrain.inference import model_folder
+    from cputrain.finished.generate import model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder, merge_into_base
 
     folder = Path(model_folder(args.path))
@@ -344,8 +344,8 @@ def _export_gguf(args, folder) -> int:
     """`export RUN --gguf TYPE`: a LoRA run's adapters are merged in memory (--merge is implied)."""
     from pathlib import Path
 
-    from cputrain.gguf_export.types import check_type
-    from cputrain.gguf_export.write import default_out, export_gguf
+    from cputrain.finished.gguf.types import check_type
+    from cputrain.finished.gguf.write import default_out, export_gguf
 
     check_type(args.gguf, args.path, str(default_out(folder, "bf16")))
     out = Path(args.out) if args.out else default_out(folder, args.gguf)

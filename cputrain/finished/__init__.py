@@ -1,0 +1,11 @@
+"""What uses a finished model: a run's exported model/, a LoRA run's adapters on their base, or a
+Hugging Face model folder.
+
+    generate         find the model, load it, sample text from it (`cputrain generate`, a run's sample)
+    preference_eval  a preference run's objective and reward figures on held-out pairs (`cputrain eval`)
+    lm_harness       benchmark tasks through lm-evaluation-harness (`cputrain eval --tasks`)
+    gguf             a Llama written as one GGUF file (`cputrain export --gguf`)
+
+It sits above objectives (a preference run is scored with its own objective) and below the run,
+whose worker samples the exported model.
+"""
