@@ -95,7 +95,7 @@ def compare(run: Path, types: list[str], threads: int) -> list[dict]:
     from llama_cpp import Llama
 
     from cputrain.finished.gguf.write import export_gguf, load_source
-    from cputrain.finished.generate import model_folder
+    from cputrain.finished.load import model_folder
 
     folder = Path(model_folder(str(run)))
     from cputrain.data.tokenizer import load_tokenizer

@@ -235,7 +235,7 @@ def cmd_eval(args) -> int:
 
     from cputrain.data.prepare import prepare, rows_of
     from cputrain.objectives.validation_loss import evaluate_loss
-    from cputrain.finished.generate import load_for_inference, model_folder
+    from cputrain.finished.load import load_for_inference, model_folder
     from cputrain.objectives.objective import PREFERENCE_OBJECTIVES
 
     if args.max_sequences < 1:
@@ -285,7 +285,7 @@ def _eval_tasks(args, config_path) -> int:
     from cputrain.finished import lm_harness
     from cputrain.config.file import load_config
     from cputrain.hardware import detect
-    from cputrain.finished.generate import model_folder
+    from cputrain.finished.load import model_folder
     from cputrain.resolve import resolve
 
     for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
@@ -323,7 +323,7 @@ def _resolved_here(config_path, overrides):
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from cputrain.finished.generate import model_folder
+    from cputrain.finished.load import model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder, merge_into_base
 
     folder = Path(model_folder(args.path))

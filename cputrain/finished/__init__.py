@@ -1,7 +1,8 @@
 """What uses a finished model: a run's exported model/, a LoRA run's adapters on their base, or a
 Hugging Face model folder.
 
-    generate         find the model, load it, sample text from it (`cputrain generate`, a run's sample)
+    load             find the model (a run's model/ or a model folder) and load it
+    generate         sample text from it (`cputrain generate`, the sample a run writes when it ends)
     preference_eval  a preference run's objective and reward figures on held-out pairs (`cputrain eval`)
     lm_harness       benchmark tasks through lm-evaluation-harness (`cputrain eval --tasks`)
     gguf             a Llama written as one GGUF file (`cputrain export --gguf`)

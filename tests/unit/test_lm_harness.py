@@ -73,7 +73,7 @@ def answer_logprobs(model_dir: Path) -> list[list[float]]:
     call cputrain's validation loss makes), the answer's tokens alone labelled."""
     import torch
 
-    from cputrain.finished.generate import load_for_inference
+    from cputrain.finished.load import load_for_inference
 
     model, tokenizer = load_for_inference(str(model_dir))
     out = []
