@@ -28,6 +28,7 @@ LAYERS = [
     ["plan", "preflight"],  # memory per rank; what is refused before any work
     ["trainer", "run_choices"],  # the training loop; the "auto"s beyond the hardware
     ["worker", "launch", "k8s"],  # what a rank runs; ranks here or through the agent; manifests
+    ["commands"],  # one module per subcommand: its parser and its body
     ["cli"],
     ["__main__"],
 ]
