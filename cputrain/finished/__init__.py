@@ -3,7 +3,8 @@ Hugging Face model folder.
 
     load             find the model (a run's model/ or a model folder) and load it
     generate         sample text from it (`cputrain generate`, the sample a run writes when it ends)
-    preference_eval  a preference run's objective and reward figures on held-out pairs (`cputrain eval`)
+    dataset_eval     loss and perplexity on a dataset, or a preference run's pair figures (`cputrain eval`)
+    preference_eval  a preference run's objective and reward figures on held-out pairs
     lm_harness       benchmark tasks through lm-evaluation-harness (`cputrain eval --tasks`)
     gguf             a Llama written as one GGUF file (`cputrain export --gguf`)
 
