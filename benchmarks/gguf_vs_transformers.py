@@ -94,8 +94,8 @@ def compare(run: Path, types: list[str], threads: int) -> list[dict]:
     import torch
     from llama_cpp import Llama
 
-    from cputrain.gguf_export.write import export_gguf, load_source
-    from cputrain.inference import model_folder
+    from cputrain.finished.gguf.write import export_gguf, load_source
+    from cputrain.finished.load import model_folder
 
     folder = Path(model_folder(str(run)))
     from cputrain.data.tokenizer import load_tokenizer

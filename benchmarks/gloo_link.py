@@ -241,7 +241,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
     """cputrain's time plan of these run settings on this machine: one core per rank, `world`
     nodes of one rank each."""
     from cputrain.plan.build import make_plan
-    from cputrain.plan.command import load_run_config
+    from cputrain.commands.plan import load_run_config
     from cputrain.plan.step_time import plan_step_time, rank_peak_flops_here
     from cputrain.run_choices import decide_for_plan
 

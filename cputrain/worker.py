@@ -102,7 +102,7 @@ def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:
 
     plot_losses(MetricsJsonl(run).rows(), Path(local) / "loss.png")
     if cfg.train.sample_tokens > 0:
-        from cputrain.inference import generate_text
+        from cputrain.finished.generate import generate_text
 
         text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed,
                              prompt_ids=prompt_ids)

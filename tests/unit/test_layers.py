@@ -23,11 +23,12 @@ LAYERS = [
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
     ["metrics", "model_converter"],  # a run's figures; what a run does to the model (identity)
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
-    ["evaluation", "inference", "gguf_export"],  # validation loss; a finished model for sampling; as GGUF
-    ["objectives", "lm_harness"],  # what a step minimises: the LM loss, DPO, SimPO; benchmarks via lm-eval
+    ["objectives"],  # what a step minimises: the LM loss, DPO, SimPO; the validation-loss loop
+    ["finished"],  # a finished model: sampled, evaluated, benchmarked via lm-eval, written as GGUF
     ["plan", "preflight"],  # memory per rank; what is refused before any work
     ["trainer", "run_choices"],  # the training loop; the "auto"s beyond the hardware
     ["worker", "launch", "k8s"],  # what a rank runs; ranks here or through the agent; manifests
+    ["commands"],  # one module per subcommand: its parser and its body
     ["cli"],
     ["__main__"],
 ]

@@ -225,7 +225,7 @@ def test_packed_and_unpacked_give_the_same_loss_on_a_real_model(tiny_model_dir):
     this fails (the second example of a row sees the first)."""
     from transformers import AutoModelForCausalLM
 
-    from cputrain.evaluation import summed_loss
+    from cputrain.objectives.validation_loss import summed_loss
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     lengths = [9, 14, 5, 20, 11, 7, 16]

@@ -183,7 +183,7 @@ def test_advice_only_where_the_network_dominates():
 def test_bad_link_rate_refused_in_one_line(bad):
     from types import SimpleNamespace
 
-    from cputrain.plan.command import link_gbit_s_of
+    from cputrain.commands.plan import link_gbit_s_of
 
     with pytest.raises(ConfigError) as err:
         link_gbit_s_of(SimpleNamespace(link_gbit_s=bad))

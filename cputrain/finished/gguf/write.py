@@ -42,7 +42,7 @@ def _load_source(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cputrain.errors import one_line
-    from cputrain.gguf_export.llama import check_llama
+    from cputrain.finished.gguf.llama import check_llama
     from cputrain.lora.adapter_folder import base_of, is_adapter_folder, merged_model
 
     config_folder = base_of(folder) if is_adapter_folder(folder) else folder
@@ -65,9 +65,9 @@ def export_gguf(folder: Path, type_name: str, out: Path) -> Path:
     """Write `out` (which must not exist): the model in `folder` with its tokenizer as GGUF."""
     import gguf
 
-    from cputrain.gguf_export.llama import ARCH, add_hyperparameters, gguf_tensors
-    from cputrain.gguf_export.types import convert, file_type
-    from cputrain.gguf_export.vocab import add_tokenizer
+    from cputrain.finished.gguf.llama import ARCH, add_hyperparameters, gguf_tensors
+    from cputrain.finished.gguf.types import convert, file_type
+    from cputrain.finished.gguf.vocab import add_tokenizer
 
     if out.exists():
         raise ModelError(f"'{out}' already exists; remove it or name another file with --out")

@@ -1,9 +1,12 @@
 """`cputrain plan CONFIG [key=value ...]`: memory per rank and the smallest cluster that fits.
 
-Its arguments and the config it reads; the command runs in cputrain.cli, above
-cputrain.run_choices, which decides every key the plan reads as for a run."""
+Its arguments, the config it reads and the command, which sits above cputrain.run_choices:
+every key the plan reads is decided as for a run."""
 
 from __future__ import annotations
+
+import argparse
+import json
 
 
 def load_run_config(config_path: str | None, overrides: list[str]):
@@ -31,7 +34,7 @@ def world_size_of(args, cfg) -> tuple[int, int | None]:
     return nnodes * nproc, nproc
 
 
-def add_parser(sub, add_common) -> None:
+def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan",
         help="memory per rank for a model × strategy × world size, and the smallest cluster that fits",
@@ -54,7 +57,42 @@ def add_parser(sub, add_common) -> None:
     p.add_argument("--compare-lora", action="store_true",
                    help="plan the config twice, full fine-tuning and model.lora (the config's rank and targets), "
                    "and print them side by side with where each fits")
-    add_common(p)
+    return p
+
+
+def run(args) -> int:
+    """Every key the plan reads decided as a run decides it (cputrain.run_choices, a plan's facts),
+    then the plan: one config, or the same twice, full fine-tuning and LoRA (--compare-lora)."""
+    from cputrain.plan.report import compare_lines, plan_document, table_lines
+    from cputrain.run_choices import decided_plan
+
+    cfg = load_run_config(args.config, args.overrides)
+    world_size, nproc = world_size_of(args, cfg)
+    if args.world_size is None and args.nproc_per_node is None and args.nnodes is None:
+        nproc = None  # nothing said about the layout: let the planner choose ranks per node
+    link_gbit_s_of(args)  # a bad rate is refused before the (slower) plan
+    instances = instances_of(args)
+    if getattr(args, "compare_lora", False):
+        if args.json:
+            from cputrain.errors import ConfigError
+
+            raise ConfigError("--compare-lora prints a table; for plan.json run once with model.lora.enabled=true "
+                              "and once without")
+        # The same file and overrides, then model.lora.enabled last (validated like any override:
+        # LoRA needs model.name_or_path and refuses zero3); each decided on its own.
+        full, lora = (decided_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
+                                   world_size, nproc_per_node=nproc, instances=instances,
+                                   config_json=args.model_config)
+                      for on in ("false", "true"))
+        print("\n".join(compare_lines(full, lora)))
+        return 0
+    plan = decided_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
+    time_lines, time_doc = with_time_plan(args, cfg, plan)
+    if args.json:
+        print(json.dumps({**plan_document(plan), **time_doc}, indent=2))
+    else:
+        print("\n".join(table_lines(plan) + time_lines))
+    return 0
 
 
 def link_gbit_s_of(args) -> float | None:

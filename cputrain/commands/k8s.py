@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
-def add_parser(sub, add_common) -> None:
+def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "k8s",
         help="render Kubernetes manifests (Kubeflow TrainJob or Indexed Job, Karpenter pool) for a run",
@@ -44,14 +45,14 @@ def add_parser(sub, add_common) -> None:
     p.add_argument("--model-config", help="a config.json (or folder) to plan for instead of the config's model")
     p.add_argument("--output", help="write one file per object into this folder instead of stdout")
     p.add_argument("--overwrite", action="store_true", help="replace files in --output that have other content")
-    add_common(p)
+    return p
 
 
 def run(args) -> int:
     from cputrain.k8s.options import ClusterOptions, parse_secret_env
     from cputrain.k8s.output import to_stream, write_folder
     from cputrain.k8s.render import render
-    from cputrain.plan.command import load_run_config
+    from cputrain.commands.plan import load_run_config
     from cputrain.plan.instances import load_instances
 
     opts = ClusterOptions(

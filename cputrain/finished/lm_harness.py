@@ -253,7 +253,7 @@ def evaluate_run(path: str, selection: TaskSelection, cfg, settings_from: str, *
     folder) loaded as `generate` loads it, evaluated with `cfg`'s precision and threads."""
     import torch
 
-    from cputrain.inference import load_for_inference, model_folder
+    from cputrain.finished.load import load_for_inference, model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
     folder = model_folder(path)  # a run without a model is refused here, before anything loads

@@ -24,7 +24,7 @@ from cputrain.objectives.preference_loss import STAT_NAMES
 def require_reference(path: str, cfg) -> None:
     """Before any data or model is read: a full-weight DPO run's reference is the model folder it
     started from, which a run trained from random weights does not have."""
-    from cputrain.inference import model_folder
+    from cputrain.finished.load import model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
     if cfg.train.objective == "dpo" and not cfg.model.name_or_path and not is_adapter_folder(Path(model_folder(path))):
@@ -35,7 +35,7 @@ def require_reference(path: str, cfg) -> None:
 def evaluate_pairs(path: str, cfg, rows, max_rows: int) -> dict:
     """The objective's loss and TRL's figures, means over the pairs of the first `max_rows` rows
     (the caller has checked require_reference before reading the data)."""
-    from cputrain.inference import load_for_inference, model_folder
+    from cputrain.finished.load import load_for_inference, model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
     n = min(len(rows), max_rows)
