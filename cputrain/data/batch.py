@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # a label the loss skips (transformers' and the chunked loss's rule)
@@ -70,19 +69,3 @@ def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
     dtype = inner.get_input_embeddings().weight.dtype
     return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
 
-
-class TokenRows:
-    """Packed text: rows of a [n, seq_len] token array (memory-mapped); every token is a label."""
-
-    def __init__(self, sequences: np.ndarray):
-        self.sequences = sequences
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    def prompt_ids(self, row: int) -> None:
-        return None  # text has no prompts: a text model is sampled from a word of its own
-
-    def batch(self, indices) -> Batch:
-        tokens = torch.from_numpy(np.ascontiguousarray(self.sequences[indices], dtype=np.int64))
-        return Batch(tokens, tokens)

@@ -29,8 +29,9 @@ import numpy as np
 from tqdm import tqdm
 
 from cputrain.config import DataConfig
-from cputrain.data import packing, sources
+from cputrain.data import sources
 from cputrain.data.kind import BuildFacts, DataKind, Worker
+from cputrain.data.text.rows import token_dtype
 from cputrain.data.stop_on_signal import start_tokenizing_worker
 from cputrain.data.tree_memory import TreeMemory
 from cputrain.data.validation_split import validation_mask
@@ -137,7 +138,7 @@ def build(data_cfg: DataConfig, seed: int, kind: DataKind, vocab_size: int, num_
     memory = TreeMemory()  # this process and its tokenizing workers, reported in stats.json
     corpus = sources.open_corpus(data_cfg, fields=kind.fields)
     held_out, n_val_records = validation_mask(corpus.rows, data_cfg.val_fraction, seed)
-    dtype = packing.token_dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     streams, worker = kind.streams(dtype), kind.worker(corpus, dtype)
     where = f"data.cache_dir '{data_cfg.cache_dir}'"
     try:

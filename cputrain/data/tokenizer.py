@@ -91,7 +91,7 @@ def document_pieces(doc: str, max_chars: int, piece_chars: int = SAMPLE_PIECE_CH
 
     A document longer than `max_chars` is sampled within itself: evenly spaced pieces, so a
     corpus that is one huge document gives the tokenizer its beginning, middle and end."""
-    from cputrain.data.tokenize_chunk import pieces
+    from cputrain.data.text.tokenize import pieces
 
     parts = pieces(doc, piece_chars)
     wanted = min(len(parts), max(1, max_chars // piece_chars))

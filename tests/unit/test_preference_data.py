@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template, tokenize_preferences
+from cputrain.data import chat_template
+from cputrain.data.preference import tokenize as tokenize_preferences
 from cputrain.data.batch import IGNORE_INDEX
-from cputrain.data.pairs import PairRows
-from cputrain.data.tokenize_preferences import PreferenceSpec, extract_prompt
+from cputrain.data.preference.rows import PairRows
+from cputrain.data.preference.tokenize import PreferenceSpec, extract_prompt
 from cputrain.errors import DataError
 
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template, tokenize_preferences
-from cputrain.data.pairs import PairRows
-from cputrain.data.tokenize_preferences import PreferenceSpec
+from cputrain.data import chat_template
+from cputrain.data.preference import tokenize as tokenize_preferences
+from cputrain.data.preference.rows import PairRows
+from cputrain.data.preference.tokenize import PreferenceSpec
 from cputrain.objectives.preference_loss import sequence_logps
 
 trl = pytest.importorskip("trl")

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template, tokenize_examples
+from cputrain.data import chat_template
 from cputrain.data.batch import IGNORE_INDEX
-from cputrain.data.examples import ExampleRows, pack_bounds
-from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.examples import tokenize as tokenize_examples
+from cputrain.data.examples.rows import ExampleRows, pack_bounds
+from cputrain.data.examples.tokenize import ExampleSpec
 from cputrain.errors import DataError
 
 
@@ -165,7 +166,7 @@ def test_tool_calls_are_trained_and_tool_results_are_not(tok):
 
 
 def test_what_prepare_prints_names_the_conversations_left_out():
-    from cputrain.data.examples import ExampleData
+    from cputrain.data.examples.rows import ExampleData
 
     stats = {"format": "chat", "train_examples": 9, "val_examples": 1, "train_tokens": 900, "trained_token_share": 0.5,
              "packing": False, "skipped_no_answer": 0, "dropped_long": 0, "truncated": 0,

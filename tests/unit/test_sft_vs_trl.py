@@ -14,7 +14,7 @@ import pytest
 
 from cputrain.data import chat_template
 from cputrain.data.chat_template import MARKED_CHATML
-from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.examples.tokenize import ExampleSpec
 
 trl = pytest.importorskip("trl")
 
@@ -51,7 +51,7 @@ def _records(kind: str) -> list[dict]:
 def _cputrain(tok, kind, records, template=None):
     import datasets
 
-    from cputrain.data import tokenize_examples
+    from cputrain.data.examples import tokenize as tokenize_examples
 
     fmt, train_on = ("chat", "assistant") if kind == "chat" else ("prompt_completion", "completion")
     spec = ExampleSpec(fmt, "messages", "prompt", "completion", train_on, template,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX
-from cputrain.data.pairs import PairRows, shared_prefixes, shared_prompt_mask
+from cputrain.data.preference.rows import PairRows, shared_prefixes, shared_prompt_mask
 from cputrain.objectives.objective import pair_logps, reference_table
 from tests.conftest import run_cli_here, tiny_overrides
 
@@ -36,8 +36,8 @@ def _streams(pairs):
 def _string_pair(tok):
     """A string pair tokenized as the cache does (whole text, then prompt alone), whose two
     sequences part before one's first trained token: the prompt ends inside a word."""
-    from cputrain.data import tokenize_preferences
-    from cputrain.data.tokenize_preferences import PreferenceSpec
+    from cputrain.data.preference import tokenize as tokenize_preferences
+    from cputrain.data.preference.tokenize import PreferenceSpec
 
     spec = PreferenceSpec("prompt", "chosen", "rejected", None, {}, 256)
     tokenize_preferences.init_worker(None, None, spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")

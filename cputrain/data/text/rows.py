@@ -19,11 +19,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from cputrain.config import DataConfig
+from cputrain.data.batch import Batch
 
 # Bumped when the layout or the packing rule changes, so no older entry is read as a newer one.
 CACHE_FORMAT = 2
+
+
+class TokenRows:
+    """Packed text: rows of a [n, seq_len] token array (memory-mapped); every token is a label."""
+
+    def __init__(self, sequences: np.ndarray):
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def prompt_ids(self, row: int) -> None:
+        return None  # text has no prompts: a text model is sampled from a word of its own
+
+    def batch(self, indices) -> Batch:
+        tokens = torch.from_numpy(np.ascontiguousarray(self.sequences[indices], dtype=np.int64))
+        return Batch(tokens, tokens)
 
 
 @dataclass
@@ -39,8 +58,6 @@ class PackedData:
 
     def rows(self, split: str):
         """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
-        from cputrain.data.batch import TokenRows
-
         return TokenRows(getattr(self, split))
 
     def describe(self) -> str:

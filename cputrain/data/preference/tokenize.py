@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from cputrain.data.chat_template import answer_mask, assistant_spans, content_text
-from cputrain.data.tokenize_chunk import open_arrow
-from cputrain.data.tokenize_examples import (
+from cputrain.data.examples.tokenize import (
     ExampleChunk,
     _messages,
     _record_error,
     _Skipped,
     finish_chunk,
 )
+from cputrain.data.text.tokenize import open_arrow
 from cputrain.errors import DataError
 
 _state: dict = {}  # set once per process by init_worker

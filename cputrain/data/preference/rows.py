@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX, Batch
-from cputrain.data.examples import open_rows, pack_bounds
+from cputrain.data.examples.rows import open_rows, pack_bounds
 from cputrain.errors import ConfigError
 
 _CHUNK_PAIRS = 1 << 16  # pairs compared at a time: bounded memory however many pairs

@@ -8,11 +8,11 @@ import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.data import tokenize_preferences
-from cputrain.data.example_kind import sequence_streams
+from cputrain.data.examples.kind import sequence_streams
 from cputrain.data.kind import BuildFacts, Worker
-from cputrain.data.pairs import PreferenceData, open_pairs
-from cputrain.data.tokenize_preferences import PreferenceSpec
+from cputrain.data.preference import tokenize
+from cputrain.data.preference.rows import PreferenceData, open_pairs
+from cputrain.data.preference.tokenize import PreferenceSpec
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -26,7 +26,7 @@ def shared_prompt(data_cfg: DataConfig) -> bool:
 
 class PreferenceKind:
     what = "preference pairs"
-    counters = tokenize_preferences.COUNTERS
+    counters = tokenize.COUNTERS
 
     def __init__(self, data_cfg: DataConfig, tokenizer):
         from cputrain.data import chat_template
@@ -53,8 +53,8 @@ class PreferenceKind:
 
     def worker(self, corpus, token_dtype: str) -> Worker:
         tok = self.tokenizer
-        return Worker(tokenize_preferences.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
-                                                         token_dtype), tokenize_preferences.tokenize_rows)
+        return Worker(tokenize.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
+                                                         token_dtype), tokenize.tokenize_rows)
 
     def key(self) -> dict:
         return self.spec.key()

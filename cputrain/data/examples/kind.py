@@ -8,10 +8,10 @@ import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.data import tokenize_examples
-from cputrain.data.examples import ExampleData, open_examples
+from cputrain.data.examples import tokenize
+from cputrain.data.examples.rows import ExampleData, open_examples
 from cputrain.data.kind import BuildFacts, Worker
-from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.examples.tokenize import ExampleSpec
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -53,7 +53,7 @@ def sequence_streams(token_dtype: str) -> dict[str, str]:
 
 class ExampleKind:
     what = "examples"
-    counters = tokenize_examples.COUNTERS
+    counters = tokenize.COUNTERS
 
     def __init__(self, data_cfg: DataConfig, data_format: str, tokenizer):
         self.spec = example_spec(data_cfg, data_format, tokenizer)
@@ -65,7 +65,7 @@ class ExampleKind:
         spec = self.spec
         if spec.format == "chat":
             return (spec.messages_field,)
-        return tokenize_examples.ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field,
+        return tokenize.ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field,
                                                                                spec.completion_field)
 
     def streams(self, token_dtype: str) -> dict[str, str]:
@@ -73,8 +73,8 @@ class ExampleKind:
 
     def worker(self, corpus, token_dtype: str) -> Worker:
         tok = self.tokenizer
-        return Worker(tokenize_examples.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
-                                                      token_dtype), tokenize_examples.tokenize_rows)
+        return Worker(tokenize.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
+                                                      token_dtype), tokenize.tokenize_rows)
 
     def key(self) -> dict:
         return self.spec.key()

@@ -30,7 +30,7 @@ from cputrain.data.chat_template import (
     content_text,
     renders_tools,
 )
-from cputrain.data.tokenize_chunk import REMAP_EVERY_CHARS, open_arrow
+from cputrain.data.text.tokenize import REMAP_EVERY_CHARS, open_arrow
 from cputrain.errors import DataError
 
 _state: dict = {}  # set once per process by init_worker
