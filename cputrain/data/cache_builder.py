@@ -31,7 +31,6 @@ from tqdm import tqdm
 from cputrain.config import DataConfig
 from cputrain.data import sources
 from cputrain.data.kind import BuildFacts, DataKind, Worker
-from cputrain.data.text.rows import token_dtype
 from cputrain.data.stop_on_signal import start_tokenizing_worker
 from cputrain.data.tree_memory import TreeMemory
 from cputrain.data.validation_split import validation_mask
@@ -42,6 +41,11 @@ log = logging.getLogger("cputrain")
 CHUNK_CHARS = 1_000_000  # text per task: large enough to amortise a task, small enough to bound memory
 COMMIT_EVERY_S = 2.0  # how much work a kill can cost: progress.json is rewritten this often
 LOG_EVERY_S = 30.0  # progress lines where no terminal shows a bar (CI, pod logs)
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The item type of every entry's token ids: uint16 where the vocabulary fits, else uint32."""
+    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
 
 
 def _rows_per_chunk(corpus: sources.Corpus) -> int:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from cputrain.config import DataConfig
 from cputrain.data import cache_builder, cache_lock, sources
+from cputrain.data.cache_key import cache_key
 from cputrain.data.examples.kind import ExampleKind
 from cputrain.data.kind import DataKind
 from cputrain.data.preference.kind import PreferenceKind
 from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, stop_on_signal
 from cputrain.data.text.kind import TextKind
-from cputrain.data.text.rows import cache_key
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")

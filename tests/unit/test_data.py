@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from cputrain.config import DataConfig, ModelConfig
-from cputrain.data import cache_builder, order, prepare, sources, tokenizer as tokenizers
+from cputrain.data import cache_builder, cache_key, order, prepare, sources, tokenizer as tokenizers
 from cputrain.data.rows import Rows
-from cputrain.data.text import rows as packing
 from cputrain.data.text.kind import TextKind
 from cputrain.data.validation_split import validation_mask
 from cputrain.errors import DataError
@@ -291,7 +290,7 @@ def test_trained_tokenizer_is_cached(tmp_path):
     assert calls == [1]  # trained once; the second run reads the cache
     assert len(first) == len(second) == 300
     assert first.eos_token == tokenizers.EOS and first.eos_token_id is not None
-    assert packing.tokenizer_hash(first) == packing.tokenizer_hash(second)
+    assert cache_key.tokenizer_hash(first) == cache_key.tokenizer_hash(second)
     text = "def f(x):\n    return x ** 2  # ünïcödé"
     assert second.decode(second(text)["input_ids"]) == text  # byte-level: any text round-trips
     assert sorted(p.name for p in (tmp_path / "tokenizers").iterdir()) == ["bpe-v2-300-fp1-256mb"]  # no lock left
