@@ -30,7 +30,7 @@ from cputrain.data.chat_template import (
     content_text,
     renders_tools,
 )
-from cputrain.data.text.tokenize import REMAP_EVERY_CHARS, open_arrow
+from cputrain.data.worker_corpus import WorkerCorpus
 from cputrain.errors import DataError
 
 _state: dict = {}  # set once per process by init_worker
@@ -89,8 +89,8 @@ def init_worker(arrow_files: list[str] | None, dataset, spec: ExampleSpec, token
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     from tokenizers import Tokenizer
 
-    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), spec=spec,
-                  tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype), chars_since_open=0)
+    _state.update(corpus=WorkerCorpus(arrow_files, dataset), spec=spec, tokenizer=Tokenizer.from_str(tokenizer_json),
+                  eos=eos_id, dtype=np.dtype(dtype))
 
 
 def _record_error(row: int, what: str) -> DataError:
@@ -210,7 +210,7 @@ def _chars(spec: ExampleSpec, columns: dict, i: int) -> int:
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
     s = _state
     spec, dtype = s["spec"], s["dtype"]
-    columns = _columns(spec, s["dataset"][start:stop], stop - start)
+    columns = _columns(spec, s["corpus"][start:stop], stop - start)
     split = {"train": ([], [], []), "val": ([], [], [])}  # ids, masks, lengths
     counts = dict.fromkeys(COUNTERS, 0)
     for i, is_val in enumerate(held_out):
@@ -248,12 +248,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
 
 def finish_chunk(s: dict, start: int, stop: int, split: dict, counts, dtype) -> ExampleChunk:
     """A worker's chunk of sequences as the streams' arrays (`split`: name → ids, masks, lengths)."""
-    # Pages of a mapped file that were read stay in the RSS until unmapped: remap now and then, so a
-    # worker's memory does not grow with the corpus (as tokenize_chunk does for text).
-    s["chars_since_open"] += counts["text_chars"]
-    if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
-        s["dataset"] = None
-        s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
+    s["corpus"].read(counts["text_chars"])
     parts = {}
     for name, (ids_out, masks_out, lengths_out) in split.items():
         parts[f"{name}.bin"] = np.asarray(ids_out, dtype=dtype)

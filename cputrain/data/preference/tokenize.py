@@ -34,7 +34,7 @@ from cputrain.data.examples.tokenize import (
     _Skipped,
     finish_chunk,
 )
-from cputrain.data.text.tokenize import open_arrow
+from cputrain.data.worker_corpus import WorkerCorpus
 from cputrain.errors import DataError
 
 _state: dict = {}  # set once per process by init_worker
@@ -69,8 +69,8 @@ def init_worker(arrow_files: list[str] | None, dataset, spec: PreferenceSpec, to
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     from tokenizers import Tokenizer
 
-    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), spec=spec,
-                  tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype), chars_since_open=0)
+    _state.update(corpus=WorkerCorpus(arrow_files, dataset), spec=spec, tokenizer=Tokenizer.from_str(tokenizer_json),
+                  eos=eos_id, dtype=np.dtype(dtype))
 
 
 def extract_prompt(chosen, rejected):
@@ -172,7 +172,7 @@ def _chars(value) -> int:
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
     s = _state
     spec, dtype = s["spec"], s["dtype"]
-    batch = s["dataset"][start:stop]
+    batch = s["corpus"][start:stop]
     nothing = [None] * (stop - start)
     prompts = batch.get(spec.prompt_field) or nothing
     chosens, rejecteds = batch.get(spec.chosen_field) or nothing, batch.get(spec.rejected_field) or nothing
