@@ -69,3 +69,18 @@ def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
     dtype = inner.get_input_embeddings().weight.dtype
     return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
 
+
+def padded(rows: list, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows given as (ids, labels, positions, …) numpy arrays as [len(rows), width] tensors: ids
+    padded with `pad_id`, labels with IGNORE_INDEX, and the padding's positions 0, 1, … after the
+    row's end: the padding is a block of its own."""
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab, pos, *_) in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n] = torch.from_numpy(ids)
+        labels[i, :n] = torch.from_numpy(lab)
+        positions[i, :n] = torch.from_numpy(pos)
+        positions[i, n:] = torch.arange(width - n)
+    return input_ids, labels, positions

@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from cputrain.config import DataConfig
 from cputrain.data.validation_split import VALIDATION_RULE
+
+if TYPE_CHECKING:  # annotations only: tokenizing workers import this module (Worker), and need no config
+    from cputrain.config import DataConfig
 
 
 @dataclass

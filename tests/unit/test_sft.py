@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template
+from cputrain.data import chat_template, sequences
 from cputrain.data.batch import IGNORE_INDEX
 from cputrain.data.examples import tokenize as tokenize_examples
-from cputrain.data.examples.rows import ExampleRows, pack_bounds
+from cputrain.data.examples.rows import ExampleRows
 from cputrain.data.examples.tokenize import ExampleSpec
+from cputrain.data.sequences import pack_bounds
 from cputrain.errors import DataError
 
 
@@ -50,7 +51,7 @@ class _Records:
 
 
 def _tokenize(tok, spec, records, held_out=None):
-    tokenize_examples.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
+    sequences.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
     return tokenize_examples.tokenize_rows(0, len(records), np.zeros(len(records), bool) if held_out is None else held_out)
 
 

@@ -1,8 +1,8 @@
 """What one tokenizing process does for text: documents [start, stop) → two flat token arrays.
 
 Each worker reads the corpus itself (cputrain.data.worker_corpus) and returns the train and
-validation streams of its rows as compact numpy arrays, EOS after each document. The parent only appends them in order, so the result is the
-same for any number of workers. Imports stay light: a spawned worker needs no torch.
+validation streams of its rows as compact numpy arrays, EOS after each document. The parent only
+appends them in order, so the result is the same for any number of workers. Imports stay light: a spawned worker needs no torch.
 """
 
 from __future__ import annotations
