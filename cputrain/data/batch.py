@@ -1,9 +1,10 @@
-"""A micro-batch as the model takes it, and the rows of packed text it is cut from.
+"""A micro-batch as the model takes it, and padding rows into one.
 
-Every kind of data gives the trainer rows with `len(rows)` and `rows.batch(indices)`: packed text
-(TokenRows: every token a label, positions 0…seq_len-1), and chat or prompt/completion examples
-(cputrain.data.examples.ExampleRows: labels only on answers, positions restarting per example),
-and preference pairs (cputrain.data.pairs.PairRows: as examples, with the sequence of each token).
+Every kind of data gives the trainer rows (cputrain.data.rows) with `len(rows)` and
+`rows.batch(indices)`: packed text (cputrain.data.text.rows.TokenRows: every token a label,
+positions 0…seq_len-1), chat or prompt/completion examples (cputrain.data.examples.rows.ExampleRows:
+labels only on answers, positions restarting per example), and preference pairs
+(cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token).
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ class Batch:
     input_ids: torch.Tensor  # [micro-batch, tokens]
     labels: torch.Tensor  # [micro-batch, tokens]; the model shifts them: token t+1 is t's target
     position_ids: torch.Tensor | None = None  # None: 0 … tokens-1 in every row
-    # Preference pairs (cputrain.data.pairs): the micro-batch's sequence each token is in, 2p for
+    # Preference pairs (cputrain.data.preference): the micro-batch's sequence each token is in, 2p for
     # pair p's chosen, 2p+1 for its rejected, -1 padding. None for text and examples.
     sequence_ids: torch.Tensor | None = None
     # DPO's reference log-probabilities of those sequences (summed), where they were computed
     # before training (full weights: cputrain.objectives); None: computed live, or not wanted.
     reference_logps: torch.Tensor | None = None
     # [micro-batch, 1, tokens, tokens] bool, True: attend; pairs with a shared prompt
-    # (cputrain.data.pairs) carry it. None: transformers builds the causal mask from the positions.
+    # (cputrain.data.preference.rows) carry it. None: transformers builds the causal mask from the positions.
     attention_mask: torch.Tensor | None = None
 
     @property

@@ -77,7 +77,7 @@ class PreferenceKind(SequenceKind):
             "train_on": "completion",
             "train_pairs": progress["train_pairs"],
             "val_pairs": progress["val_pairs"],
-            # two sequences per pair, chosen then rejected, in the examples' streams
+            # two sequences per pair, chosen then rejected, in the sequence kinds' streams
             "train_examples": 2 * progress["train_pairs"],
             "val_examples": 2 * progress["val_pairs"],
             "skipped_identical": progress["skipped_identical"],

@@ -1,5 +1,6 @@
 """Text: documents joined with EOS into one stream per split and cut into rows of data.seq_len
-(pretraining: every token trained, no padding). Tokenized by tokenize_chunk; opened as rows.PackedData."""
+(pretraining: every token trained, no padding). Tokenized by text.tokenize; opened as
+text.rows.PackedData."""
 
 from __future__ import annotations
 
