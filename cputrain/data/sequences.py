@@ -204,7 +204,7 @@ class SequenceKind:
         return self.spec.key()
 
     def token_stats(self, progress) -> dict:
-        """The tokens of the entry, those trained, and the id padding takes."""
+        """The tokens of the entry, those trained, and the id that pads rows."""
         tok = self.tokenizer
         train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
         return {
@@ -236,7 +236,8 @@ def pack_bounds(lengths: np.ndarray, seq_len: int) -> np.ndarray:
 
 class SequenceRows:
     """The streams of one split, where each sequence starts, and its rows: a kind's rows class sets
-    `bounds` (row r holds its units [bounds[r], bounds[r+1])) and cuts its micro-batches."""
+    `bounds` (row r holds its units [bounds[r], bounds[r+1])), says its `tokens` (padding aside)
+    and cuts its micro-batches."""
 
     bounds: np.ndarray
 
@@ -250,8 +251,8 @@ class SequenceRows:
         return max(0, len(self.bounds) - 1)
 
     def width(self, rows: list) -> int:
-        """Tokens a row of these rows' micro-batch (each starting with its ids): data.seq_len packed,
-        else the longest's."""
+        """Tokens per row of the micro-batch of `rows` as cut (each a tuple starting with its ids):
+        data.seq_len when packed, else the longest row's."""
         return self.seq_len if self.packing else max(len(ids) for ids, *_ in rows)
 
     def prompt_of(self, sequence: int) -> list[int]:

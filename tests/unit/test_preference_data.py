@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cputrain.data import chat_template, sequences
-from cputrain.data.preference import tokenize as tokenize_preferences
 from cputrain.data.batch import IGNORE_INDEX
+from cputrain.data.preference import tokenize as tokenize_preferences
 from cputrain.data.preference.rows import PairRows
 from cputrain.data.preference.tokenize import PreferenceSpec, extract_prompt
 from cputrain.errors import DataError

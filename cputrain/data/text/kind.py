@@ -9,8 +9,8 @@ from pathlib import Path
 
 from cputrain.config import DataConfig
 from cputrain.data import sources
-from cputrain.data.text import rows, tokenize
 from cputrain.data.kind import BuildFacts, Worker
+from cputrain.data.text import rows, tokenize
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
