@@ -47,7 +47,7 @@ from benchmarks.report import machine_line, write_block  # noqa: E402
 from benchmarks.step_timing import count_trainer_steps  # noqa: E402
 from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
 from cputrain.data.chat_template import MARKED_CHATML  # noqa: E402
-from cputrain.data.examples import open_examples  # noqa: E402
+from cputrain.data.examples.rows import open_examples  # noqa: E402
 
 ARCH_100M = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
              "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": False}

@@ -113,7 +113,7 @@ def run_cputrain(base: str, data: Path, shared: bool, steps: int, warmup: int, s
 
 def saved_share(cache_dir: str, seq_len: int) -> float:
     """The share of the pairs' two sequences' tokens the shared layout leaves out, from the cache."""
-    from cputrain.data.pairs import open_pairs
+    from cputrain.data.preference.rows import open_pairs
 
     folder = next(Path(cache_dir).glob("packed/*/stats.json")).parent
     return open_pairs(folder, packing=True, shared_prompt=True).stats["shared_prompt_saved_share"]

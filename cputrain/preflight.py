@@ -43,7 +43,7 @@ def check_objective_fits(cfg: Config) -> None:
         except DataError:
             return  # a source that cannot be read is reported where the data is prepared
     check_objective(cfg.train.objective, fmt)
-    from cputrain.data.pairs import shared_prompt_choice
+    from cputrain.data.preference.rows import shared_prompt_choice
 
     shared_prompt_choice(data.shared_prompt, fmt)  # data.shared_prompt=true lays out pairs only
 

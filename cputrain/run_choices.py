@@ -4,8 +4,8 @@ cputrain.resolve decides the machine's facts (precision, threads, compile, token
 strategy, backend). What is left needs the data, the model or the process group:
 
     1. data.format          from the first record's fields                     (data.sources)
-    2. data.train_on        from the format                                    (data.example_kind)
-       data.shared_prompt   from the format; a resumed run's from its folder  (data.pairs)
+    2. data.train_on        from the format                                    (data.examples.kind)
+       data.shared_prompt   from the format; a resumed run's from its folder  (data.preference.rows)
     3. model.lora.target_modules   from the model's linear layers              (lora.adapters)
     4. model.lora.base_dtype       from the compute dtype and the weight files (lora.base_storage)
     5. model.attn_implementation   timed on rank 0 on the run's shape          (kernels.attention_choice)
@@ -54,8 +54,8 @@ PLANNED_CHECKPOINTING = (True, ("planned with every block checkpointed (the leas
 def with_data_choices(res: Resolution) -> Resolution:
     """data.format, data.train_on and data.shared_prompt: what `prepare` and `eval` need, and the
     first of a run's; data.shared_prompt=true on data other than preference pairs is refused here."""
-    from cputrain.data.example_kind import train_on_choice
-    from cputrain.data.pairs import shared_prompt_choice
+    from cputrain.data.examples.kind import train_on_choice
+    from cputrain.data.preference.rows import shared_prompt_choice
     from cputrain.data.sources import format_choice
 
     data = res.config.data

@@ -83,8 +83,8 @@ class Trainer:
         # Built by setup(), in this order:
         self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
         self.tokenizer = None
-        self.data = None  # packed text (data.packing.PackedData) or examples (data.examples.ExampleData)
-        self.train_rows = self.val_rows = None  # what batches are cut from (data.batch)
+        self.data = None  # packed text (data.text.rows.PackedData) or examples (data.examples.rows.ExampleData)
+        self.train_rows = self.val_rows = None  # what batches are cut from (data.rows)
         self.order: order.BatchOrder | None = None
         self.hf_config = None  # transformers PretrainedConfig
         self.counts: dict[str, int] = {}  # parameter counts (models.parameter_counts)

@@ -1,6 +1,6 @@
 """Preference pairs in the token cache, and the rows the trainer takes from them.
 
-The entry's streams are the examples' (cputrain.data.examples): ids, mask and lengths, where
+An entry is a sequence kind's (cputrain.data.sequences: ids, mask and lengths), where
 sequences 2k and 2k+1 are pair k's prompt + chosen and prompt + rejected. Packing puts whole PAIRS
 into rows of data.seq_len (next-fit, in order), so both sequences of a pair are always in the same
 row and the same micro-batch. A batch carries, for each token, the sequence it belongs to within
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cputrain.data.batch import IGNORE_INDEX, Batch
-from cputrain.data.examples import open_rows, pack_bounds
+from cputrain.data.batch import IGNORE_INDEX, Batch, padded
+from cputrain.data.sequences import SequenceData, SequenceRows, open_rows, pack_bounds
 from cputrain.errors import ConfigError
 
 _CHUNK_PAIRS = 1 << 16  # pairs compared at a time: bounded memory however many pairs
@@ -121,12 +121,10 @@ def shared_prompt_mask(sequence_ids: torch.Tensor, visible_prompt: torch.Tensor)
     return mask
 
 
-class PairRows:
+class PairRows(SequenceRows):
     def __init__(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, seq_len: int, packing: bool,
                  pad_id: int, shared_prompt: bool = False):
-        self.ids, self.mask, self.lengths = ids, mask, lengths.astype(np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        self.seq_len, self.packing, self.pad_id = seq_len, packing, pad_id
+        super().__init__(ids, mask, lengths, seq_len, packing, pad_id)
         self.shared_prompt = shared_prompt
         pairs = len(self.lengths) // 2
         # tokens of each pair's rejected sequence not laid out again (its prompt's 0…P-2): none unshared
@@ -139,9 +137,6 @@ class PairRows:
         # DPO's reference log-probabilities of every sequence (2k, 2k+1: pair k), where they were
         # computed once before training (full weights); each batch then carries its own.
         self.reference_logps: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return max(0, len(self.bounds) - 1)
 
     @property
     def tokens(self) -> int:
@@ -177,27 +172,17 @@ class PairRows:
 
     def prompt_ids(self, row: int) -> list[int]:
         """The prompt of the row's first pair (its chosen sequence's tokens before the first trained one)."""
-        s = 2 * int(self.bounds[row])
-        t0, t1 = self.offsets[s], self.offsets[s + 1]
-        trained = np.flatnonzero(np.asarray(self.mask[t0:t1]))
-        end = t0 + (int(trained[0]) if len(trained) else t1 - t0)
-        return np.asarray(self.ids[t0:end], dtype=np.int64).tolist()
+        return self.prompt_of(2 * int(self.bounds[row]))
 
     def batch(self, indices) -> Batch:
         rows = [self._row(int(r)) for r in indices]
-        width = self.seq_len if self.packing else max(len(ids) for ids, *_ in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        width = self.width(rows)
+        input_ids, labels, positions = padded(rows, width, self.pad_id)
         sequence_ids = torch.full((len(rows), width), -1, dtype=torch.long)
         visible = torch.zeros((len(rows), width), dtype=torch.bool)
         sequences_before = 0
-        for i, (ids, lab, pos, seq, vis) in enumerate(rows):
+        for i, (ids, _, _, seq, vis) in enumerate(rows):
             n = len(ids)
-            input_ids[i, :n] = torch.from_numpy(ids)
-            labels[i, :n] = torch.from_numpy(lab)
-            positions[i, :n] = torch.from_numpy(pos)
-            positions[i, n:] = torch.arange(width - n)  # the padding is a block of its own
             sequence_ids[i, :n] = torch.from_numpy(seq) + sequences_before
             visible[i, :n] = torch.from_numpy(vis)
             sequences_before += int(seq[-1]) + 1 if n else 0
@@ -212,27 +197,16 @@ class PairRows:
 
 
 @dataclass
-class PreferenceData:
-    train: PairRows
-    val: PairRows
-    stats: dict
-    folder: Path | None = None
-
-    def rows(self, split: str) -> PairRows:
-        return getattr(self, split)
-
+class PreferenceData(SequenceData):
     def describe(self) -> str:
         s = self.stats
-        how = (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "
-               f"({s['packing_efficiency']:.1%} filled)" if s["packing"] else
-               "one pair per row, each micro-batch padded to its longest (data.packing=false)")
         shared = (f"the shared prompt (data.shared_prompt) saved {s['shared_prompt_saved_tokens']} tokens, "
                   f"{s['shared_prompt_saved_share']:.1%} of the pairs' two sequences" if s.get("shared_prompt") else
                   "each pair's prompt laid out twice (data.shared_prompt=false)")
         return (f"preference: {s['train_pairs']} train + {s['val_pairs']} validation pairs, {s['train_tokens']} train "
-                f"tokens of which {s['trained_token_share']:.1%} trained; {how}; {shared}; skipped "
-                f"{s['skipped_identical']} with identical answers and {s['skipped_empty']} with an empty one, dropped "
-                f"{s['dropped_long']} longer than data.seq_len as laid out in a row")
+                f"tokens of which {s['trained_token_share']:.1%} trained; {self.how_packed('one pair')}; {shared}; "
+                f"skipped {s['skipped_identical']} with identical answers and {s['skipped_empty']} with an empty one, "
+                f"dropped {s['dropped_long']} longer than data.seq_len as laid out in a row")
 
 
 def open_pairs(folder: Path, packing: bool, shared_prompt: bool = False) -> PreferenceData:

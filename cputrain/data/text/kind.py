@@ -1,5 +1,6 @@
 """Text: documents joined with EOS into one stream per split and cut into rows of data.seq_len
-(pretraining: every token trained, no padding). Tokenized by tokenize_chunk; opened as packing.PackedData."""
+(pretraining: every token trained, no padding). Tokenized by text.tokenize; opened as
+text.rows.PackedData."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.data import packing, sources, tokenize_chunk
+from cputrain.data import sources
 from cputrain.data.kind import BuildFacts, Worker
+from cputrain.data.text import rows, tokenize
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -26,15 +28,15 @@ class TextKind:
         return {"train.bin": token_dtype, "val.bin": token_dtype}
 
     def worker(self, corpus, token_dtype: str) -> Worker:
-        return Worker(tokenize_chunk.init_worker,
-                      (corpus.field, tokenize_chunk.portable_tokenizer(self.tokenizer), token_dtype),
-                      tokenize_chunk.tokenize_rows)
+        return Worker(tokenize.init_worker,
+                      (corpus.field, tokenize.portable_tokenizer(self.tokenizer), token_dtype),
+                      tokenize.tokenize_rows)
 
     def key(self) -> None:
         return None
 
-    def open(self, folder: Path, data_cfg: DataConfig) -> packing.PackedData:
-        return packing.open_packed(folder)
+    def open(self, folder: Path, data_cfg: DataConfig) -> rows.PackedData:
+        return rows.open_packed(folder)
 
     def stats(self, facts: BuildFacts) -> dict:
         data_cfg, progress, corpus = facts.data_cfg, facts.progress, facts.corpus

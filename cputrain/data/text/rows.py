@@ -1,4 +1,4 @@
-"""The packed token cache: its key, its layout, and opening it for training.
+"""Packed text in the token cache: its layout, and the rows the trainer takes from it.
 
 Documents are joined with EOS into one stream and cut into sequences of seq_len: no padding,
 so "useful tokens" = all tokens. A complete cache entry is a folder
@@ -13,17 +13,31 @@ each rank only the pages it touches. cputrain.data.prepare builds the entries.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from cputrain.config import DataConfig
+from cputrain.data.batch import Batch
 
-# Bumped when the layout or the packing rule changes, so no older entry is read as a newer one.
-CACHE_FORMAT = 2
+
+class TokenRows:
+    """Packed text: rows of a [n, seq_len] token array (memory-mapped); every token is a label."""
+
+    def __init__(self, sequences: np.ndarray):
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def prompt_ids(self, row: int) -> None:
+        return None  # text has no prompts: a text model is sampled from a word of its own
+
+    def batch(self, indices) -> Batch:
+        tokens = torch.from_numpy(np.ascontiguousarray(self.sequences[indices], dtype=np.int64))
+        return Batch(tokens, tokens)
 
 
 @dataclass
@@ -39,8 +53,6 @@ class PackedData:
 
     def rows(self, split: str):
         """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
-        from cputrain.data.batch import TokenRows
-
         return TokenRows(getattr(self, split))
 
     def describe(self) -> str:
@@ -48,36 +60,6 @@ class PackedData:
         return (f"{s['documents']} documents, {s['tokens']} tokens → {s['train_sequences']} train + "
                 f"{s['val_sequences']} validation sequences of {s['seq_len']} tokens (useful tokens 100%: 0 padding, "
                 f"{s['dropped_tail_tokens']} tail tokens dropped)")
-
-
-def tokenizer_hash(tokenizer) -> str:
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16] if hasattr(
-        tokenizer, "backend_tokenizer"
-    ) else hashlib.sha256(repr(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
-
-
-def cache_key(data_fingerprint: str, data_cfg: DataConfig, seed: int, tokenizer, examples: dict | None = None) -> str:
-    """The one key of a cache entry: what the data is, how it is tokenized, cut and split; for
-    chat and prompt/completion data also how records become examples (format, fields, template,
-    what is trained, truncation). Text keys are unchanged by the examples' part."""
-    parts = {
-        "format": CACHE_FORMAT,
-        "data": data_fingerprint,
-        "tokenizer": tokenizer_hash(tokenizer),
-        "seq_len": data_cfg.seq_len,
-        "val_fraction": data_cfg.val_fraction,
-        "seed": seed,
-    }
-    if examples is not None:
-        from cputrain.data.chat_template import ANSWER_MASK_RULE
-
-        # a cache written under another rule for which tokens an answer holds is not reused
-        parts["examples"] = {**examples, "answer_mask": ANSWER_MASK_RULE}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
 
 
 def _sequences(path: Path, dtype: str, n: int, seq_len: int) -> np.ndarray:

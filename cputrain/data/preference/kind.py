@@ -1,6 +1,7 @@
 """Preference pairs: a prompt with a chosen and a rejected answer, as TRL's preference datasets
-hold them. Tokenized by tokenize_preferences into the examples' streams (chosen then rejected,
-adjacent); opened as pairs.PreferenceData, whole pairs packed into rows."""
+hold them. A sequence kind (cputrain.data.sequences): tokenized by preference.tokenize into two
+sequences a pair (chosen then rejected, adjacent); opened as preference.rows.PreferenceData,
+whole pairs packed into rows."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.data import tokenize_preferences
-from cputrain.data.example_kind import sequence_streams
-from cputrain.data.kind import BuildFacts, Worker
-from cputrain.data.pairs import PreferenceData, open_pairs
-from cputrain.data.tokenize_preferences import PreferenceSpec
+from cputrain.data.kind import BuildFacts
+from cputrain.data.preference import tokenize
+from cputrain.data.preference.rows import PreferenceData, open_pairs
+from cputrain.data.preference.tokenize import PreferenceSpec
+from cputrain.data.sequences import SequenceKind
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -24,9 +25,10 @@ def shared_prompt(data_cfg: DataConfig) -> bool:
     return data_cfg.shared_prompt in (True, "auto")
 
 
-class PreferenceKind:
+class PreferenceKind(SequenceKind):
     what = "preference pairs"
-    counters = tokenize_preferences.COUNTERS
+    counters = tokenize.COUNTERS
+    worker_module = tokenize
 
     def __init__(self, data_cfg: DataConfig, tokenizer):
         from cputrain.data import chat_template
@@ -48,24 +50,12 @@ class PreferenceKind:
         """The fields every record must have: the prompt may be missing (the implicit-prompt form)."""
         return self.spec.chosen_field, self.spec.rejected_field
 
-    def streams(self, token_dtype: str) -> dict[str, str]:
-        return sequence_streams(token_dtype)
-
-    def worker(self, corpus, token_dtype: str) -> Worker:
-        tok = self.tokenizer
-        return Worker(tokenize_preferences.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
-                                                         token_dtype), tokenize_preferences.tokenize_rows)
-
-    def key(self) -> dict:
-        return self.spec.key()
-
     def open(self, folder: Path, data_cfg: DataConfig) -> PreferenceData:
         # "auto" only where the config was not decided (run_choices decides it first): preference's auto
         return open_pairs(folder, data_cfg.packing, shared_prompt(data_cfg))
 
     def stats(self, facts: BuildFacts) -> dict:
-        data_cfg, progress, tok = facts.data_cfg, facts.progress, self.tokenizer
-        train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
+        data_cfg, progress = facts.data_cfg, facts.progress
         for counter, what in (("skipped_identical", "had the same chosen and rejected answer"),
                               ("skipped_empty", "had an empty answer"),
                               ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len} as laid out in a "
@@ -87,7 +77,7 @@ class PreferenceKind:
             "train_on": "completion",
             "train_pairs": progress["train_pairs"],
             "val_pairs": progress["val_pairs"],
-            # two sequences per pair, chosen then rejected, in the examples' streams
+            # two sequences per pair, chosen then rejected, in the sequence kinds' streams
             "train_examples": 2 * progress["train_pairs"],
             "val_examples": 2 * progress["val_pairs"],
             "skipped_identical": progress["skipped_identical"],
@@ -95,10 +85,5 @@ class PreferenceKind:
             "skipped_non_text_parts": progress["non_text_parts"],
             "skipped_tools_unsupported": progress["tools_unsupported"],
             "dropped_long": progress["dropped_long"],
-            "train_tokens": train_tokens,
-            "val_tokens": val_tokens,
-            "trained_tokens": progress["trained_tokens"],
-            "val_trained_tokens": progress["val_trained_tokens"],
-            "trained_token_share": round(progress["trained_tokens"] / max(1, train_tokens), 4),
-            "pad_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            **self.token_stats(progress),
         }

@@ -1,6 +1,7 @@
 """Examples: chat, prompt/completion and Alpaca records, each tokenized whole with a mask of the
-tokens that carry loss (the answers) and its length. Tokenized by tokenize_examples; opened as
-examples.ExampleData (packed without cross-talk, or one example per row)."""
+tokens that carry loss (the answers) and its length: a sequence kind (cputrain.data.sequences).
+Tokenized by examples.tokenize; opened as examples.rows.ExampleData (packed without cross-talk,
+or one example per row)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.data import tokenize_examples
-from cputrain.data.examples import ExampleData, open_examples
-from cputrain.data.kind import BuildFacts, Worker
-from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.examples import tokenize
+from cputrain.data.examples.rows import ExampleData, open_examples
+from cputrain.data.examples.tokenize import ExampleSpec
+from cputrain.data.kind import BuildFacts
+from cputrain.data.sequences import SequenceKind
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -45,15 +47,10 @@ def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSp
                        data_cfg.seq_len, data_cfg.truncation)
 
 
-def sequence_streams(token_dtype: str) -> dict[str, str]:
-    """The files of an entry of sequences with trained masks (examples, and pairs' two sequences)."""
-    return {f"{split}{suffix}": dtype for split in ("train", "val")
-            for suffix, dtype in ((".bin", token_dtype), (".mask.bin", "uint8"), (".lengths.bin", "uint32"))}
-
-
-class ExampleKind:
+class ExampleKind(SequenceKind):
     what = "examples"
-    counters = tokenize_examples.COUNTERS
+    counters = tokenize.COUNTERS
+    worker_module = tokenize
 
     def __init__(self, data_cfg: DataConfig, data_format: str, tokenizer):
         self.spec = example_spec(data_cfg, data_format, tokenizer)
@@ -65,26 +62,13 @@ class ExampleKind:
         spec = self.spec
         if spec.format == "chat":
             return (spec.messages_field,)
-        return tokenize_examples.ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field,
-                                                                               spec.completion_field)
-
-    def streams(self, token_dtype: str) -> dict[str, str]:
-        return sequence_streams(token_dtype)
-
-    def worker(self, corpus, token_dtype: str) -> Worker:
-        tok = self.tokenizer
-        return Worker(tokenize_examples.init_worker, (self.spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
-                                                      token_dtype), tokenize_examples.tokenize_rows)
-
-    def key(self) -> dict:
-        return self.spec.key()
+        return tokenize.ALPACA_FIELDS if spec.format == "alpaca" else (spec.prompt_field, spec.completion_field)
 
     def open(self, folder: Path, data_cfg: DataConfig) -> ExampleData:
         return open_examples(folder, data_cfg.packing)
 
     def stats(self, facts: BuildFacts) -> dict:
-        data_cfg, progress, tok = facts.data_cfg, facts.progress, self.tokenizer
-        train_tokens, val_tokens = progress.items["train.bin"], progress.items["val.bin"]
+        data_cfg, progress = facts.data_cfg, facts.progress
         if progress["non_text_parts"]:
             log.warning("data: %d conversation(s) of %s have content parts that are not text (images, audio) and "
                         "were left out (stats.json: skipped_non_text_parts)", progress["non_text_parts"],
@@ -111,10 +95,5 @@ class ExampleKind:
             "skipped_tools_unsupported": progress["tools_unsupported"],  # tool calls the template cannot write
             "dropped_long": progress["dropped_long"],
             "truncated": progress["truncated"],
-            "train_tokens": train_tokens,
-            "val_tokens": val_tokens,
-            "trained_tokens": progress["trained_tokens"],
-            "val_trained_tokens": progress["val_trained_tokens"],
-            "trained_token_share": round(progress["trained_tokens"] / max(1, train_tokens), 4),
-            "pad_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            **self.token_stats(progress),
         }

@@ -8,10 +8,10 @@ prompt field (the "implicit prompt" form) chosen and rejected are whole conversa
 and the prompt is their common beginning, as TRL's extract_prompt takes it; where the two first
 part at a message that is not the assistant's, their prompts differ and the record is refused.
 
-A string pair is tokenized as prompt/completion examples are (cputrain.data.tokenize_examples):
-the whole text, then the prompt alone, the answer starting where the two token sequences part,
-then EOS, trained. A conversational pair is the rendering of prompt + answer, the answer's
-assistant turns trained (with the token that ends each). A pair whose answers are the same
+A string pair is tokenized as prompt/completion examples are (cputrain.data.sequences): the
+whole text, then the prompt alone, the answer starting where the two token sequences part, then
+EOS, trained. A conversational pair is the rendering of prompt + answer, the answer's assistant
+turns trained (with the token that ends each). A pair whose answers are the same
 teaches nothing (skipped_identical), one with an empty answer is skipped (skipped_empty), and one
 longer than data.seq_len as it is laid out in a row is dropped (dropped_long): a pair is packed
 whole into one row, never cut. Laid out is the two sequences whole, or with a shared prompt
@@ -21,23 +21,14 @@ two sequences is kept where the shared layout fits.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from cputrain.data.chat_template import answer_mask, assistant_spans, content_text
-from cputrain.data.tokenize_chunk import open_arrow
-from cputrain.data.tokenize_examples import (
-    ExampleChunk,
-    _messages,
-    _record_error,
-    _Skipped,
-    finish_chunk,
-)
+from cputrain.data import sequences
+from cputrain.data.chat_template import content_text
+from cputrain.data.sequences import ChunkSequences, SequenceChunk, Skipped, record_error
 from cputrain.errors import DataError
-
-_state: dict = {}  # set once per process by init_worker
 
 COUNTERS = ("train_pairs", "val_pairs", "skipped_identical", "skipped_empty", "dropped_long", "trained_tokens",
             "val_trained_tokens", "text_chars", "non_text_parts", "tools_unsupported")
@@ -53,7 +44,7 @@ class PreferenceSpec:
     template: str | None  # the chat template's text, for conversational records
     template_variables: dict
     seq_len: int
-    # Pairs are measured in the shared-prompt layout (cputrain.data.pairs): a pair that fits
+    # Pairs are measured in the shared-prompt layout (cputrain.data.preference.rows): a pair that fits
     # only shared is kept, so the cache's pairs depend on it.
     shared_prompt: bool = False
 
@@ -62,15 +53,6 @@ class PreferenceSpec:
         if not self.shared_prompt:  # caches tokenized before the key existed measured pairs whole: still valid
             del key["shared_prompt"]
         return key
-
-
-def init_worker(arrow_files: list[str] | None, dataset, spec: PreferenceSpec, tokenizer_json: str, eos_id: int,
-                dtype: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
-    from tokenizers import Tokenizer
-
-    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), spec=spec,
-                  tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype), chars_since_open=0)
 
 
 def extract_prompt(chosen, rejected):
@@ -87,24 +69,6 @@ def extract_prompt(chosen, rejected):
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def _string_sequence(prompt: str, answer: str) -> tuple[list[int], list[int]]:
-    tok = _state["tokenizer"]
-    # The text whole, then the prompt alone (TRL's rule, and tokenize_examples'): the answer starts
-    # where the two token sequences part. EOS ends the answer and is trained.
-    ids = tok.encode(prompt + answer, add_special_tokens=True).ids + [_state["eos"]]
-    prompt_ids = tok.encode(prompt, add_special_tokens=True).ids
-    start = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
-    return ids, [0] * start + [1] * (len(ids) - start)
-
-
-def _chat_sequence(prompt: list[dict], answer: list[dict]) -> tuple[list[int], list[int]]:
-    spec = _state["spec"]
-    text, spans = assistant_spans(spec.template, prompt + answer, spec.template_variables)
-    spans = spans[sum(m["role"] == "assistant" for m in prompt):]  # the answer's turns, not the prompt's
-    enc = _state["tokenizer"].encode(text, add_special_tokens=False)  # the template writes any BOS itself
-    return list(enc.ids), answer_mask(enc.offsets, spans).tolist()
-
-
 def _is_empty(answer) -> bool:
     if isinstance(answer, str):
         return not answer.strip()
@@ -114,40 +78,41 @@ def _is_empty(answer) -> bool:
 
 def pair_sequences(prompt, chosen, rejected, row: int) -> tuple[tuple[list[int], list[int]], ...] | str:
     """The pair's two sequences (ids, mask), chosen first; or the counter it is skipped under."""
-    spec = _state["spec"]
+    spec = sequences.state["spec"]
     names = (spec.chosen_field, spec.rejected_field)
     conversational = isinstance(chosen, list)
     for name, value in zip(names, (chosen, rejected)):
         if not isinstance(value, (str, list)) or isinstance(value, list) != conversational:
-            raise _record_error(row, f"fields '{names[0]}' and '{names[1]}' must both be strings or both lists of "
-                                     f"messages (got {type(chosen).__name__} and {type(rejected).__name__})")
+            raise record_error(row, f"fields '{names[0]}' and '{names[1]}' must both be strings or both lists of "
+                                    f"messages (got {type(chosen).__name__} and {type(rejected).__name__})")
     if prompt is None:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
         if conversational and any(answer and not (isinstance(answer[0], dict) and answer[0].get("role") == "assistant")
                                   for answer in (chosen, rejected)):
-            raise _record_error(row, f"the conversations in '{names[0]}' and '{names[1]}' part before an assistant "
-                                     "turn: their prompts differ. Give the shared prompt in data.prompt_field, or "
-                                     "conversations that differ only in the answer")
+            raise record_error(row, f"the conversations in '{names[0]}' and '{names[1]}' part before an assistant "
+                                    "turn: their prompts differ. Give the shared prompt in data.prompt_field, or "
+                                    "conversations that differ only in the answer")
     elif isinstance(prompt, list) != conversational or not isinstance(prompt, (str, list)):
-        raise _record_error(row, f"field '{spec.prompt_field}' must be a string with string answers, or a list of "
-                                 f"messages with conversational ones (got {type(prompt).__name__})")
+        raise record_error(row, f"field '{spec.prompt_field}' must be a string with string answers, or a list of "
+                                f"messages with conversational ones (got {type(prompt).__name__})")
     if chosen == rejected:
         return "skipped_identical"
     if _is_empty(chosen) or _is_empty(rejected):
         return "skipped_empty"
     if not conversational:
-        return _string_sequence(prompt, chosen), _string_sequence(prompt, rejected)
+        return sequences.string_sequence(prompt, chosen), sequences.string_sequence(prompt, rejected)
     if spec.template is None:
         raise DataError("conversational preference pairs are rendered with a chat template, and the tokenizer has "
                         "none (nor the built-in template's tokens); set data.chat_template to a Jinja file")
-    field = spec.prompt_field
-    prompt_messages = _messages(prompt, row, field, spec.template) if prompt else []
-    return tuple(_chat_sequence(prompt_messages, _messages(answer, row, name, spec.template))
+    prompt_messages = sequences.messages(prompt, row, spec.prompt_field, spec.template) if prompt else []
+    answer_turns_from = sum(m["role"] == "assistant" for m in prompt_messages)  # the answer's turns, not the prompt's
+    return tuple(sequences.chat_sequence(prompt_messages + sequences.messages(answer, row, name, spec.template),
+                                         answer_turns_from)
                  for name, answer in zip(names, (chosen, rejected)))
 
 
 def shared_prefix(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> int:
-    """P of one pair, as cputrain.data.pairs.shared_prefixes finds it on the cache: the longest
+    """P of one pair, as cputrain.data.preference.rows.shared_prefixes finds it on the cache: the longest
     common prefix of the two sequences' ids, capped at the first trained token of either."""
     (c_ids, c_mask), (r_ids, r_mask) = chosen, rejected
     n = 0
@@ -158,7 +123,7 @@ def shared_prefix(chosen: tuple[list[int], list[int]], rejected: tuple[list[int]
 
 def row_tokens(pair: tuple[tuple[list[int], list[int]], ...], shared_prompt: bool) -> int:
     """Tokens the pair takes in a row: its two sequences whole, or with a shared prompt the
-    rejected one without its prompt's 0…P-2 (cputrain.data.pairs lays it out so)."""
+    rejected one without its prompt's 0…P-2 (cputrain.data.preference.rows lays it out so)."""
     whole = sum(len(ids) for ids, _ in pair)
     return whole - max(shared_prefix(*pair) - 1, 0) if shared_prompt else whole
 
@@ -169,14 +134,14 @@ def _chars(value) -> int:
     return len(value) if isinstance(value, str) else 0
 
 
-def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
-    s = _state
-    spec, dtype = s["spec"], s["dtype"]
-    batch = s["dataset"][start:stop]
+def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
+    s = sequences.state
+    spec = s["spec"]
+    batch = s["corpus"][start:stop]
     nothing = [None] * (stop - start)
     prompts = batch.get(spec.prompt_field) or nothing
     chosens, rejecteds = batch.get(spec.chosen_field) or nothing, batch.get(spec.rejected_field) or nothing
-    split = {"train": ([], [], []), "val": ([], [], [])}  # ids, masks, lengths
+    out = ChunkSequences()
     counts = dict.fromkeys(COUNTERS, 0)
     for i, is_val in enumerate(held_out):
         row = start + i
@@ -188,7 +153,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
         counts["text_chars"] += _chars(prompt) + _chars(chosen) + _chars(rejected)
         try:
             pair = pair_sequences(prompt, chosen, rejected, row)
-        except _Skipped as skip:
+        except Skipped as skip:
             counts[skip.counter] += 1
             continue
         if isinstance(pair, str):
@@ -199,12 +164,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ExampleChunk:
         if row_tokens(pair, spec.shared_prompt) > spec.seq_len:  # measured on the masks as stored
             counts["dropped_long"] += 1  # a pair is packed whole into one row, never cut
             continue
-        name = "val" if is_val else "train"
-        ids_out, masks_out, lengths_out = split[name]
         for ids, mask in pair:
-            ids_out.extend(ids)
-            masks_out.extend(mask)
-            lengths_out.append(len(ids))
-            counts["val_trained_tokens" if is_val else "trained_tokens"] += int(sum(mask))
+            counts["val_trained_tokens" if is_val else "trained_tokens"] += out.add(ids, mask, is_val)
         counts["val_pairs" if is_val else "train_pairs"] += 1
-    return finish_chunk(s, start, stop, split, counts, dtype)
+    return out.chunk(start, stop, counts)

@@ -1,9 +1,8 @@
-"""What one tokenizing process does: documents [start, stop) → two flat token arrays.
+"""What one tokenizing process does for text: documents [start, stop) → two flat token arrays.
 
-Each worker opens the corpus's Arrow files itself (memory-mapped, nothing is sent to it but
-row numbers) and returns the train and validation streams of its rows as compact numpy
-arrays, EOS after each document. The parent only appends them in order, so the result is the
-same for any number of workers. Imports stay light: a spawned worker needs no torch.
+Each worker reads the corpus itself (cputrain.data.worker_corpus) and returns the train and
+validation streams of its rows as compact numpy arrays, EOS after each document. The parent only
+appends them in order, so the result is the same for any number of workers. Imports stay light: a spawned worker needs no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from cputrain.data.worker_corpus import WorkerCorpus
 
 # Set once per process by `init_worker` (the pool's initializer, or the parent when it works alone).
 _state: dict = {}
@@ -41,11 +42,6 @@ class ChunkTokens:
                 "not_text": self.not_text, "blank": self.blank}
 
 
-# A worker re-opens its memory map after reading this much text: pages of a mapped file that
-# were read stay in the process's RSS until unmapped, and would grow with the corpus.
-REMAP_EVERY_CHARS = 64_000_000
-
-
 def portable_tokenizer(tokenizer):
     """What a worker needs to rebuild the tokenizer: the fast tokenizer's JSON (no transformers
     import in the worker, ~150 MB less per process), or the object itself for a slow tokenizer."""
@@ -53,13 +49,6 @@ def portable_tokenizer(tokenizer):
     if backend is not None:
         return ("json", backend.to_str(), tokenizer.eos_token_id)
     return ("object", tokenizer, tokenizer.eos_token_id)
-
-
-def open_arrow(arrow_files: list[str]):
-    import datasets
-
-    datasets.disable_progress_bars()
-    return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in arrow_files])
 
 
 def init_worker(arrow_files: list[str] | None, dataset, field: str, tokenizer, dtype: str) -> None:
@@ -82,8 +71,8 @@ def init_worker(arrow_files: list[str] | None, dataset, field: str, tokenizer, d
         def ids_of(texts):
             return tok(texts, add_special_tokens=False)["input_ids"]
 
-    _state.update(files=arrow_files, dataset=dataset if arrow_files is None else open_arrow(arrow_files), field=field,
-                  ids_of=ids_of, eos=eos, dtype=np.dtype(dtype), chars_since_open=0)
+    _state.update(corpus=WorkerCorpus(arrow_files, dataset), field=field, ids_of=ids_of, eos=eos,
+                  dtype=np.dtype(dtype))
 
 
 # A document is encoded in pieces of at most this many characters, each cut before a space: the
@@ -132,7 +121,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
     from cputrain.data.sources import clean
 
     s = _state
-    texts = s["dataset"][start:stop][s["field"]]
+    texts = s["corpus"][start:stop][s["field"]]
     train_docs, val_docs = [], []
     text_chars = not_text = blank = 0
     for text, is_val in zip(texts, held_out):
@@ -145,9 +134,6 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> ChunkTokens:
             continue
         text_chars += len(doc)
         (val_docs if is_val else train_docs).append(doc)
-    s["chars_since_open"] += text_chars
-    if s["files"] is not None and s["chars_since_open"] > REMAP_EVERY_CHARS:
-        s["dataset"] = None  # drop the old mapping before the new one exists
-        s["dataset"], s["chars_since_open"] = open_arrow(s["files"]), 0
+    s["corpus"].read(text_chars)
     return ChunkTokens(start, stop, _stream(train_docs), _stream(val_docs), len(train_docs) + len(val_docs),
                        len(val_docs), text_chars, not_text, blank)
