@@ -243,7 +243,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
     from cputrain.plan.build import make_plan
     from cputrain.plan.command import load_run_config
     from cputrain.plan.step_time import plan_step_time, rank_peak_flops_here
-    from cputrain.run_choices import decide_for_plan
+    from cputrain.training.choices import decide_for_plan
 
     micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
     vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])

@@ -150,7 +150,7 @@ def cmd_train(args) -> int:
         return 0
     config_path, overrides = _config_and_overrides(args)
     from cputrain.distributed.agent import pet_overrides
-    from cputrain.launch import launch
+    from cputrain.training.launch import launch
 
     flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
              "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}
@@ -162,7 +162,7 @@ def cmd_train(args) -> int:
     # Ranks started by the agent re-run this same command, config and overrides included.
     worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else []) + (
         ["--take-over-lock"] if args.take_over_lock else [])
-    from cputrain.worker import run_worker
+    from cputrain.training.worker import run_worker
 
     summary = launch(cfg, worker_args, run_here=lambda: run_worker(cfg, take_over_lock=args.take_over_lock),
                      dry_run=args.dry_run)
@@ -311,7 +311,7 @@ def _resolved_here(config_path, overrides):
     from cputrain.config.file import load_config
     from cputrain.hardware import detect
     from cputrain.resolve import resolve
-    from cputrain.run_choices import with_data_choices
+    from cputrain.training.choices import with_data_choices
 
     res = resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1)
     decided = with_data_choices(res)
@@ -368,7 +368,7 @@ COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "generate": cmd_generate, 
 
 
 def cmd_plan(args) -> int:
-    """Every key the plan reads decided as a run decides it (cputrain.run_choices, a plan's facts),
+    """Every key the plan reads decided as a run decides it (cputrain.training.choices, a plan's facts),
     then the plan: one config, or the same twice, full fine-tuning and LoRA (--compare-lora)."""
     from cputrain.plan.command import (
         instances_of,
@@ -378,7 +378,7 @@ def cmd_plan(args) -> int:
         world_size_of,
     )
     from cputrain.plan.report import compare_lines, plan_document, table_lines
-    from cputrain.run_choices import decided_plan
+    from cputrain.training.choices import decided_plan
 
     cfg = load_run_config(args.config, args.overrides)
     world_size, nproc = world_size_of(args, cfg)

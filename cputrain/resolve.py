@@ -39,7 +39,7 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             bound_by_launcher: bool = False) -> Resolution:
     """A read-only copy of `cfg` with every "auto" decided, and the reason for each choice. One key
     needs more than the hardware: model.attn_implementation=auto is timed on the model's shape on
-    this rank's threads, once the process group exists: cputrain.run_choices decides the keys that
+    this rank's threads, once the process group exists: cputrain.training.choices decides the keys that
     need more than the hardware."""
     cfg = cfg.model_copy(deep=True)
     res = Resolution(cfg)
@@ -125,7 +125,7 @@ def resolve_for_plan(cfg: Config, world_size: int) -> Resolution:
     """The machine's keys a plan reads, as they resolve on what it plans for: the precision on
     the built-in instances (every one has AMX) and the strategy for `world_size` ranks. Threads,
     tokenizing processes, compile and the backend are left to the run's node: no byte of the
-    plan depends on them. cputrain.run_choices.decide_for_plan decides the rest."""
+    plan depends on them. cputrain.training.choices.decide_for_plan decides the rest."""
     res = Resolution(cfg.model_copy(deep=True))
     precision, why = precision_choice(cfg.hardware.precision, hw=None)
     if why:
@@ -177,7 +177,7 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
 def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
     """The config with one more key decided (`key` dotted, e.g. model.lora.base_dtype), of the
     same type (a ResolvedConfig in a run, a Config while a plan is decided), and its reason
-    noted: how cputrain.run_choices records what it decides."""
+    noted: how cputrain.training.choices records what it decides."""
     data = res.config.model_dump()
     *path, name = key.split(".")
     section = data

@@ -13,7 +13,7 @@ from cputrain.plan.build import Plan
 from cputrain.plan.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
 from cputrain.plan.instances import Instance, find_instance
 from cputrain.plan.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
-from cputrain.run_choices import decided_plan
+from cputrain.training.choices import decided_plan
 
 log = logging.getLogger("cputrain")
 

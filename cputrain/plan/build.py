@@ -44,7 +44,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
               vocab_size: int | None = None, shape: ModelShape | None = None,
               reasons: Sequence[tuple[str, str, str]] = ()) -> Plan:
     """The plan of `cfg` with its keys decided (config.resolved.PLANNED_KEYS: by
-    cputrain.run_choices.decide_for_plan before a run, by decide in one); a key still "auto" is
+    cputrain.training.choices.decide_for_plan before a run, by decide in one); a key still "auto" is
     refused, not decided here. `reasons`: the decisions' (key, value, why), the plan's notes.
     `shape`: the model as built (the trainer's skeleton, adapters and dtypes included); without it
     the model is built from the config, with model.lora's adapters added the same way."""

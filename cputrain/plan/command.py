@@ -1,7 +1,7 @@
 """`cputrain plan CONFIG [key=value ...]`: memory per rank and the smallest cluster that fits.
 
 Its arguments and the config it reads; the command runs in cputrain.cli, above
-cputrain.run_choices, which decides every key the plan reads as for a run."""
+cputrain.training.choices, which decides every key the plan reads as for a run."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ DDP_GRAD_AS_BUCKET_VIEW = True  # as cputrain.parallel.ddp builds it
 
 @dataclass(frozen=True)
 class PlanInputs:
-    strategy: str  # single | ddp | fsdp | zero3 (decided: cputrain.run_choices)
+    strategy: str  # single | ddp | fsdp | zero3 (decided: cputrain.training.choices)
     precision: str  # fp32 | bf16
     world_size: int
     micro_batch: int
@@ -95,7 +95,7 @@ class RankPlan:
 
 
 def plan_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
-    """The inputs of one plan, from decided values (cputrain.run_choices)."""
+    """The inputs of one plan, from decided values (cputrain.training.choices)."""
     if world_size < 1:
         raise ConfigError(f"world size must be at least 1 (got {world_size}); set --world-size or --nnodes × --nproc-per-node")
     if strategy == "single" and world_size > 1:

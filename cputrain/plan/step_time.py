@@ -47,7 +47,7 @@ class StepSettings:
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
-        """From a config whose keys are decided (cputrain.run_choices.decide_for_plan)."""
+        """From a config whose keys are decided (cputrain.training.choices.decide_for_plan)."""
         from cputrain.config.resolved import as_planned
 
         cfg = as_planned(cfg)

@@ -191,7 +191,7 @@ def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
 
 
 def test_cputrain_plan_plans_auto_as_every_block_and_says_so():
-    from cputrain.run_choices import decided_plan
+    from cputrain.training.choices import decided_plan
 
     auto = decided_plan(_plan_config("model.activation_checkpointing=auto"), 1)
     every = decided_plan(_plan_config("model.activation_checkpointing=true"), 1)

@@ -14,7 +14,7 @@ from cputrain.plan.build import make_plan
 from cputrain.plan.fit import smallest_cluster
 from cputrain.plan.instances import builtin_instances, load_instances
 from cputrain.plan.model_shape import ModelShape, ParamInfo, model_shape
-from cputrain.run_choices import decide_for_plan, decided_plan
+from cputrain.training.choices import decide_for_plan, decided_plan
 
 GIB = 2**30
 
@@ -496,7 +496,7 @@ def _tiny_shape() -> ModelShape:
 
 
 def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
-    """Every key a plan reads is decided by cputrain.run_choices (decide_for_plan before a run,
+    """Every key a plan reads is decided by cputrain.training.choices (decide_for_plan before a run,
     decide in one); make_plan and model_shape refuse a key still auto rather than decide it, and no
     module of cputrain.plan calls a rule of another domain (plan.checkpointing is the home of its own)."""
     import ast

@@ -171,7 +171,7 @@ def test_cputrain_plan_shows_selective_with_no_matmul_recomputed():
     from cputrain.config.file import load_config
     from cputrain.plan.report import table_lines
     from cputrain.plan.stop_window import step_flops
-    from cputrain.run_choices import decided_plan
+    from cputrain.training.choices import decided_plan
 
     plans = {s: decided_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",
                                                 f"model.activation_checkpointing={s}"]), 1)

@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 
-from cputrain import run_choices
+from cputrain.training import choices
 from cputrain.config import Config
 from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
@@ -36,7 +36,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                     res.config.hardware.threads, user_threads, user_threads)
     from cputrain.distributed import process_group as pg
     from cputrain.distributed.placement import cpus_for_rank
-    from cputrain.trainer import Trainer
+    from cputrain.training.trainer import Trainer
 
     # What the imports made (torch, its distributed and tensor packages: most of the objects this
     # process will ever hold) lives until the process ends: out of every later garbage collection,
@@ -51,7 +51,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     if ranks.distributed or needs_process_group(res.config.parallel.strategy):
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
     # Every "auto" that needs the data, the model or the process group, in one fixed order.
-    res = run_choices.decide(res, hw, ranks)
+    res = choices.decide(res, hw, ranks)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)
