@@ -190,7 +190,7 @@ def cmd_doctor(args) -> int:
     from cputrain.config import Config
     from cputrain.distributed.env import normalize
     from cputrain.hardware import detect, report_lines
-    from cputrain.resolve import resolve
+    from cputrain.config.resolve import resolve
 
     hw = detect()
     ranks = normalize(dict(os.environ))
@@ -286,7 +286,7 @@ def _eval_tasks(args, config_path) -> int:
     from cputrain.config.file import load_config
     from cputrain.hardware import detect
     from cputrain.inference import model_folder
-    from cputrain.resolve import resolve
+    from cputrain.config.resolve import resolve
 
     for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
                                ("--batch-size", args.batch_size, 1)):
@@ -310,7 +310,7 @@ def _resolved_here(config_path, overrides):
     is (data.format, data.train_on: what prepare and eval need), each decision logged."""
     from cputrain.config.file import load_config
     from cputrain.hardware import detect
-    from cputrain.resolve import resolve
+    from cputrain.config.resolve import resolve
     from cputrain.training.choices import with_data_choices
 
     res = resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1)

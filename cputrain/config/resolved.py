@@ -1,4 +1,4 @@
-"""The config after cputrain.resolve: the same keys and dump, every "auto" a value, and read-only,
+"""The config after cputrain.config.resolve: the same keys and dump, every "auto" a value, and read-only,
 so code downstream takes a thread count as an int and a precision as a torch dtype without
 casting, and nothing in a run can change a value that other parts of it have already read."""
 
@@ -62,7 +62,7 @@ class ResolvedLaunchConfig(LaunchConfig):
 
 
 class ResolvedConfig(Config):
-    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value, read-only."""
+    """A Config after cputrain.config.resolve: the same keys and dump, every "auto" a value, read-only."""
 
     model_config = _READ_ONLY
     model: ResolvedModelConfig

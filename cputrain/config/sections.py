@@ -3,7 +3,7 @@
 Every section is a pydantic model with `extra="forbid"`, so an unknown key is refused; the
 docstring under each field is its documentation (pydantic keeps it as the field description,
 which `cputrain train --help-config` prints). Values left at "auto" are resolved later, with
-a reason, by `cputrain.resolve` once the hardware is known, into a read-only
+a reason, by `cputrain.config.resolve` once the hardware is known, into a read-only
 `cputrain.config.resolved.ResolvedConfig`. Reading YAML and overrides is `cputrain.config.file`'s.
 """
 
@@ -46,7 +46,7 @@ def _positive_or_auto(section: Section, dotted: str):
 
 def batch_error(train: "TrainConfig", world_size: int = 1) -> str | None:
     """The one batch-divisibility rule: whole micro-batches per step, and per rank once the
-    world size is known (config validation asks with one rank, cputrain.resolve with all)."""
+    world size is known (config validation asks with one rank, cputrain.config.resolve with all)."""
     if train.global_batch_size % train.micro_batch_size:
         return (f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
                 f"train.micro_batch_size ({train.micro_batch_size})")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from cputrain.config import Config
 from cputrain.native.allocator import AllocatorChoice, preload_env
 from cputrain.errors import ConfigError, Diverged, PeerLost, Stopped, UserError
-from cputrain.resolve import AGENT_SETTINGS_VAR
+from cputrain.config.resolve import AGENT_SETTINGS_VAR
 
 log = logging.getLogger("cputrain")
 

@@ -56,7 +56,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 @dataclass
 class StrategyContext:
     """What a strategy is built from. The compute dtype is read from here, never from the
-    config's precision string: one value, decided once (cputrain.resolve)."""
+    config's precision string: one value, decided once (cputrain.config.resolve)."""
 
     cfg: Config
     rank: int

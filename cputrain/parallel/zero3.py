@@ -44,7 +44,7 @@ from cputrain.model import SafetensorsReader, enable_activation_checkpointing, l
 from cputrain.optim import adamw, decay_groups  # noqa: E402
 from cputrain.native.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
-from cputrain.resolve import grad_accum_steps  # noqa: E402
+from cputrain.config.resolve import grad_accum_steps  # noqa: E402
 
 log = logging.getLogger("cputrain")
 # DeepSpeed still calls collectives torch has renamed; one warning per call would flood the log.

@@ -32,7 +32,7 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
     if cfg.parallel.strategy != "zero3":
         return {}
     from cputrain.parallel.deepspeed_config import plan_for
-    from cputrain.resolve import grad_accum_steps
+    from cputrain.config.resolve import grad_accum_steps
 
     zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
     return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),

@@ -1,6 +1,6 @@
 """Every "auto" that needs more than the hardware, decided once per run, in one fixed order.
 
-cputrain.resolve decides the machine's facts (precision, threads, compile, tokenizing processes,
+cputrain.config.resolve decides the machine's facts (precision, threads, compile, tokenizing processes,
 strategy, backend). What is left needs the data, the model or the process group:
 
     1. data.format          from the first record's fields                     (data.sources)
@@ -37,7 +37,7 @@ from cputrain.config import Config
 from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import HardwareFacts
-from cputrain.resolve import Resolution, chunked_loss_choice, resolve_for_plan, with_model_choice
+from cputrain.config.resolve import Resolution, chunked_loss_choice, resolve_for_plan, with_model_choice
 
 if TYPE_CHECKING:
     from cputrain.plan.build import Plan

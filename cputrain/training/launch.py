@@ -27,7 +27,7 @@ from cputrain.distributed.env_check import check_rank_variables, wait_for_master
 from cputrain.distributed.placement import core_sets, cpus_for_rank
 from cputrain.hardware import HardwareFacts, detect
 from cputrain.training.preflight import check_before_work
-from cputrain.resolve import resolve, settings_of
+from cputrain.config.resolve import resolve, settings_of
 
 log = logging.getLogger("cputrain")
 

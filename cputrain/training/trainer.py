@@ -34,7 +34,7 @@ from cputrain.metrics.summary import read_summary, write_summary
 from cputrain.objectives.objective import check_objective, objective_for
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
-from cputrain.resolve import unresolved_keys
+from cputrain.config.resolve import unresolved_keys
 from cputrain.run_folder.checkpoints import Checkpoints
 from cputrain.run_folder.layout import RunFolder
 from cputrain.run_folder.run_config import check_compatible, write_run_config

@@ -14,7 +14,7 @@ from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.native.allocator import tune_glibc
 from cputrain.parallel import needs_process_group
-from cputrain.resolve import check_agent_agrees, resolve
+from cputrain.config.resolve import check_agent_agrees, resolve
 
 log = logging.getLogger("cputrain")
 

@@ -16,8 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cputrain"
 # modules of its own unit; nothing in its own layer or above.
 LAYERS = [
     ["errors", "log", "hardware", "kernels", "native"],  # facts, kernels, native libraries: no project imports
-    ["config", "locks"],  # the config: sections, YAML and overrides, the resolved config; lock files
-    ["resolve"],  # every "auto" → a value, from the hardware
+    ["config", "locks"],  # the config: sections, YAML and overrides, the machine's "auto"s resolved; lock files
     ["distributed"],  # rank variables, placement, the agent, the process group, communication
     ["model", "optim"],  # the Hugging Face model: found, its files read, its skeleton shaped; AdamW
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences

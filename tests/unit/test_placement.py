@@ -8,7 +8,7 @@ from cputrain.native.allocator import choose_allocator, preload_env
 from cputrain.distributed.placement import core_sets
 from cputrain.config import Config
 from cputrain.hardware import Core, detect, parse_cpu_list
-from cputrain.resolve import resolve
+from cputrain.config.resolve import resolve
 
 
 def _machine(numa_nodes: int, cores_per_node: int):

@@ -10,7 +10,7 @@ from cputrain.config import Config
 from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import detect
-from cputrain.resolve import resolve
+from cputrain.config.resolve import resolve
 
 ONE_RANK = RankEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="python")
 

@@ -252,7 +252,7 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
     import yaml
 
     from cputrain.config import Config
-    from cputrain.resolve import Resolution
+    from cputrain.config.resolve import Resolution
     from cputrain.training.choices import with_data_choices
     from cputrain.run_folder.layout import RunFolder
     from cputrain.run_folder.run_config import check_compatible, write_run_config
