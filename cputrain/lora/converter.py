@@ -13,7 +13,7 @@ from cputrain.config.resolved import ResolvedConfig
 from cputrain.lora import base_model
 from cputrain.lora.base_storage import BASE_DTYPES
 from cputrain.lora.adapters import ADAPTER, add_adapters, base_file_name, fill_adapters, is_adapter_parameter
-from cputrain.model_converter import ModelConverter
+from cputrain.model.converter import ModelConverter
 
 log = logging.getLogger("cputrain")
 

@@ -99,7 +99,7 @@ class Strategy:
         strategy verifies before the first step. Nothing by default; ddp checks that its replicas agree."""
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        from cputrain.optim import build_adamw
+        from cputrain.parallel.adamw import build_adamw
 
         return build_adamw(model, self.ctx.cfg.train)
 

@@ -41,7 +41,7 @@ from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
-from cputrain.optim import adamw, decay_groups  # noqa: E402
+from cputrain.parallel.adamw import adamw, decay_groups  # noqa: E402
 from cputrain.native.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
 from cputrain.config.resolve import grad_accum_steps  # noqa: E402

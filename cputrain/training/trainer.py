@@ -3,7 +3,7 @@
 One Trainer runs in every rank, on a config that is already resolved and read-only. It never
 branches on the strategy's name (single, ddp, fsdp and zero3 come through the protocol in
 cputrain.parallel.base) nor on the kind of fine-tuning (full or LoRA come through the model
-converter, cputrain.model_converter). The run's figures are RunMetrics'; when to save is the
+converter, cputrain.model.converter). The run's figures are RunMetrics'; when to save is the
 checkpoint object's.
 """
 
@@ -144,7 +144,7 @@ class Trainer:
         # 5. Optimizer and learning-rate schedule.
         self.optimizer = self.strategy.build_optimizer(self.model)
         self.total_steps = self._total_steps()
-        from cputrain.optim import build_schedule
+        from cputrain.training.lr_schedule import build_schedule
 
         self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
         self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)

@@ -154,7 +154,7 @@ def test_measure_grows_the_matmul_until_it_takes_long_enough(monkeypatch):
 
 def test_adamw_is_fused():
     from cputrain.config import TrainConfig
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
 
     opt = build_adamw(torch.nn.Linear(4, 4), TrainConfig())
     assert opt.defaults["fused"] is True and not opt.defaults["foreach"]

@@ -18,9 +18,9 @@ LAYERS = [
     ["errors", "log", "hardware", "kernels", "native"],  # facts, kernels, native libraries: no project imports
     ["config", "locks"],  # the config: sections, YAML and overrides, the machine's "auto"s resolved; lock files
     ["distributed"],  # rank variables, placement, the agent, the process group, communication
-    ["model", "optim"],  # the Hugging Face model: found, its files read, its skeleton shaped; AdamW
+    ["model"],  # the Hugging Face model: found, its files read, its skeleton shaped, what a run does to it
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
-    ["metrics", "model_converter"],  # a run's figures; what a run does to the model (identity)
+    ["metrics"],  # a run's figures
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
     ["evaluation", "inference", "gguf_export"],  # validation loss; a finished model for sampling; as GGUF
     ["objectives", "lm_harness"],  # what a step minimises: the LM loss, DPO, SimPO; benchmarks via lm-eval

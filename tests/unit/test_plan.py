@@ -236,7 +236,7 @@ def test_lora_bytes_match_the_real_models_tensors(tmp_path, tie):
 
     from cputrain.lora.adapters import ADAPTER, peft_config
     from cputrain.metrics.phases import state_bytes as measured_state
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
 
     config = LlamaConfig(**TINY_LORA, tie_word_embeddings=tie)
     config.save_pretrained(tmp_path)
