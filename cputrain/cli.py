@@ -377,7 +377,7 @@ def cmd_plan(args) -> int:
         with_time_plan,
         world_size_of,
     )
-    from cputrain.plan.report import compare_lines, plan_document, table_lines
+    from cputrain.plan.memory.report import compare_lines, plan_document, table_lines
     from cputrain.training.choices import decided_plan
 
     cfg = load_run_config(args.config, args.overrides)

@@ -141,7 +141,7 @@ class ModelConfig(Section):
     mix not with parallel.strategy=zero3); auto: none where the memory plan fits this node
     without checkpointing, else selective where that fits, else the fewest whole blocks with the
     others selective (zero3: the others keeping everything) that fit, by
-    `cputrain.plan.checkpointing`."""
+    `cputrain.plan.memory.checkpointing`."""
 
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
@@ -186,7 +186,7 @@ def checkpointing_split(setting: bool | int | str, layers: int) -> tuple[int, in
     activations are freed) and how many of the others keep only their matmul outputs; the rest
     keep everything."""
     if setting == "auto":
-        raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.checkpointing)")
+        raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.memory.checkpointing)")
     if isinstance(setting, str):  # "selective" or "N+selective"
         whole = min(int(setting.split("+")[0]), layers) if "+" in setting else 0
         return whole, layers - whole

@@ -9,10 +9,10 @@ from cputrain.config import Config
 from cputrain.k8s import indexed_job, karpenter, storage, trainjob
 from cputrain.k8s.checks import quantity_value
 from cputrain.k8s.options import ClusterOptions, pod_resources
-from cputrain.plan.build import Plan
-from cputrain.plan.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
+from cputrain.plan.memory.build import Plan
+from cputrain.plan.memory.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
 from cputrain.plan.instances import Instance, find_instance
-from cputrain.plan.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
+from cputrain.plan.time.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
 from cputrain.training.choices import decided_plan
 
 log = logging.getLogger("cputrain")

@@ -80,7 +80,7 @@ def instances_of(args):
 def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     """The time plan's printed lines and plan.json section for a plan fitted on an instance."""
     from cputrain.plan.instances import load_instances
-    from cputrain.plan.time_report import time_document, time_lines, time_plan
+    from cputrain.plan.time.report import time_document, time_lines, time_plan
 
     if plan.fit is None:
         return [], {}

@@ -10,7 +10,7 @@ strategy, backend). What is left needs the data, the model or the process group:
     4. model.lora.base_dtype       from the compute dtype and the weight files (lora.base_storage)
     5. model.attn_implementation   timed on rank 0 on the run's shape          (kernels.attention_choice)
     6. model.chunked_loss          from the precision and the head's size      (resolve)
-    7. model.activation_checkpointing  from the plan on this node's memory     (plan.checkpointing)
+    7. model.activation_checkpointing  from the plan on this node's memory     (plan.memory.checkpointing)
     8. hardware.allocator          what this process was started with          (native.allocator)
 
 Each rule lives with its domain and returns (value, why); this module only calls them and records
@@ -40,7 +40,7 @@ from cputrain.hardware import HardwareFacts
 from cputrain.config.resolve import Resolution, chunked_loss_choice, resolve_for_plan, with_model_choice
 
 if TYPE_CHECKING:
-    from cputrain.plan.build import Plan
+    from cputrain.plan.memory.build import Plan
     from cputrain.plan.instances import Instance
 
 # A plan's answers where a run's need its node or its process group.
@@ -110,8 +110,8 @@ def decided_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = N
                  instances: list[Instance] | None = None, config_json: str | None = None,
                  vocab_size: int | None = None) -> Plan:
     """The plan `cputrain plan` and `cputrain k8s` print and size pods by: `cfg`'s keys decided
-    (decide_for_plan), then cputrain.plan.build.make_plan, the decisions' reasons as its notes."""
-    from cputrain.plan.build import make_plan
+    (decide_for_plan), then cputrain.plan.memory.build.make_plan, the decisions' reasons as its notes."""
+    from cputrain.plan.memory.build import make_plan
 
     res = decide_for_plan(cfg, world_size, config_json=config_json, vocab_size=vocab_size)
     return make_plan(res.config, world_size, nproc_per_node=nproc_per_node, instances=instances,
@@ -189,7 +189,7 @@ class _RunFacts:
 
     def checkpointing(self, cfg, vocab: int | None) -> tuple[bool | int, str]:
         """By the plan on this node's memory: the same on every rank."""
-        from cputrain.plan.checkpointing import checkpointing_choice
+        from cputrain.plan.memory.checkpointing import checkpointing_choice
 
         return checkpointing_choice(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw.memory_gib, vocab)
 

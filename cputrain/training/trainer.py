@@ -123,7 +123,7 @@ class Trainer:
         models.enable_activation_checkpointing(skeleton, cfg.model.activation_checkpointing)
         self.counts = models.parameter_counts(skeleton)
         if ranks.is_main:  # plan.json, and a warning now if this node cannot hold the plan
-            from cputrain.plan.runtime import write_run_plan
+            from cputrain.plan.memory.runtime import write_run_plan
 
             write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
         self.phases.mark("model skeleton")

@@ -9,9 +9,9 @@ import torch
 
 from cputrain.config.file import load_config
 from cputrain.errors import ConfigError, ModelError
-from cputrain.plan.accounting import fsdp_rows, state_bytes
-from cputrain.plan.build import make_plan
-from cputrain.plan.fit import smallest_cluster
+from cputrain.plan.memory.accounting import fsdp_rows, state_bytes
+from cputrain.plan.memory.build import make_plan
+from cputrain.plan.memory.fit import smallest_cluster
 from cputrain.plan.instances import builtin_instances, load_instances
 from cputrain.plan.model_shape import ModelShape, ParamInfo, model_shape
 from cputrain.training.choices import decide_for_plan, decided_plan
@@ -303,7 +303,7 @@ def test_lora_under_fsdp_shards_frozen_and_trained_parameters_alike():
 def test_lora_adds_only_small_activations_and_no_autocast_copies_of_the_base(tmp_path):
     from transformers import LlamaConfig
 
-    from cputrain.plan.activations import activation_bytes
+    from cputrain.plan.memory.activations import activation_bytes
 
     LlamaConfig(**TINY_LORA, tie_word_embeddings=False).save_pretrained(tmp_path)
     full_cfg = load_config(None, [f"model.name_or_path={tmp_path}", "hardware.precision=bf16", "data.seq_len=16",
@@ -330,7 +330,7 @@ def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
     from cputrain.errors import UserError
     from cputrain.k8s.options import ClusterOptions
     from cputrain.k8s.render import render
-    from cputrain.plan.fit import fits
+    from cputrain.plan.memory.fit import fits
 
     instances = builtin_instances()
     table = {i.name: i for i in instances}
@@ -368,7 +368,7 @@ def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
 def test_llama3_8b_lora_in_fp32_keeps_its_bf16_base():
     """On a CPU without bf16 units (fp32 compute) the 8B base is stored as its files are, in bf16
     (model.lora.base_dtype=auto), and fits 24 GiB; stored in fp32 it would not."""
-    from cputrain.plan.activations import upcast_copy_bytes
+    from cputrain.plan.memory.activations import upcast_copy_bytes
 
     args = ["parallel.strategy=single", "hardware.precision=fp32", "model.lora.enabled=true"]
     auto = decided_plan(load_config("configs/llama3-8b-fsdp.yaml", args), 1)
@@ -457,7 +457,7 @@ def test_eager_attention_keeps_the_attention_matrix_the_plan_counts(precision):
     resolved model.attn_implementation=eager."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cputrain.plan.activations import eager_attention_bytes
+    from cputrain.plan.memory.activations import eager_attention_bytes
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)
@@ -498,7 +498,7 @@ def _tiny_shape() -> ModelShape:
 def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
     """Every key a plan reads is decided by cputrain.training.choices (decide_for_plan before a run,
     decide in one); make_plan and model_shape refuse a key still auto rather than decide it, and no
-    module of cputrain.plan calls a rule of another domain (plan.checkpointing is the home of its own)."""
+    module of cputrain.plan calls a rule of another domain (plan.memory.checkpointing is the home of its own)."""
     import ast
     from pathlib import Path
 
@@ -521,7 +521,7 @@ def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
     rules = {"precision_choice", "strategy_choice", "chunked_loss_choice", "base_dtype_choice", "target_modules_choice",
              "files_are_bf16", "choose_attention"}
     called = set()
-    for path in (Path(__file__).resolve().parents[2] / "cputrain" / "plan").glob("*.py"):
+    for path in (Path(__file__).resolve().parents[2] / "cputrain" / "plan").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
             if name in rules:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from cputrain.plan.build import make_plan
+from cputrain.plan.memory.build import make_plan
 from cputrain.plan.model_shape import shape_of
-from cputrain.plan.report import plan_json
+from cputrain.plan.memory.report import plan_json
 
 log = logging.getLogger("cputrain")
 GIB = 2**30

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 
 from cputrain.errors import ConfigError
 from cputrain.lora.adapters import is_adapter_parameter
-from cputrain.plan.accounting import FP32_BYTES, SHARDED, local_numel, state_bytes
-from cputrain.plan.activations import activation_bytes
+from cputrain.plan.memory.accounting import FP32_BYTES, SHARDED, local_numel, state_bytes
+from cputrain.plan.memory.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
 
 GIB = 2**30

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from cputrain.config import Config
 from cputrain.config.resolved import as_planned
 from cputrain.errors import ConfigError
-from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
-from cputrain.plan.fit import ClusterFit, smallest_cluster
+from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
+from cputrain.plan.memory.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
 from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape, with_weight_files
 
