@@ -117,8 +117,10 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    # Whether step() can leave the weights untouched when the gradients are not finite.
+    # Whether step() can leave the weights untouched when the gradients are not finite, and what
+    # a bad step's warning says in place of "optimizer step skipped" where it cannot.
     can_skip_step = True
+    cannot_skip_words = "this strategy cannot skip it"
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
              loss_finite: bool = True) -> tuple[float, bool]:

@@ -194,6 +194,7 @@ class Zero3Strategy(Strategy):
     # DeepSpeed computes the norm inside engine.step(), after which the step is taken: a
     # non-finite step cannot be skipped here, only detected (the trainer then stops at once).
     can_skip_step = False
+    cannot_skip_words = "zero3 cannot skip it"
 
     def step(self, model: nn.Module, optimizer, grad_clip: float, loss_finite: bool = True) -> tuple[float, bool]:
         self.engine.step()  # clips to gradient_clipping, steps, zeroes the gradient partitions
