@@ -233,12 +233,12 @@ def layers_child(opts: dict) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from cputrain.kernels.attention_choice import choose_attention
+    from cputrain.kernels.attention_choice import attention_choice
     from cputrain.metrics import memory
 
     torch.set_num_threads(physical_cores())
     cfg = LlamaConfig(**{**opts["shape"], "num_hidden_layers": opts["layers"]})
-    choice = choose_attention(cfg, 1, opts["seq_len"], torch.bfloat16)
+    choice = attention_choice(cfg, 1, opts["seq_len"], torch.bfloat16)
     cfg._attn_implementation = choice.implementation
     torch.manual_seed(0)
     holder = torch.nn.Module()

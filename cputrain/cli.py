@@ -174,12 +174,12 @@ def _start_again_with_allocator(cfg) -> None:
     preloaded (hardware.allocator; a library can only be preloaded into a new process). Nothing
     has been read, written or imported by then; the pid stays the same (exec), so signals and
     exit codes are the caller's as before. The agent preloads its ranks itself."""
-    from cputrain.native.allocator import choose_allocator, reexec_env
+    from cputrain.native.allocator import allocator_choice, reexec_env
     from cputrain.distributed.env import started_by_launcher
 
     if started_by_launcher() or cfg.launch.nproc_per_node * cfg.launch.nnodes != 1:
         return
-    env = reexec_env(choose_allocator(cfg.hardware.allocator), dict(os.environ))
+    env = reexec_env(allocator_choice(cfg.hardware.allocator), dict(os.environ))
     if env is not None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -311,10 +311,10 @@ def _resolved_here(config_path, overrides):
     from cputrain.config.file import load_config
     from cputrain.hardware import detect
     from cputrain.config.resolve import resolve
-    from cputrain.training.choices import with_data_choices
+    from cputrain.training.choices import decide_data
 
     res = resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1)
-    decided = with_data_choices(res)
+    decided = decide_data(res)
     for key, value, why in decided.reasons[len(res.reasons):]:
         log.info("auto: %s = %s (%s)", key, value, why)
     return decided.config
@@ -378,7 +378,7 @@ def cmd_plan(args) -> int:
         world_size_of,
     )
     from cputrain.plan.memory.report import compare_lines, plan_document, table_lines
-    from cputrain.training.choices import decided_plan
+    from cputrain.training.choices import decide_and_plan
 
     cfg = load_run_config(args.config, args.overrides)
     world_size, nproc = world_size_of(args, cfg)
@@ -394,13 +394,13 @@ def cmd_plan(args) -> int:
                               "and once without")
         # The same file and overrides, then model.lora.enabled last (validated like any override:
         # LoRA needs model.name_or_path and refuses zero3); each decided on its own.
-        full, lora = (decided_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
+        full, lora = (decide_and_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
                                    world_size, nproc_per_node=nproc, instances=instances,
                                    config_json=args.model_config)
                       for on in ("false", "true"))
         print("\n".join(compare_lines(full, lora)))
         return 0
-    plan = decided_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
+    plan = decide_and_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
     time_lines, time_doc = with_time_plan(args, cfg, plan)
     if args.json:
         import json

@@ -34,6 +34,19 @@ class Resolution:
     def note(self, key: str, value, why: str) -> None:
         self.reasons.append((key, str(value), why))
 
+    def record(self, key: str, value, why: str) -> None:
+        """One more key decided (`key` dotted, e.g. model.lora.base_dtype), and its reason noted:
+        set in a copy of the config without validating it, so the rules after it read it. The
+        walk that records decisions validates the config once, at its end
+        (cputrain.training.choices), into the type that admits no "auto" there."""
+        self.config = _with_value(self.config, key.split("."), value)
+        self.note(key, value, why)
+
+
+def _with_value(section, path: list[str], value):
+    head, *rest = path
+    return section.model_copy(update={head: _with_value(getattr(section, head), rest, value) if rest else value})
+
 
 def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: int,
             bound_by_launcher: bool = False) -> Resolution:
@@ -125,14 +138,15 @@ def resolve_for_plan(cfg: Config, world_size: int) -> Resolution:
     """The machine's keys a plan reads, as they resolve on what it plans for: the precision on
     the built-in instances (every one has AMX) and the strategy for `world_size` ranks. Threads,
     tokenizing processes, compile and the backend are left to the run's node: no byte of the
-    plan depends on them. cputrain.training.choices.decide_for_plan decides the rest."""
+    plan depends on them. cputrain.training.choices.decide_for_plan decides the rest, and validates
+    the config once at its end."""
     res = Resolution(cfg.model_copy(deep=True))
     precision, why = precision_choice(cfg.hardware.precision, hw=None)
     if why:
-        res = with_model_choice(res, "hardware.precision", precision, why)
+        res.record("hardware.precision", precision, why)
     strategy, why = strategy_choice(cfg.parallel.strategy, world_size)
     if why:
-        res = with_model_choice(res, "parallel.strategy", strategy, why)
+        res.record("parallel.strategy", strategy, why)
     return res
 
 
@@ -172,21 +186,6 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
     if world_size == 1:
         return "single", "one rank"
     return "ddp", f"{world_size} ranks; the model is replicated (use fsdp to shard it)"
-
-
-def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
-    """The config with one more key decided (`key` dotted, e.g. model.lora.base_dtype), of the
-    same type (a ResolvedConfig in a run, a Config while a plan is decided), and its reason
-    noted: how cputrain.training.choices records what it decides."""
-    data = res.config.model_dump()
-    *path, name = key.split(".")
-    section = data
-    for part in path:
-        section = section[part]
-    section[name] = value
-    final = Resolution(type(res.config).model_validate(data), list(res.reasons))
-    final.note(key, value, why)
-    return final
 
 
 # Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*).

@@ -36,7 +36,7 @@ from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.config.resolve import unresolved_keys
 from cputrain.run_folder.checkpoints import Checkpoints
 from cputrain.run_folder.layout import RunFolder
-from cputrain.run_folder.run_config import check_compatible, write_run_config
+from cputrain.run_folder.run_config import RecordedConfig, check_compatible, write_run_config
 from cputrain.run_folder.run_lock import RunLock, take_run_lock
 from cputrain.training.ending import ending_summary, write_ended
 from cputrain.training.step_guard import StepGuard
@@ -48,7 +48,7 @@ log = logging.getLogger("cputrain")
 
 class Trainer:
     def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
-                 take_over_lock: bool = False):
+                 take_over_lock: bool = False, recorded: RecordedConfig | None = None):
         unresolved = unresolved_keys(cfg)
         if unresolved:  # a model is built from this config: every part of the run must see one value
             raise ConfigError(f"{', '.join(unresolved)} not resolved before training; resolve them first")
@@ -56,6 +56,7 @@ class Trainer:
         self.reasons = reasons or []
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
+        self.recorded = recorded  # the run folder's config.yaml as the run's choices read it (None: read at setup)
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
         check_objective(cfg.train.objective, cfg.data.format)
         # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off),
@@ -67,8 +68,7 @@ class Trainer:
         self.exported = False  # model/ written by this session (the worker then plots and samples)
         # Built by setup(), by its numbered parts:
         self.lock: RunLock | None = None  # 1. rank 0's, until release_lock()
-        self.tokenizer = None  # 2. and the data the run's kind prepared (data.prepare: its rows, describe())
-        self.data = None
+        self.tokenizer = self.data = None  # 2. and the data the run's kind prepared (data.prepare: rows, describe())
         self.train_rows = self.val_rows = None  # 2. what batches are cut from (every kind's rows: data.rows.Rows)
         self.order: order.BatchOrder | None = None  # 2. which rows each rank takes at each step
         self.hf_config = None  # 3. transformers PretrainedConfig
@@ -85,7 +85,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, ranks = self.cfg, self.ranks
-        check_compatible(self.run, cfg)  # before anything is written into an existing run folder
+        check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
         self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
 
         # 1. The process group and this rank's threads are the worker's (the attention kernel was
@@ -301,7 +301,7 @@ class Trainer:
                     row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)
                 profiling.step()
-                self.guard.judge(self.step, outcome)  # after the row is written: the step that stops the run is on record
+                self.guard.judge(self.step, outcome)  # after the row: the step that stops the run is on record
                 saved = False
                 if (outcome.stop_signal or outcome.save_due
                         or self.checkpoints.should_save(self.step, self.total_steps, stop_at)):

@@ -14,6 +14,8 @@ from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.native.allocator import tune_glibc
 from cputrain.parallel import needs_process_group
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import read_recorded
 from cputrain.config.resolve import check_agent_agrees, resolve
 
 log = logging.getLogger("cputrain")
@@ -50,8 +52,10 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     pg.set_threads(res.config.hardware.threads, cpus)
     if ranks.distributed or needs_process_group(res.config.parallel.strategy):
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
-    # Every "auto" that needs the data, the model or the process group, in one fixed order.
-    res = choices.decide(res, hw, ranks)
+    # The run folder's config.yaml, read once (a resumed run keeps what it recorded), then every
+    # "auto" that needs the data, the model or the process group, in one fixed order.
+    recorded = read_recorded(RunFolder(cfg.output_dir))
+    res = choices.decide(res, hw, ranks, recorded)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)
@@ -60,7 +64,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     if res.config.hardware.allocator == "glibc-tuned":  # before the model and its steps allocate
         tune_glibc()
     # From here on the config is read-only: every part of the run sees the same values.
-    trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock)
+    trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock, recorded=recorded)
     try:
         trainer.setup()
         summary = trainer.fit()
@@ -90,8 +94,6 @@ def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:
     sample.txt (generated from the exported model: from "The" after pretraining, the answer to a
     held-out prompt after fine-tuning on examples) in a local run folder."""
     from pathlib import Path
-
-    from cputrain.run_folder.layout import RunFolder
 
     run = RunFolder(cfg.output_dir)
     local = run.local_path()

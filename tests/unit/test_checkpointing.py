@@ -118,7 +118,7 @@ def test_auto_takes_the_fewest_blocks_that_fit_the_node():
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.checkpointing import MEMORY_FRACTION, checkpointing_choice
 
-    # the keys run_choices decides before activation checkpointing, as a one-rank fp32 run decides them
+    # the keys training.choices decides before activation checkpointing, as a one-rank fp32 run decides them
     cfg = _plan_config("model.activation_checkpointing=auto", "parallel.strategy=single",
                        "model.attn_implementation=sdpa", "model.chunked_loss=false")
 
@@ -191,10 +191,10 @@ def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
 
 
 def test_cputrain_plan_plans_auto_as_every_block_and_says_so():
-    from cputrain.training.choices import decided_plan
+    from cputrain.training.choices import decide_and_plan
 
-    auto = decided_plan(_plan_config("model.activation_checkpointing=auto"), 1)
-    every = decided_plan(_plan_config("model.activation_checkpointing=true"), 1)
+    auto = decide_and_plan(_plan_config("model.activation_checkpointing=auto"), 1)
+    every = decide_and_plan(_plan_config("model.activation_checkpointing=true"), 1)
     assert auto.ranks == every.ranks
     assert any("model.activation_checkpointing=auto" in note for note in auto.notes)
 

@@ -119,3 +119,47 @@ def test_a_known_hub_id_is_planned_from_its_bf16_files_without_the_hub():
     decided = choices.decide_for_plan(cfg, 1)
     assert decided.config.model.lora.base_dtype == "bf16"
     assert "the files hold bf16" in {key: why for key, _, why in decided.reasons}["model.lora.base_dtype"]
+
+
+def test_a_resumed_lora_rank_builds_one_skeleton_and_reads_config_yaml_once(tiny_model, tmp_path, monkeypatch):
+    """A LoRA run with model.lora.target_modules=auto and model.activation_checkpointing=auto,
+    resumed in one process as `cputrain train` runs it: the checks before any work, LoRA's targets,
+    the plan of activation checkpointing and the trainer take one meta skeleton between them (one
+    build), and the run folder's config.yaml is read once (the choices and the folder's check)."""
+    import gc
+
+    from conftest import _process_state
+
+    from cputrain.config.file import load_config
+    from cputrain.model import skeleton
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.training.preflight import check_before_work
+    from cputrain.training.worker import run_worker
+
+    def config(max_steps: int):
+        return load_config(None, [
+            f"model.name_or_path={tiny_model()}", "model.lora.enabled=true", "model.activation_checkpointing=auto",
+            f"output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "data.max_documents=200",
+            "data.seq_len=32", f"train.max_steps={max_steps}", "train.global_batch_size=4",
+            "train.micro_batch_size=2", "train.checkpoint_every=1", "train.eval_every=1", "train.eval_batches=1",
+            "train.sample_tokens=0", "hardware.precision=fp32", "hardware.threads=1",
+            "model.attn_implementation=sdpa", "hardware.allocator=system"])
+
+    with _process_state(None, None):
+        run_worker(config(1))
+    builds, reads = [], []
+    build, read_text = skeleton._from_config, RunFolder.read_text
+    monkeypatch.setattr(skeleton, "_built", None)  # this process built it for the first session
+    monkeypatch.setattr(skeleton, "_from_config", lambda *args: builds.append(args) or build(*args))
+    monkeypatch.setattr(RunFolder, "read_text",
+                        lambda self, *parts: reads.append(parts) or read_text(self, *parts))
+    try:
+        with _process_state(None, None):
+            cfg = config(2)
+            check_before_work(cfg)
+            summary = run_worker(cfg)
+    finally:
+        gc.unfreeze()  # the worker froze what this process had made
+    assert summary["status"] == "finished" and summary["final_step"] == 2
+    assert len(builds) == 1, f"{len(builds)} skeleton builds in one rank"
+    assert reads.count(("config.yaml",)) == 1, reads

@@ -171,9 +171,9 @@ def test_cputrain_plan_shows_selective_with_no_matmul_recomputed():
     from cputrain.config.file import load_config
     from cputrain.plan.memory.report import table_lines
     from cputrain.plan.time.stop_window import step_flops
-    from cputrain.training.choices import decided_plan
+    from cputrain.training.choices import decide_and_plan
 
-    plans = {s: decided_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",
+    plans = {s: decide_and_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",
                                                 f"model.activation_checkpointing={s}"]), 1)
              for s in ("false", "selective", "true")}
     assert any("activation checkpointing selective" in line for line in table_lines(plans["selective"]))
