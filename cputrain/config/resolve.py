@@ -34,19 +34,6 @@ class Resolution:
     def note(self, key: str, value, why: str) -> None:
         self.reasons.append((key, str(value), why))
 
-    def record(self, key: str, value, why: str) -> None:
-        """One more key decided (`key` dotted, e.g. model.lora.base_dtype), and its reason noted:
-        set in a copy of the config without validating it, so the rules after it read it. The
-        walk that records decisions validates the config once, at its end
-        (cputrain.training.choices), into the type that admits no "auto" there."""
-        self.config = _with_value(self.config, key.split("."), value)
-        self.note(key, value, why)
-
-
-def _with_value(section, path: list[str], value):
-    head, *rest = path
-    return section.model_copy(update={head: _with_value(getattr(section, head), rest, value) if rest else value})
-
 
 def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: int,
             bound_by_launcher: bool = False) -> Resolution:
@@ -140,13 +127,16 @@ def resolve_for_plan(cfg: Config, world_size: int) -> Resolution:
     tokenizing processes, compile and the backend are left to the run's node: no byte of the
     plan depends on them. cputrain.training.choices.decide_for_plan decides the rest, and validates
     the config once at its end."""
-    res = Resolution(cfg.model_copy(deep=True))
+    cfg = cfg.model_copy(deep=True)
+    res = Resolution(cfg)
     precision, why = precision_choice(cfg.hardware.precision, hw=None)
     if why:
-        res.record("hardware.precision", precision, why)
+        cfg.hardware.precision = precision
+        res.note("hardware.precision", precision, why)
     strategy, why = strategy_choice(cfg.parallel.strategy, world_size)
     if why:
-        res.record("parallel.strategy", strategy, why)
+        cfg.parallel.strategy = strategy
+        res.note("parallel.strategy", strategy, why)
     return res
 
 
@@ -210,12 +200,6 @@ def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vo
     return False, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch: the plain head measured 1.01× the "
                    "chunked one's speed at the demo's shape and 1.03× at ~100M (benchmarks/fp32_choices.py), and its "
                    "logits are small")
-
-
-def unresolved_keys(cfg: Config) -> list[str]:
-    """Keys still "auto": none may be left when a model is built."""
-    keys = [*AUTO_KEYS, "model.attn_implementation", "model.chunked_loss", "model.activation_checkpointing"]
-    return [key for key in keys if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == "auto"]
 
 
 # The keys "auto" may stand for, and the environment variable in which the torchrun agent hands

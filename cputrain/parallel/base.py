@@ -137,6 +137,15 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
+    def weights_finite_on_every_rank(self, model: nn.Module) -> bool:
+        """Each rank reads the trained weights it holds (weights_finite); one all-reduce of one
+        number on several ranks, so every rank answers alike."""
+        from cputrain.distributed import process_group as pg
+
+        finite_here = self.weights_finite(model)
+        (bad_ranks,) = pg.all_reduce_sum([0.0 if finite_here else 1.0])
+        return bad_ranks == 0
+
     def weights_finite(self, model: nn.Module) -> bool:
         """Whether every trained parameter this rank holds (its shard, where sharded) is finite. A
         step whose loss and gradient norm are finite can still leave weights at inf or nan (a far

@@ -14,7 +14,7 @@ processes, strategy, backend). What is left needs the data, the model or the pro
     8. hardware.allocator          what this process was started with          (native.allocator)
 
 Each rule lives with its domain and returns (value, why); this module only calls them and records
-each answer (Resolution.record) as it walks, so the run's config.yaml holds every key's value with
+each answer (_Walk.record) as it walks, so the run's config.yaml holds every key's value with
 its reason, and nothing downstream decides again. The config is validated once, at the walk's end,
 into the type that admits no "auto" there. Every rank decides alike (the attention kernel is rank
 0's, broadcast). A resumed run's recorded values come from its config.yaml, read once per rank
@@ -31,8 +31,8 @@ the run: no byte of the plan depends on them, and a plan reads no data (its file
 the planning machine).
 
 The verbs: `resolve` the machine's autos (config.resolve), `decide` this walk (decide for a run,
-decide_for_plan for a plan, decide_data for the data's keys alone), `*_choice` a domain's pure
-(value, reason) rule.
+decide_for_plan for a plan, decide_data for the data's keys alone), recording each answer, and
+`*_choice` a domain's pure (value, reason) rule.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ PLANNED_CHECKPOINTING = (True, ("planned with every block checkpointed (the leas
                                 "blocks where its node holds more, and writes its plan.json with them"))
 
 
-def decide(res: Resolution, hw: HardwareFacts, ranks: RankEnv, recorded: RecordedConfig | None = None) -> Resolution:
+def decide(res: Resolution, hw: HardwareFacts, ranks: RankEnv, recorded: RecordedConfig) -> Resolution:
     """Every key of the list above, in its order. Called by each rank once its process group
-    exists; `recorded`: its run folder as read_recorded read it (read here when not given)."""
-    walk = _walk(res, _RunFacts(hw, ranks, recorded or _read_recorded(res.config)))
+    exists; `recorded`: its run folder as run_folder.run_config.read_recorded read it."""
+    facts = _RunFacts(hw, ranks, recorded)
+    walk = _walk(res, facts)
     # From here no key is "auto", by type: a rule that left one is a bug, named here.
     return Resolution(DecidedConfig.model_validate(walk.config.model_dump()), walk.reasons)
 
@@ -70,17 +71,21 @@ def decide_for_plan(cfg: Config, world_size: int, *, config_json: str | None = N
                     vocab_size: int | None = None) -> Resolution:
     """The keys a plan reads, decided along the list above with a plan's facts, each with its
     reason. `config_json` and `vocab_size` as make_plan takes them (the model the plan is for)."""
-    walk = _walk(resolve_for_plan(cfg, world_size), _PlanFacts(config_json, vocab_size))
+    facts = _PlanFacts(config_json, vocab_size)
+    walk = _walk(resolve_for_plan(cfg, world_size), facts)
     # No key a plan reads is "auto" any more, by type.
     return Resolution(PlannedConfig.model_validate(walk.config.model_dump()), walk.reasons)
 
 
-def decide_data(res: Resolution, recorded: RecordedConfig | None = None) -> Resolution:
+def decide_data(res: Resolution) -> Resolution:
     """Step 1 and 2 alone: data.format, data.train_on and data.shared_prompt, what `prepare` and
-    `eval` need (data.shared_prompt=true on data other than preference pairs is refused here);
-    `recorded` read from the run folder when not given."""
-    walk = Resolution(res.config, list(res.reasons))
-    _record_data_choices(walk, recorded or _read_recorded(res.config))
+    `eval` need (data.shared_prompt=true on data other than preference pairs is refused here)."""
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import read_recorded
+
+    recorded = read_recorded(RunFolder(res.config.output_dir))
+    walk = _Walk(res)
+    _record_data_choices(walk, recorded)
     return Resolution(type(res.config).model_validate(walk.config.model_dump()), walk.reasons)
 
 
@@ -96,17 +101,29 @@ def decide_and_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None 
                      config_json=config_json, vocab_size=vocab_size, reasons=res.reasons)
 
 
-def _read_recorded(cfg: Config) -> RecordedConfig:
-    from cputrain.run_folder.layout import RunFolder
-    from cputrain.run_folder.run_config import read_recorded
+class _Walk:
+    """The walk's record: the config as decided so far, and every reason (resolve's first). Each
+    decision is set in a copy of the config without validating it, so the rules after it read it;
+    the walk's caller validates the config once, at the end."""
 
-    return read_recorded(RunFolder(cfg.output_dir))
+    def __init__(self, res: Resolution):
+        self.config, self.reasons = res.config, list(res.reasons)
+
+    def record(self, key: str, value, why: str) -> None:
+        """`key` dotted (e.g. model.lora.base_dtype) decided as `value`, for `why`."""
+        self.config = _with_value(self.config, key.split("."), value)
+        self.reasons.append((key, str(value), why))
 
 
-def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> Resolution:
+def _with_value(section, path: list[str], value):
+    head, *rest = path
+    return section.model_copy(update={head: _with_value(getattr(section, head), rest, value) if rest else value})
+
+
+def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
     """The list above, in its order, each rule asked with `facts` (a _RunFacts or a _PlanFacts),
-    each answer recorded into a copy of `res`; not validated yet."""
-    walk = Resolution(res.config, list(res.reasons))
+    each answer recorded; not validated yet."""
+    walk = _Walk(res)
     facts.data_choices(walk)
     cfg = walk.config
     source = None
@@ -131,7 +148,7 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> Resolution:
     return walk
 
 
-def _record_data_choices(walk: Resolution, recorded: RecordedConfig) -> None:
+def _record_data_choices(walk: _Walk, recorded: RecordedConfig) -> None:
     from cputrain.data.example_kind import train_on_choice
     from cputrain.data.pairs import shared_prompt_choice
     from cputrain.data.sources import format_choice
@@ -166,7 +183,7 @@ def _resumed_layout(recorded: RecordedConfig, shared: bool, why: str) -> tuple[b
     return shared, why  # "auto" recorded: decided now, as the folder's check allows
 
 
-def _record_lora_choices(walk: Resolution, source, facts: _RunFacts | _PlanFacts) -> None:
+def _record_lora_choices(walk: _Walk, source, facts: _RunFacts | _PlanFacts) -> None:
     lora = walk.config.model.lora
     if lora.target_modules == "auto":
         from cputrain import model as models
@@ -180,7 +197,8 @@ def _record_lora_choices(walk: Resolution, source, facts: _RunFacts | _PlanFacts
         from cputrain.lora.base_storage import base_dtype_choice, base_dtype_name
 
         compute = torch.bfloat16 if walk.config.hardware.precision == "bf16" else torch.float32
-        dtype, why = base_dtype_choice("auto", compute, facts.files_are_bf16(source, walk.config))
+        files_bf16 = facts.files_are_bf16(source, walk.config)
+        dtype, why = base_dtype_choice("auto", compute, files_bf16)
         walk.record("model.lora.base_dtype", base_dtype_name(dtype), why)
 
 
@@ -191,7 +209,7 @@ class _RunFacts:
     def __init__(self, hw: HardwareFacts, ranks: RankEnv, recorded: RecordedConfig):
         self.hw, self.ranks, self.recorded = hw, ranks, recorded
 
-    def data_choices(self, walk: Resolution) -> None:
+    def data_choices(self, walk: _Walk) -> None:
         _record_data_choices(walk, self.recorded)
 
     def model_source(self, cfg):
@@ -240,7 +258,7 @@ class _PlanFacts:
     def __init__(self, config_json: str | None, vocab_size: int | None):
         self.config_json, self.vocab_size = config_json, vocab_size
 
-    def data_choices(self, walk: Resolution) -> None:
+    def data_choices(self, walk: _Walk) -> None:
         pass  # left to the run: no byte of the plan depends on them, and a plan reads no data
 
     def model_source(self, cfg):

@@ -5,7 +5,7 @@ branches on the strategy (every one comes through the protocol in cputrain.paral
 the kind of fine-tuning (full or LoRA come through the model converter, cputrain.model.converter).
 The run's figures are RunMetrics'; when to save is the checkpoint object's; what a bad step does
 is the step guard's (training.step_guard), the profiled step the profiling's
-(training.step_profiling), and summary.json at the end the ending's (training.ending).
+(training.step_profiling), and summary.json at the end the ending's (metrics.ending).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cputrain import model as models
-from cputrain.config.resolved import ResolvedConfig
+from cputrain.config.resolved import DecidedConfig
 from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
@@ -26,6 +26,7 @@ from cputrain.errors import ConfigError, Stopped
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
+from cputrain.metrics.ending import ending_summary, write_ended
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
 from cputrain.metrics.step_profile import OPTIMIZER_REGION
@@ -33,12 +34,10 @@ from cputrain.metrics.summary import read_summary, write_summary
 from cputrain.objectives.objective import check_objective, objective_for
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
-from cputrain.config.resolve import unresolved_keys
 from cputrain.run_folder.checkpoints import Checkpoints
 from cputrain.run_folder.layout import RunFolder
 from cputrain.run_folder.run_config import RecordedConfig, check_compatible, write_run_config
 from cputrain.run_folder.run_lock import RunLock, take_run_lock
-from cputrain.training.ending import ending_summary, write_ended
 from cputrain.training.step_guard import StepGuard
 from cputrain.training.step_outcome import StepOutcome
 from cputrain.training.step_profiling import StepProfiling, check_profile_step, profile_step_of_session
@@ -47,11 +46,10 @@ log = logging.getLogger("cputrain")
 
 
 class Trainer:
-    def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
+    def __init__(self, cfg: DecidedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
                  take_over_lock: bool = False, recorded: RecordedConfig | None = None):
-        unresolved = unresolved_keys(cfg)
-        if unresolved:  # a model is built from this config: every part of the run must see one value
-            raise ConfigError(f"{', '.join(unresolved)} not resolved before training; resolve them first")
+        if not isinstance(cfg, DecidedConfig):  # a model is built from it: every part of the run must see one value
+            raise ConfigError("the config is not decided before training; training.choices.decide decides it first")
         self.cfg, self.hw, self.ranks = cfg, hw, ranks
         self.reasons = reasons or []
         self.run = RunFolder(cfg.output_dir)
@@ -76,11 +74,11 @@ class Trainer:
         self.strategy: Strategy | None = None  # 4.
         self.model: torch.nn.Module | None = None  # 4. the wrapped model
         self.optimizer: torch.optim.Optimizer | None = None  # 5.
-        self.total_steps = 0  # 5. (first counted in 2, to check train.profile_step)
+        self.total_steps = 0  # 2. the run's (a session may stop earlier: train.stop_at_step)
         self.schedule = None  # 5. training.lr_schedule.WarmupCosine
         self.checkpoints: Checkpoints | None = None  # 6.
-        self.guard: StepGuard | None = None  # 6. the bad-step counters, with the checkpoints they confirm
         self.metrics: RunMetrics | None = None  # 6.
+        self.guard: StepGuard | None = None  # by fit(): this session's bad-step counters
 
     # ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -97,8 +95,15 @@ class Trainer:
         # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
         #    poll for its completion marker instead of waiting in a collective, so preparing a
         #    10B-token corpus may take far longer than the process group's timeout.
-        self._prepare_data()
-        check_profile_step(cfg.train, self._total_steps(), len(self.train_rows))
+        from cputrain.data.prepare import prepare, rows_of
+
+        self.tokenizer, self.data = prepare(cfg)
+        self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
+        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
+        if ranks.is_main:
+            log.info("data: %s", self.data.describe())
+        self.total_steps = self._total_steps()  # known once the data is (train.epochs)
+        check_profile_step(cfg.train, self.total_steps, len(self.train_rows))
 
         # 3. Model skeleton on the meta device: the structure, no memory.
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
@@ -129,7 +134,6 @@ class Trainer:
 
         # 5. Optimizer and learning-rate schedule.
         self.optimizer = self.strategy.build_optimizer(self.model)
-        self.total_steps = self._total_steps()
         from cputrain.training.lr_schedule import build_schedule
 
         self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
@@ -137,10 +141,16 @@ class Trainer:
         # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
         # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them;
         # after the optimizer, because a sharding engine that gathers each module's partitioned
-        # weights around its forward may exist only from then on.
+        # weights around its forward may exist only from then on. They are kept in the token
+        # cache's entry, each rank its share.
+        reference = None
+        if cfg.train.objective == "dpo":
+            from cputrain.objectives.reference_store import ReferenceStore, reference_file
+
+            reference = ReferenceStore(reference_file(self.data.folder, source.folder, cfg), ranks.rank,
+                                       ranks.world_size, ranks.local_rank)
         self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
-                               self.strategy.autocast,
-                               self._reference_store(source) if cfg.train.objective == "dpo" else None)
+                               self.strategy.autocast, reference)
 
         # 6. Resume from the newest complete checkpoint, if this run folder has one.
         self.checkpoints = Checkpoints(self.run, cfg, ranks)
@@ -148,7 +158,6 @@ class Trainer:
         if resumed is not None:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
-        self.guard = StepGuard(cfg.train, self.strategy, self.checkpoints, self.run, ranks.is_main)
         self.metrics = RunMetrics(cfg, self.hw, ranks, self.run, self.counts, self.hf_config, self.strategy.meter,
                                   self.total_steps)
         self.metrics.open_sinks(self.step, guard=self.lock.assert_held if self.lock else lambda: None)
@@ -163,24 +172,6 @@ class Trainer:
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
             if ranks.is_main:
                 log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
-
-    def _reference_store(self, source):
-        """Where DPO's precomputed reference is kept (the token cache's entry), and this rank's share."""
-        from cputrain.objectives.reference_store import ReferenceStore, reference_file
-
-        ranks = self.ranks
-        path = reference_file(self.data.folder, source.folder, self.cfg)
-        return ReferenceStore(path, ranks.rank, ranks.world_size, ranks.local_rank)
-
-    def _prepare_data(self) -> None:
-        from cputrain.data.prepare import prepare, rows_of
-
-        cfg = self.cfg
-        self.tokenizer, self.data = prepare(cfg)
-        self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
-        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
-        if self.ranks.is_main:
-            log.info("data: %s", self.data.describe())
 
     def _total_steps(self) -> int:
         t = self.cfg.train
@@ -234,17 +225,12 @@ class Trainer:
                                                     loss_finite=bad_losses == 0)
         # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
         # lr): read once after the update (docs/benchmarks.md, block weights-check: the cost per step).
-        weights_finite = self._weights_finite_on_every_rank() if stepped else True
+        weights_finite = self.strategy.weights_finite_on_every_rank(self.model) if stepped else True
         self.schedule.step()
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
                            weights_finite, figures, items if objective.names else None)
-
-    def _weights_finite_on_every_rank(self) -> bool:
-        """Each rank reads the trained weights it holds; one all-reduce of one number on several ranks."""
-        (bad_ranks,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
-        return bad_ranks == 0
 
     def evaluate(self) -> tuple[float, dict]:
         """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
@@ -276,10 +262,11 @@ class Trainer:
             return self._fit()
         except BaseException as err:
             if self.ranks.is_main and self.metrics is not None:
-                write_ended(self.run, self.metrics, self.step, self.guard.skipped_steps, err)
+                write_ended(self.run, self.metrics, self.step, self.guard.skipped_steps if self.guard else 0, err)
             raise
 
     def _fit(self) -> dict:
+        self.guard = StepGuard(self.cfg.train, self.strategy, self.checkpoints, self.run, self.ranks.is_main)
         self._warn_if_no_validation()
         # stop_at_step ends this session early; the schedule still runs to total_steps.
         stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
@@ -344,7 +331,7 @@ class Trainer:
 
     def _finish(self) -> dict:
         # The export (and a run counted as finished) holds finite weights only.
-        if not self._weights_finite_on_every_rank():
+        if not self.strategy.weights_finite_on_every_rank(self.model):
             self.guard.diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is "
                                 "exported")
         self.checkpoints.confirm()

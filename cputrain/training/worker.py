@@ -29,6 +29,9 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     bound = ranks.launcher == "mpirun" and bool(hw.affinity_narrowed) and ranks.local_world_size > 1
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size, bound_by_launcher=bound)
     check_agent_agrees(res.config)
+    # The run folder's config.yaml, read once: a resumed run keeps what it recorded (the choices
+    # below, and the trainer's check of the folder).
+    recorded = read_recorded(RunFolder(cfg.output_dir))
     user_threads = os.environ.get("OMP_NUM_THREADS")
     # A one-process run (launcher "python") inherits the user's own value; a launcher's (torchrun's
     # 1, cputrain's agent's own) is not the user's to be told about.
@@ -52,9 +55,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     pg.set_threads(res.config.hardware.threads, cpus)
     if ranks.distributed or needs_process_group(res.config.parallel.strategy):
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
-    # The run folder's config.yaml, read once (a resumed run keeps what it recorded), then every
-    # "auto" that needs the data, the model or the process group, in one fixed order.
-    recorded = read_recorded(RunFolder(cfg.output_dir))
+    # Every "auto" that needs the data, the model or the process group, in one fixed order.
     res = choices.decide(res, hw, ranks, recorded)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,

@@ -11,6 +11,8 @@ from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import detect
 from cputrain.config.resolve import resolve
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import read_recorded
 
 ONE_RANK = RankEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="python")
 
@@ -19,7 +21,7 @@ def _decide(**sections):
     # attention fixed: timing kernels is not what this checks
     cfg = Config.model_validate({**sections, "model": {"attn_implementation": "sdpa", **sections.get("model", {})}})
     hw = detect()
-    return choices.decide(resolve(cfg, hw, 1, 1), hw, ONE_RANK)
+    return choices.decide(resolve(cfg, hw, 1, 1), hw, ONE_RANK, read_recorded(RunFolder(cfg.output_dir)))
 
 
 def test_a_lora_chat_run_decides_every_auto_with_a_reason(tiny_model, tmp_path):
