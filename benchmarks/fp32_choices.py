@@ -1,7 +1,7 @@
 """Each speed default of the training step, measured in fp32 on this machine: the chunked head +
 loss, fused AdamW, the attention kernel, the memory allocator and OpenMP thread binding, on three
 shapes. Writes one block per shape (fp32_choices-demo, -100m, -128k-head) of docs/benchmarks/step-time.md; cputrain's `auto` values for fp32 are
-read from these figures (cputrain/resolve.py says which row each choice comes from).
+read from these figures (cputrain/config/resolve.py says which row each choice comes from).
 
     python benchmarks/fp32_choices.py            # the figures
     python benchmarks/fp32_choices.py --quick    # tiny shapes, one round: checks the script only

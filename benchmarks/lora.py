@@ -140,7 +140,7 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
 def train_and_read(overrides: list[str], warmup: int, what: str) -> dict:
     """`cputrain train <overrides>` in a fresh process and a temporary output folder; what its
     metrics.jsonl, memory.json, summary.json and plan.json say."""
-    from cputrain.plan.compare import compare_run
+    from cputrain.plan.memory.compare import compare_run
 
     with tempfile.TemporaryDirectory(prefix="cputrain-lora-bench-") as out:
         run = Path(out) / "run"
@@ -233,12 +233,12 @@ def layers_child(opts: dict) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from cputrain.kernels.attention_choice import choose_attention
+    from cputrain.kernels.attention_choice import attention_choice
     from cputrain.metrics import memory
 
     torch.set_num_threads(physical_cores())
     cfg = LlamaConfig(**{**opts["shape"], "num_hidden_layers": opts["layers"]})
-    choice = choose_attention(cfg, 1, opts["seq_len"], torch.bfloat16)
+    choice = attention_choice(cfg, 1, opts["seq_len"], torch.bfloat16)
     cfg._attn_implementation = choice.implementation
     torch.manual_seed(0)
     holder = torch.nn.Module()
@@ -533,7 +533,7 @@ Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:
 {steps} optimizer steps of 2 micro-batches × 1 × {ck_seq} tokens, eager blocks, tokens/s after the first {warmup} step(s), the sides
 alternated, median of {runs} fresh-process run(s). `selective` keeps every block's matmul and attention outputs and
 recomputes the rest (cputrain.model.selective_checkpointing). `model.activation_checkpointing=auto` picks among these
-by the plan and the node's memory (cputrain.plan.checkpointing): none, else selective, else the fewest blocks.
+by the plan and the node's memory (cputrain.plan.memory.checkpointing): none, else selective, else the fewest blocks.
 
 | checkpointing | tokens/s | range | step peak RSS (GiB) | plan peak (error) | tokens/s vs every block |
 | --- | ---: | ---: | ---: | ---: | ---: |

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import machine_line, write_block  # noqa: E402
-from cputrain.plan.compare import compare_run, markdown_table  # noqa: E402
+from cputrain.plan.memory.compare import compare_run, markdown_table  # noqa: E402
 
 SIZES = {
     "tiny": ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",

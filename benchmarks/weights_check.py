@@ -41,7 +41,7 @@ def measure(shape: dict, precision: str, repeats: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cputrain.config import TrainConfig
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
     from cputrain.parallel.base import all_finite
 
     torch.manual_seed(0)

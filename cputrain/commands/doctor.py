@@ -18,7 +18,7 @@ def run(args) -> int:
     from cputrain.config import Config
     from cputrain.distributed.env import normalize
     from cputrain.hardware import detect, report_lines
-    from cputrain.resolve import resolve
+    from cputrain.config.resolve import resolve
 
     hw = detect()
     ranks = normalize(dict(os.environ))

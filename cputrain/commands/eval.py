@@ -63,7 +63,7 @@ def _benchmark_tasks(args, config_path) -> int:
     from cputrain.finished import lm_harness
     from cputrain.finished.load import model_folder
     from cputrain.hardware import detect
-    from cputrain.resolve import resolve
+    from cputrain.config.resolve import resolve
 
     for flag, value, least in (("--limit", args.limit, 1), ("--num-fewshot", args.num_fewshot, 0),
                                ("--batch-size", args.batch_size, 1)):

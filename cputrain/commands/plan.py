@@ -1,6 +1,6 @@
 """`cputrain plan CONFIG [key=value ...]`: memory per rank and the smallest cluster that fits.
 
-Its arguments, the config it reads and the command, which sits above cputrain.run_choices:
+Its arguments, the config it reads and the command, which sits above cputrain.training.choices:
 every key the plan reads is decided as for a run."""
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    """Every key the plan reads decided as a run decides it (cputrain.run_choices, a plan's facts),
+    """Every key the plan reads decided as a run decides it (cputrain.training.choices, a plan's facts),
     then the plan: one config, or the same twice, full fine-tuning and LoRA (--compare-lora)."""
-    from cputrain.plan.report import compare_lines, plan_document, table_lines
-    from cputrain.run_choices import decided_plan
+    from cputrain.plan.memory.report import compare_lines, plan_document, table_lines
+    from cputrain.training.choices import decide_and_plan
 
     cfg = load_run_config(args.config, args.overrides)
     world_size, nproc = world_size_of(args, cfg)
@@ -80,13 +80,13 @@ def run(args) -> int:
                               "and once without")
         # The same file and overrides, then model.lora.enabled last (validated like any override:
         # LoRA needs model.name_or_path and refuses zero3); each decided on its own.
-        full, lora = (decided_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
+        full, lora = (decide_and_plan(load_run_config(args.config, [*args.overrides, f"model.lora.enabled={on}"]),
                                    world_size, nproc_per_node=nproc, instances=instances,
                                    config_json=args.model_config)
                       for on in ("false", "true"))
         print("\n".join(compare_lines(full, lora)))
         return 0
-    plan = decided_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
+    plan = decide_and_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
     time_lines, time_doc = with_time_plan(args, cfg, plan)
     if args.json:
         print(json.dumps({**plan_document(plan), **time_doc}, indent=2))
@@ -118,7 +118,7 @@ def instances_of(args):
 def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     """The time plan's printed lines and plan.json section for a plan fitted on an instance."""
     from cputrain.plan.instances import load_instances
-    from cputrain.plan.time_report import time_document, time_lines, time_plan
+    from cputrain.plan.time.report import time_document, time_lines, time_plan
 
     if plan.fit is None:
         return [], {}

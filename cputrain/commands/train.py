@@ -42,7 +42,7 @@ def run(args) -> int:
         return 0
     config_path, overrides = config_and_overrides(args.config, args.overrides)
     from cputrain.distributed.agent import pet_overrides
-    from cputrain.launch import launch
+    from cputrain.training.launch import launch
 
     flags = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes, "node_rank": args.node_rank,
              "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}
@@ -54,7 +54,7 @@ def run(args) -> int:
     # Ranks started by the agent re-run this same command, config and overrides included.
     worker_args = ([config_path] if config_path else []) + overrides + (["--debug"] if args.debug else []) + (
         ["--take-over-lock"] if args.take_over_lock else [])
-    from cputrain.worker import run_worker
+    from cputrain.training.worker import run_worker
 
     summary = launch(cfg, worker_args, run_here=lambda: run_worker(cfg, take_over_lock=args.take_over_lock),
                      dry_run=args.dry_run)
@@ -66,12 +66,12 @@ def _start_again_with_allocator(cfg) -> None:
     preloaded (hardware.allocator; a library can only be preloaded into a new process). Nothing
     has been read, written or imported by then; the pid stays the same (exec), so signals and
     exit codes are the caller's as before. The agent preloads its ranks itself."""
-    from cputrain.native.allocator import choose_allocator, reexec_env
+    from cputrain.native.allocator import allocator_choice, reexec_env
     from cputrain.distributed.env import started_by_launcher
 
     if started_by_launcher() or cfg.launch.nproc_per_node * cfg.launch.nnodes != 1:
         return
-    env = reexec_env(choose_allocator(cfg.hardware.allocator), dict(os.environ))
+    env = reexec_env(allocator_choice(cfg.hardware.allocator), dict(os.environ))
     if env is not None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -252,8 +252,8 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
     import yaml
 
     from cputrain.config import Config
-    from cputrain.resolve import Resolution
-    from cputrain.run_choices import with_data_choices
+    from cputrain.config.resolve import Resolution
+    from cputrain.training.choices import decide_data
     from cputrain.run_folder.layout import RunFolder
     from cputrain.run_folder.run_config import check_compatible, write_run_config
 
@@ -262,7 +262,7 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
     def decided(shared="auto"):
         cfg = Config.model_validate({"output_dir": str(out), "train": {"objective": "dpo"},
                                      "data": {"source": "p.jsonl", "format": "preference", "shared_prompt": shared}})
-        res = with_data_choices(Resolution(cfg))
+        res = decide_data(Resolution(cfg))
         return res.config, {key: (value, why) for key, value, why in res.reasons}
 
     cfg, reasons = decided()

@@ -20,7 +20,7 @@ log = logging.getLogger("cputrain")
 
 
 def shared_prompt(data_cfg: DataConfig) -> bool:
-    """The layout of the pairs in rows; "auto" only where the config was not decided (run_choices
+    """The layout of the pairs in rows; "auto" only where the config was not decided (training.choices
     decides it first): preference's auto is true."""
     return data_cfg.shared_prompt in (True, "auto")
 
@@ -51,7 +51,7 @@ class PreferenceKind(SequenceKind):
         return self.spec.chosen_field, self.spec.rejected_field
 
     def open(self, folder: Path, data_cfg: DataConfig) -> PreferenceData:
-        # "auto" only where the config was not decided (run_choices decides it first): preference's auto
+        # "auto" only where the config was not decided (training.choices decides it first): preference's auto
         return open_pairs(folder, data_cfg.packing, shared_prompt(data_cfg))
 
     def stats(self, facts: BuildFacts) -> dict:

@@ -39,7 +39,7 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             bound_by_launcher: bool = False) -> Resolution:
     """A read-only copy of `cfg` with every "auto" decided, and the reason for each choice. One key
     needs more than the hardware: model.attn_implementation=auto is timed on the model's shape on
-    this rank's threads, once the process group exists: cputrain.run_choices decides the keys that
+    this rank's threads, once the process group exists: cputrain.training.choices decides the keys that
     need more than the hardware."""
     cfg = cfg.model_copy(deep=True)
     res = Resolution(cfg)
@@ -125,14 +125,18 @@ def resolve_for_plan(cfg: Config, world_size: int) -> Resolution:
     """The machine's keys a plan reads, as they resolve on what it plans for: the precision on
     the built-in instances (every one has AMX) and the strategy for `world_size` ranks. Threads,
     tokenizing processes, compile and the backend are left to the run's node: no byte of the
-    plan depends on them. cputrain.run_choices.decide_for_plan decides the rest."""
-    res = Resolution(cfg.model_copy(deep=True))
+    plan depends on them. cputrain.training.choices.decide_for_plan decides the rest, and validates
+    the config once at its end."""
+    cfg = cfg.model_copy(deep=True)
+    res = Resolution(cfg)
     precision, why = precision_choice(cfg.hardware.precision, hw=None)
     if why:
-        res = with_model_choice(res, "hardware.precision", precision, why)
+        cfg.hardware.precision = precision
+        res.note("hardware.precision", precision, why)
     strategy, why = strategy_choice(cfg.parallel.strategy, world_size)
     if why:
-        res = with_model_choice(res, "parallel.strategy", strategy, why)
+        cfg.parallel.strategy = strategy
+        res.note("parallel.strategy", strategy, why)
     return res
 
 
@@ -174,21 +178,6 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
     return "ddp", f"{world_size} ranks; the model is replicated (use fsdp to shard it)"
 
 
-def with_model_choice(res: Resolution, key: str, value, why: str) -> Resolution:
-    """The config with one more key decided (`key` dotted, e.g. model.lora.base_dtype), of the
-    same type (a ResolvedConfig in a run, a Config while a plan is decided), and its reason
-    noted: how cputrain.run_choices records what it decides."""
-    data = res.config.model_dump()
-    *path, name = key.split(".")
-    section = data
-    for part in path:
-        section = section[part]
-    section[name] = value
-    final = Resolution(type(res.config).model_validate(data), list(res.reasons))
-    final.note(key, value, why)
-    return final
-
-
 # Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*).
 FP32_LARGE_VOCAB_WHY = ("at a 128,256-token vocabulary it measured 1.05× the plain head's speed in fp32 with 1.2 GiB "
                         "less step peak (benchmarks/fp32_choices.py)")
@@ -211,12 +200,6 @@ def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vo
     return False, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch: the plain head measured 1.01× the "
                    "chunked one's speed at the demo's shape and 1.03× at ~100M (benchmarks/fp32_choices.py), and its "
                    "logits are small")
-
-
-def unresolved_keys(cfg: Config) -> list[str]:
-    """Keys still "auto": none may be left when a model is built."""
-    keys = [*AUTO_KEYS, "model.attn_implementation", "model.chunked_loss", "model.activation_checkpointing"]
-    return [key for key in keys if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == "auto"]
 
 
 # The keys "auto" may stand for, and the environment variable in which the torchrun agent hands

@@ -1,5 +1,5 @@
 """What would change a step that waits on the network, each figure re-planned by
-cputrain.plan.step_time with one setting changed: a larger micro-batch (more tokens per gather),
+cputrain.plan.time.step_time with one setting changed: a larger micro-batch (more tokens per gather),
 parameters kept gathered across a step's micro-batches, no resharding after the forward, a hybrid
 layout (shard within a node, replicate across nodes), and fewer, bigger nodes. Layouts cputrain
 cannot run yet are said so, with their figure, so the next one to build is chosen by a number.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cputrain.plan.fit import fits, pod_memory_bytes
+from cputrain.plan.memory.fit import fits, pod_memory_bytes
 from cputrain.plan.instances import Instance
-from cputrain.plan.step_time import StepSettings, StepTimePlan, plan_step_time
+from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
 
 # Above this share of the step spent waiting on the network, the plan lists its remedies.
 NETWORK_SHARE_ADVICE = 0.25

@@ -2,9 +2,9 @@
 
     compute   (model FLOPs the trainer's MFU counts + the forward of each checkpointed block
               again) × tokens per rank per step ÷ (the rank's peak FLOP/s × the share of it the
-              cores reach, measured: cputrain.plan.measured_mfu)
-    network   bytes through a node's link (cputrain.plan.comm_volume) ÷ (link rate × gloo's
-              efficiency for that collective and message size: cputrain.plan.link_efficiency)
+              cores reach, measured: cputrain.plan.time.measured_mfu)
+    network   bytes through a node's link (cputrain.plan.time.comm_volume) ÷ (link rate × gloo's
+              efficiency for that collective and message size: cputrain.plan.time.link_efficiency)
     exposed   the part of the network time no compute hides (below); step = compute + exposed
 
 Overlap. FSDP2 on CPU hides none of it: measured over a shaped link (block gloo_link-runs of
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from cputrain.config import Config, checkpointed_blocks
 from cputrain.errors import ConfigError
-from cputrain.plan.comm_volume import KINDS, CommPattern, comm_pattern, ring_factor
-from cputrain.plan.link_efficiency import NOT_MEASURED, EfficiencyTable, load_table
+from cputrain.plan.time.comm_volume import KINDS, CommPattern, comm_pattern, ring_factor
+from cputrain.plan.time.link_efficiency import NOT_MEASURED, EfficiencyTable, load_table
 from cputrain.plan.model_shape import ModelShape
 
 
@@ -47,7 +47,7 @@ class StepSettings:
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
-        """From a config whose keys are decided (cputrain.run_choices.decide_for_plan)."""
+        """From a config whose keys are decided (cputrain.training.choices.decide_for_plan)."""
         from cputrain.config.resolved import as_planned
 
         cfg = as_planned(cfg)
@@ -149,7 +149,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     of that peak the cores run the step's FLOPs at, recompute included (a run without activation
     checkpointing logs it as its MFU). `link_gbit_s`: each node's link; None plans no network
     time (one node needs none). `efficiency`: gloo's share of the line rate, a number for every
-    collective or a measured table; None reads cputrain/plan/gloo_link_efficiency.json, or
+    collective or a measured table; None reads cputrain/plan/time/gloo_link_efficiency.json, or
     assumes 1.0 without it. `overlap`: the share of network time hidden behind compute, 0 to 1
     (None: the model in this module's docstring). The last three keywords plan layouts cputrain
     does not build yet (FSDP/ZeRO-3): no resharding after the forward, parameters kept gathered

@@ -2,7 +2,7 @@
 
 Measured, never typed in: benchmarks/gloo_link.py runs gloo's all-gather, reduce-scatter and
 all-reduce between two network namespaces joined by a veth pair, shaped by tc to a line rate and
-unshaped, and writes cputrain/plan/gloo_link_efficiency.json:
+unshaped, and writes cputrain/plan/time/gloo_link_efficiency.json:
 
     {"machine": str, "measured": "YYYY-MM-DD",
      "rows": [{"collective": "all_gather" | "reduce_scatter" | "all_reduce",

@@ -1,72 +1,60 @@
 """The training run: setup() in build order, train_step(), evaluate(), fit().
 
-One Trainer runs in every rank, on a config that is already resolved and read-only. It never
-branches on the strategy's name (single, ddp, fsdp and zero3 come through the protocol in
-cputrain.parallel.base) nor on the kind of fine-tuning (full or LoRA come through the model
-converter, cputrain.model_converter). The run's figures are RunMetrics'; when to save is the
-checkpoint object's.
+One Trainer runs in every rank, on a config that is already decided and read-only. It never
+branches on the strategy (every one comes through the protocol in cputrain.parallel.base) nor on
+the kind of fine-tuning (full or LoRA come through the model converter, cputrain.model.converter).
+The run's figures are RunMetrics'; when to save is the checkpoint object's; what a bad step does
+is the step guard's (training.step_guard), the profiled step the profiling's
+(training.step_profiling), and summary.json at the end the ending's (metrics.ending).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cputrain import model as models
-from cputrain.config.resolved import ResolvedConfig
+from cputrain.config.resolved import DecidedConfig
 from cputrain.data import order
 from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.distributed.stop_request import StopRequest
-from cputrain.errors import ConfigError, Diverged, Stopped, one_line
+from cputrain.errors import ConfigError, Stopped
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
+from cputrain.metrics.ending import ending_summary, write_ended
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
-from cputrain.metrics.step_profile import OPTIMIZER_REGION, StepProfile
+from cputrain.metrics.step_profile import OPTIMIZER_REGION
 from cputrain.metrics.summary import read_summary, write_summary
 from cputrain.objectives.objective import check_objective, objective_for
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
-from cputrain.resolve import unresolved_keys
 from cputrain.run_folder.checkpoints import Checkpoints
 from cputrain.run_folder.layout import RunFolder
-from cputrain.run_folder.run_config import check_compatible, write_run_config
+from cputrain.run_folder.run_config import RecordedConfig, check_compatible, write_run_config
 from cputrain.run_folder.run_lock import RunLock, take_run_lock
+from cputrain.training.step_guard import StepGuard
+from cputrain.training.step_outcome import StepOutcome
+from cputrain.training.step_profiling import StepProfiling, check_profile_step, profile_step_of_session
 
 log = logging.getLogger("cputrain")
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    loss: float  # this rank's loss (sum over its micro-batches of each one's share of the global mean)
-    grad_norm: float  # global, before clipping
-    trained: int  # trained targets in the global batch
-    tokens: int  # tokens processed in the global batch
-    stepped: bool  # False: a non-finite loss or gradient norm on some rank; the weights were left alone
-    stop_signal: str | None  # a stop was asked for (on any rank): finish here with a checkpoint
-    save_due: bool  # train.checkpoint_every_s has passed on rank 0's clock
-    weights_finite: bool = True  # False: the update left a trained weight at inf or nan (on some rank)
-    figures: dict | None = None  # the objective's figures of the global batch (preference: TRL's rewards/…)
-    pairs: int | None = None  # preference pairs in the global batch (None: the objective counts none)
-
-
 class Trainer:
-    def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
-                 take_over_lock: bool = False):
-        unresolved = unresolved_keys(cfg)
-        if unresolved:  # a model is built from this config: every part of the run must see one value
-            raise ConfigError(f"{', '.join(unresolved)} not resolved before training; resolve them first")
+    def __init__(self, cfg: DecidedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
+                 take_over_lock: bool = False, recorded: RecordedConfig | None = None):
+        if not isinstance(cfg, DecidedConfig):  # a model is built from it: every part of the run must see one value
+            raise ConfigError("the config is not decided before training; training.choices.decide decides it first")
         self.cfg, self.hw, self.ranks = cfg, hw, ranks
         self.reasons = reasons or []
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
+        self.recorded = recorded  # the run folder's config.yaml as the run's choices read it (None: read at setup)
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
         check_objective(cfg.train.objective, cfg.data.format)
         # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off),
@@ -75,31 +63,27 @@ class Trainer:
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
         self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
-        self.bad_steps_in_row = 0  # steps skipped for a non-finite loss or gradient norm (or that broke a weight), in a row
-        self.broke_weights_at: int | None = None  # the step whose update left non-finite weights
-        self.skipped_steps = 0  # all such steps of this session
-        self.last_finite = (None, None)  # (step, loss) of the newest step that updated the weights
         self.exported = False  # model/ written by this session (the worker then plots and samples)
-        # Built by setup(), in this order:
-        self.lock: RunLock | None = None  # rank 0's, from setup() until release_lock()
-        self.tokenizer = None
-        self.data = None  # packed text (data.text.rows.PackedData) or examples (data.examples.rows.ExampleData)
-        self.train_rows = self.val_rows = None  # what batches are cut from (data.rows)
-        self.order: order.BatchOrder | None = None
-        self.hf_config = None  # transformers PretrainedConfig
-        self.counts: dict[str, int] = {}  # parameter counts (models.parameter_counts)
-        self.strategy: Strategy | None = None
-        self.model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.total_steps = 0
-        self.schedule = None  # torch.optim.lr_scheduler.LambdaLR
-        self.checkpoints: Checkpoints | None = None
-        self.metrics: RunMetrics | None = None
+        # Built by setup(), by its numbered parts:
+        self.lock: RunLock | None = None  # 1. rank 0's, until release_lock()
+        self.tokenizer = self.data = None  # 2. and the data the run's kind prepared (data.prepare: rows, describe())
+        self.train_rows = self.val_rows = None  # 2. what batches are cut from (every kind's rows: data.rows.Rows)
+        self.order: order.BatchOrder | None = None  # 2. which rows each rank takes at each step
+        self.hf_config = None  # 3. transformers PretrainedConfig
+        self.counts: dict[str, int] = {}  # 3. parameter counts (models.parameter_counts)
+        self.strategy: Strategy | None = None  # 4.
+        self.model: torch.nn.Module | None = None  # 4. the wrapped model
+        self.optimizer: torch.optim.Optimizer | None = None  # 5.
+        self.total_steps = 0  # 2. the run's (a session may stop earlier: train.stop_at_step)
+        self.schedule = None  # 5. training.lr_schedule.WarmupCosine
+        self.checkpoints: Checkpoints | None = None  # 6.
+        self.metrics: RunMetrics | None = None  # 6.
+        self.guard: StepGuard | None = None  # by fit(): this session's bad-step counters
 
     # ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, ranks = self.cfg, self.ranks
-        check_compatible(self.run, cfg)  # before anything is written into an existing run folder
+        check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
         self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
 
         # 1. The process group and this rank's threads are the worker's (the attention kernel was
@@ -111,8 +95,15 @@ class Trainer:
         # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
         #    poll for its completion marker instead of waiting in a collective, so preparing a
         #    10B-token corpus may take far longer than the process group's timeout.
-        self._prepare_data()
-        self._check_profile_step()
+        from cputrain.data.prepare import prepare, rows_of
+
+        self.tokenizer, self.data = prepare(cfg)
+        self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
+        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
+        if ranks.is_main:
+            log.info("data: %s", self.data.describe())
+        self.total_steps = self._total_steps()  # known once the data is (train.epochs)
+        check_profile_step(cfg.train, self.total_steps, len(self.train_rows))
 
         # 3. Model skeleton on the meta device: the structure, no memory.
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
@@ -123,7 +114,7 @@ class Trainer:
         models.enable_activation_checkpointing(skeleton, cfg.model.activation_checkpointing)
         self.counts = models.parameter_counts(skeleton)
         if ranks.is_main:  # plan.json, and a warning now if this node cannot hold the plan
-            from cputrain.plan.runtime import write_run_plan
+            from cputrain.plan.memory.runtime import write_run_plan
 
             write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
         self.phases.mark("model skeleton")
@@ -143,18 +134,23 @@ class Trainer:
 
         # 5. Optimizer and learning-rate schedule.
         self.optimizer = self.strategy.build_optimizer(self.model)
-        self.total_steps = self._total_steps()
-        from cputrain.optim import build_schedule
+        from cputrain.training.lr_schedule import build_schedule
 
         self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
         self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
         # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
         # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them;
-        # after the optimizer, because ZeRO-3's engine (which gathers each module's partitioned
-        # weights around its forward) exists from then on.
+        # after the optimizer, because a sharding engine that gathers each module's partitioned
+        # weights around its forward may exist only from then on. They are kept in the token
+        # cache's entry, each rank its share.
+        reference = None
+        if cfg.train.objective == "dpo":
+            from cputrain.objectives.reference_store import ReferenceStore, reference_file
+
+            reference = ReferenceStore(reference_file(self.data.folder, source.folder, cfg), ranks.rank,
+                                       ranks.world_size, ranks.local_rank)
         self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
-                               self.strategy.autocast,
-                               self._reference_store(source) if cfg.train.objective == "dpo" else None)
+                               self.strategy.autocast, reference)
 
         # 6. Resume from the newest complete checkpoint, if this run folder has one.
         self.checkpoints = Checkpoints(self.run, cfg, ranks)
@@ -177,37 +173,11 @@ class Trainer:
             if ranks.is_main:
                 log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
 
-    def _reference_store(self, source):
-        """Where DPO's precomputed reference is kept (the token cache's entry), and this rank's share."""
-        from cputrain.objectives.reference_store import ReferenceStore, reference_file
-
-        ranks = self.ranks
-        path = reference_file(self.data.folder, source.folder, self.cfg)
-        return ReferenceStore(path, ranks.rank, ranks.world_size, ranks.local_rank)
-
-    def _prepare_data(self) -> None:
-        from cputrain.data.prepare import prepare, rows_of
-
-        cfg = self.cfg
-        self.tokenizer, self.data = prepare(cfg)
-        self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
-        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
-        if self.ranks.is_main:
-            log.info("data: %s", self.data.describe())
-
     def _total_steps(self) -> int:
         t = self.cfg.train
         if t.max_steps is not None:
             return t.max_steps
         return max(1, math.ceil(t.epochs * len(self.train_rows) / t.global_batch_size))
-
-    def _check_profile_step(self) -> None:
-        """With train.epochs, the run's last step is known once the data is (with max_steps the
-        config refused a later profile_step): refused here, before any weight is loaded."""
-        t, last = self.cfg.train, self._total_steps()
-        if t.profile_step is not None and t.profile_step > last:
-            raise ConfigError(f"train.profile_step ({t.profile_step}) is past the run's last step ({last}: train.epochs="
-                              f"{t.epochs:g} of {len(self.train_rows)} sequences); choose a step from 1 to {last}")
 
     # ------------------------------------------------------------------------------------
     def train_step(self) -> StepOutcome:
@@ -255,66 +225,12 @@ class Trainer:
                                                     loss_finite=bad_losses == 0)
         # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
         # lr): read once after the update (docs/benchmarks/step-time.md, block weights-check: the cost per step).
-        weights_finite = self._weights_finite_on_every_rank() if stepped else True
+        weights_finite = self.strategy.weights_finite_on_every_rank(self.model) if stepped else True
         self.schedule.step()
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
                            weights_finite, figures, items if objective.names else None)
-
-    def _weights_finite_on_every_rank(self) -> bool:
-        """Each rank reads the trained weights it holds; one all-reduce of one number on several ranks."""
-        (bad_ranks,) = pg.all_reduce_sum([0.0 if self.strategy.weights_finite(self.model) else 1.0])
-        return bad_ranks == 0
-
-    def _guard(self, outcome: StepOutcome) -> None:
-        """A step that could not update the weights (non-finite loss or gradient norm), or whose
-        update left a weight non-finite, is a bad step; train.max_bad_steps of them in a row stop
-        the run, before any checkpoint or export. A healthy step confirms the checkpoints saved
-        before it (rotation may then remove older ones)."""
-        if outcome.stepped and outcome.weights_finite:
-            self.bad_steps_in_row = 0
-            self.broke_weights_at = None
-            self.last_finite = (self.step, outcome.loss)
-            self.checkpoints.confirm()
-            return
-        self.bad_steps_in_row += 1
-        limit = self.cfg.train.max_bad_steps if self.strategy.can_skip_step else 1
-        if outcome.stepped:  # applied: the weights cannot be had back, and every later loss is nan
-            self.broke_weights_at = self.step
-            what = (f"loss {outcome.loss:.4f} and gradient norm {outcome.grad_norm:.4g} were finite but the update "
-                    "left non-finite weights")
-        else:
-            self.skipped_steps += 1
-            what = (f"loss {outcome.loss}, gradient norm {outcome.grad_norm}: not finite, "
-                    + ("optimizer step skipped" if self.strategy.can_skip_step else "zero3 cannot skip it"))
-        if self.ranks.is_main:
-            log.warning("step %d: %s (%d in a row, the run stops at %d; no checkpoint is written until a healthy step)",
-                        self.step, what, self.bad_steps_in_row, limit)
-        if self.bad_steps_in_row < limit:
-            return
-        self._diverged(f"the loss or gradient norm was not finite for {self.bad_steps_in_row} step(s) in a row, up "
-                       f"to step {self.step}")
-
-    def _diverged(self, what: str) -> None:
-        """Stop with exit 3: the saves no healthy step followed are set aside as step-N.diverged,
-        so the re-run resumes from the newest healthy checkpoint."""
-        step, loss = self.last_finite
-        moved = self.checkpoints.set_aside_diverged()
-        newest = self.run.newest_complete()
-        if self.broke_weights_at is not None:
-            updated = f"the update of step {self.broke_weights_at} left non-finite weights, and "
-        else:
-            updated = "no weight was updated by them, and " if self.strategy.can_skip_step else ""
-        aside = f"; set aside, never loaded: {', '.join(m.rsplit('/', 1)[-1] for m in moved)}" if moved else ""
-        raise Diverged(
-            f"training diverged: {what} (last finite loss: "
-            + (f"{loss:.4f} at step {step}" if step is not None else "none in this session")
-            + f"); {updated}nothing was saved from them "
-            f"({'newest checkpoint: ' + self.run.step_path(newest) if newest is not None else 'no checkpoint'}{aside}). "
-            f"Try a lower train.lr (now {self.cfg.train.lr:g}), more train.warmup_steps (now "
-            f"{self.cfg.train.warmup_steps}) or train.grad_clip > 0, then re-run to resume"
-        )
 
     def evaluate(self) -> tuple[float, dict]:
         """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
@@ -345,47 +261,24 @@ class Trainer:
         try:
             return self._fit()
         except BaseException as err:
-            self._write_ending(err)
+            if self.ranks.is_main and self.metrics is not None:
+                write_ended(self.run, self.metrics, self.step, self.guard.skipped_steps if self.guard else 0, err)
             raise
 
-    def _write_ending(self, err: BaseException) -> None:
-        """summary.json of a run that did not finish: the figures so far, and why it ended."""
-        if not self.ranks.is_main or self.metrics is None:
-            return
-        if isinstance(err, Stopped):
-            status = "stopped"
-        elif isinstance(err, Diverged):
-            status = "diverged"
-        elif isinstance(err, KeyboardInterrupt):
-            status = "interrupted"
-        else:
-            status = "failed"
-        exit_code = getattr(err, "exit_code", 130 if isinstance(err, KeyboardInterrupt) else 1)
-        try:
-            self.metrics.stop()
-            summary = self.metrics.summary(self.step)
-            summary.update(skipped_steps=self.skipped_steps, status=status, exit_code=exit_code,
-                           reason=one_line(err))
-            write_summary(self.run, summary)
-        except Exception as exc:  # the ending's own error is what the user must see
-            log.warning("summary.json was not written (%s)", one_line(exc))
-        self.metrics.end_progress(self.step, status)
-
     def _fit(self) -> dict:
+        self.guard = StepGuard(self.cfg.train, self.strategy, self.checkpoints, self.run, self.ranks.is_main)
         self._warn_if_no_validation()
         # stop_at_step ends this session early; the schedule still runs to total_steps.
         stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
         metrics = self.metrics
-        profile_step = self._profile_step_of_this_session(stop_at)
+        profiling = StepProfiling(self.run, metrics,
+                                  profile_step_of_session(self.cfg.train, self.ranks.is_main, self.step, stop_at))
         metrics.start(self.step)
         self.stop_request.install()
         try:
             while self.step < stop_at:
-                profile = StepProfile(self.run, profile_step) if self.step + 1 == profile_step else None
-                with metrics.step(), profile.recording() if profile else contextlib.nullcontext():
+                with metrics.step(), profiling.recording(self.step + 1):
                     outcome = self.train_step()
-                if profile:
-                    metrics.exclude_s(profile.outside_step_s)
                 if metrics.steps_this_session == 1:
                     self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
                 row = metrics.record(self.step, outcome.loss, outcome.grad_norm, self.schedule.get_last_lr()[0],
@@ -394,14 +287,8 @@ class Trainer:
                 if self._validation_due() and not outcome.stop_signal:
                     row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)
-                if profile:
-                    try:
-                        log.info(profile.write())
-                    except Exception as exc:  # a profile is an aid: its failure must not end the run
-                        log.warning("train.profile_step: the profile of step %d was not written: %s", profile.step,
-                                    one_line(exc))
-                    metrics.exclude_s(profile.write_s)
-                self._guard(outcome)  # after the row is written: the step that stops the run is on record
+                profiling.step()
+                self.guard.judge(self.step, outcome)  # after the row: the step that stops the run is on record
                 saved = False
                 if (outcome.stop_signal or outcome.save_due
                         or self.checkpoints.should_save(self.step, self.total_steps, stop_at)):
@@ -420,26 +307,13 @@ class Trainer:
                          rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
         return self._finish()
 
-    def _profile_step_of_this_session(self, stop_at: int) -> int | None:
-        """train.profile_step if this session trains it and this is rank 0 (the others never run
-        the profiler: its cost is one rank's); else None, said once if the step is not in this session."""
-        step = self.cfg.train.profile_step
-        if step is None or not self.ranks.is_main:
-            return None
-        if self.step < step <= stop_at:
-            return step
-        why = (f"it was trained before this session, which resumes at step {self.step}" if step <= self.step
-               else f"this session stops at step {stop_at} (train.stop_at_step)")
-        log.info("train.profile_step=%d: not profiled, %s", step, why)
-        return None
-
     def _save_unless_in_a_bad_streak(self) -> bool:
         """Save the step, unless it is inside a streak of bad steps: its weights are then not known
         to be healthy, and a save would rotate out a checkpoint that is."""
-        if self.bad_steps_in_row:
+        if self.guard.bad_steps_in_row:
             if self.ranks.is_main:
                 log.warning("step %d: checkpoint not written: %d bad step(s) in a row; the newest checkpoint is kept",
-                            self.step, self.bad_steps_in_row)
+                            self.step, self.guard.bad_steps_in_row)
             return False
         self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
         self.metrics.exclude_pause()
@@ -457,12 +331,11 @@ class Trainer:
 
     def _finish(self) -> dict:
         # The export (and a run counted as finished) holds finite weights only.
-        if not self._weights_finite_on_every_rank():
-            self._diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is exported")
+        if not self.strategy.weights_finite_on_every_rank(self.model):
+            self.guard.diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is "
+                                "exported")
         self.checkpoints.confirm()
-        summary = self.metrics.summary(self.step)
-        summary["skipped_steps"] = self.skipped_steps  # non-finite steps that updated nothing (train.max_bad_steps)
-        summary.update(status="finished", exit_code=0, reason=None)
+        summary = ending_summary(self.metrics, self.step, self.guard.skipped_steps, "finished", 0, None)
         self.phases.write(self.run, self.ranks)
         self.checkpoints.export(self.strategy, self._write_model)
         self.exported = True

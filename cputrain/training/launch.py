@@ -21,13 +21,13 @@ from collections.abc import Callable
 from cputrain.config import Config
 from cputrain.distributed.agent import (LaunchError, NodeLaunch, RankPlacement, free_port, run_agent,
                                         split_endpoint, torchrun_args)
-from cputrain.native.allocator import choose_allocator
+from cputrain.native.allocator import allocator_choice
 from cputrain.distributed.env import normalize, started_by_launcher
 from cputrain.distributed.env_check import check_rank_variables, wait_for_master
 from cputrain.distributed.placement import core_sets, cpus_for_rank
 from cputrain.hardware import HardwareFacts, detect
-from cputrain.preflight import check_before_work
-from cputrain.resolve import resolve, settings_of
+from cputrain.training.preflight import check_before_work
+from cputrain.config.resolve import resolve, settings_of
 
 log = logging.getLogger("cputrain")
 
@@ -53,7 +53,7 @@ def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> 
     plan = NodeLaunch(
         nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, node_rank=launch.node_rank,
         endpoint=endpoint, is_host=launch.node_rank == 0,
-        allocator=choose_allocator(res.config.hardware.allocator, env, precision=res.config.hardware.precision,
+        allocator=allocator_choice(res.config.hardware.allocator, env, precision=res.config.hardware.precision,
                                    strategy=res.config.parallel.strategy),
         reasons=res.reasons, settings=settings_of(res.config), placement_reason=sets.reason if res.config.hardware.pin_cores else "pinning off (hardware.pin_cores=false)",
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from cputrain.plan.build import make_plan
+from cputrain.plan.memory.build import plan_of_built
 from cputrain.plan.model_shape import shape_of
-from cputrain.plan.report import plan_json
+from cputrain.plan.memory.report import plan_json
 
 log = logging.getLogger("cputrain")
 GIB = 2**30
@@ -15,7 +15,7 @@ GIB = 2**30
 
 def write_run_plan(run, cfg, skeleton, world_size: int, local_world_size: int, machine_memory_gib: float):
     """Plan from the model skeleton (exact shapes, the real vocabulary); returns the Plan."""
-    plan = make_plan(cfg, world_size, shape=shape_of(skeleton))
+    plan = plan_of_built(cfg, world_size, shape_of(skeleton))
     run.write_text(plan_json(plan), "plan.json")
     node_gib = local_world_size * plan.peak_rank.total_bytes / GIB
     if node_gib > machine_memory_gib:

@@ -16,7 +16,7 @@ keeping everything or, where that keeps less, selective ("N+selective"; not unde
 from __future__ import annotations
 
 from cputrain.config import Config, checkpointing_split
-from cputrain.plan.build import make_plan
+from cputrain.plan.memory.build import make_plan
 
 GIB = 2**30
 # The share of a rank's memory the plan may fill. The plan counts what is alive (a ~300M LoRA step

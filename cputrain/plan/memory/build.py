@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cputrain.config import Config
-from cputrain.config.resolved import as_planned
+from cputrain.config.resolved import PlannedConfig, as_planned
 from cputrain.errors import ConfigError
-from cputrain.plan.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
-from cputrain.plan.fit import ClusterFit, smallest_cluster
+from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
+from cputrain.plan.memory.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
 from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape, with_weight_files
 
@@ -32,7 +32,7 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
     if cfg.parallel.strategy != "zero3":
         return {}
     from cputrain.parallel.deepspeed_config import plan_for
-    from cputrain.resolve import grad_accum_steps
+    from cputrain.config.resolve import grad_accum_steps
 
     zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
     return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
@@ -44,22 +44,38 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
               vocab_size: int | None = None, shape: ModelShape | None = None,
               reasons: Sequence[tuple[str, str, str]] = ()) -> Plan:
     """The plan of `cfg` with its keys decided (config.resolved.PLANNED_KEYS: by
-    cputrain.run_choices.decide_for_plan before a run, by decide in one); a key still "auto" is
+    cputrain.training.choices.decide_for_plan before a run, by decide in one); a key still "auto" is
     refused, not decided here. `reasons`: the decisions' (key, value, why), the plan's notes.
     `shape`: the model as built (the trainer's skeleton, adapters and dtypes included); without it
     the model is built from the config, with model.lora's adapters added the same way."""
-    from cputrain.config import batch_error
-
-    cfg = as_planned(cfg)
-    error = batch_error(cfg.train, world_size)  # the rule `train` applies: a plan it would refuse is no plan
-    if error:
-        raise ConfigError(error)
+    cfg = _planned(cfg, world_size)
     if shape is None:
         import torch
 
         compute_dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
         shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
                             seed=cfg.seed)
+    return _plan(cfg, world_size, shape, nproc_per_node, instances, config_json, reasons)
+
+
+def plan_of_built(cfg: Config, world_size: int, shape: ModelShape) -> Plan:
+    """The plan of a running rank's model, as built (the trainer's skeleton: adapters and dtypes
+    included), for its plan.json: nothing is built here."""
+    return _plan(_planned(cfg, world_size), world_size, shape, None, None, None, ())
+
+
+def _planned(cfg: Config, world_size: int) -> PlannedConfig:
+    from cputrain.config import batch_error
+
+    cfg = as_planned(cfg)
+    error = batch_error(cfg.train, world_size)  # the rule `train` applies: a plan it would refuse is no plan
+    if error:
+        raise ConfigError(error)
+    return cfg
+
+
+def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node: int | None,
+          instances: list[Instance] | None, config_json: str | None, reasons: Sequence[tuple[str, str, str]]) -> Plan:
     shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
     inputs = plan_inputs(
         cfg.parallel.strategy, cfg.hardware.precision, world_size,

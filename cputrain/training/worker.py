@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 
-from cputrain import run_choices
+from cputrain.training import choices
 from cputrain.config import Config
 from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
@@ -14,7 +14,9 @@ from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.native.allocator import tune_glibc
 from cputrain.parallel import needs_process_group
-from cputrain.resolve import check_agent_agrees, resolve
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import read_recorded
+from cputrain.config.resolve import check_agent_agrees, resolve
 
 log = logging.getLogger("cputrain")
 
@@ -27,6 +29,9 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     bound = ranks.launcher == "mpirun" and bool(hw.affinity_narrowed) and ranks.local_world_size > 1
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size, bound_by_launcher=bound)
     check_agent_agrees(res.config)
+    # The run folder's config.yaml, read once: a resumed run keeps what it recorded (the choices
+    # below, and the trainer's check of the folder).
+    recorded = read_recorded(RunFolder(cfg.output_dir))
     user_threads = os.environ.get("OMP_NUM_THREADS")
     # A one-process run (launcher "python") inherits the user's own value; a launcher's (torchrun's
     # 1, cputrain's agent's own) is not the user's to be told about.
@@ -36,7 +41,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                     res.config.hardware.threads, user_threads, user_threads)
     from cputrain.distributed import process_group as pg
     from cputrain.distributed.placement import cpus_for_rank
-    from cputrain.trainer import Trainer
+    from cputrain.training.trainer import Trainer
 
     # What the imports made (torch, its distributed and tensor packages: most of the objects this
     # process will ever hold) lives until the process ends: out of every later garbage collection,
@@ -51,7 +56,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     if ranks.distributed or needs_process_group(res.config.parallel.strategy):
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
     # Every "auto" that needs the data, the model or the process group, in one fixed order.
-    res = run_choices.decide(res, hw, ranks)
+    res = choices.decide(res, hw, ranks, recorded)
     if ranks.is_main:
         log.info("%s rank(s) started by %s; %d physical cores, %.1f GiB", ranks.world_size, ranks.launcher,
                  hw.physical_cores, hw.memory_gib)
@@ -60,7 +65,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     if res.config.hardware.allocator == "glibc-tuned":  # before the model and its steps allocate
         tune_glibc()
     # From here on the config is read-only: every part of the run sees the same values.
-    trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock)
+    trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock, recorded=recorded)
     try:
         trainer.setup()
         summary = trainer.fit()
@@ -90,8 +95,6 @@ def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:
     sample.txt (generated from the exported model: from "The" after pretraining, the answer to a
     held-out prompt after fine-tuning on examples) in a local run folder."""
     from pathlib import Path
-
-    from cputrain.run_folder.layout import RunFolder
 
     run = RunFolder(cfg.output_dir)
     local = run.local_path()

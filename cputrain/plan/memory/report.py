@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from cputrain.config import checkpointing_split
-from cputrain.plan.build import Plan
-from cputrain.plan.fit import NODE_RESERVED_FRACTION, NODE_RESERVED_GIB, POD_HEADROOM
+from cputrain.plan.memory.build import Plan
+from cputrain.plan.memory.fit import NODE_RESERVED_FRACTION, NODE_RESERVED_GIB, POD_HEADROOM
 
 GIB = 2**30
 ROWS = (

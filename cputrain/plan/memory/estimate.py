@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 
 from cputrain.errors import ConfigError
 from cputrain.lora.adapters import is_adapter_parameter
-from cputrain.plan.accounting import FP32_BYTES, SHARDED, local_numel, state_bytes
-from cputrain.plan.activations import activation_bytes
+from cputrain.plan.memory.accounting import FP32_BYTES, SHARDED, local_numel, state_bytes
+from cputrain.plan.memory.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
 
 GIB = 2**30
@@ -40,7 +40,7 @@ DDP_GRAD_AS_BUCKET_VIEW = True  # as cputrain.parallel.ddp builds it
 
 @dataclass(frozen=True)
 class PlanInputs:
-    strategy: str  # single | ddp | fsdp | zero3 (decided: cputrain.run_choices)
+    strategy: str  # single | ddp | fsdp | zero3 (decided: cputrain.training.choices)
     precision: str  # fp32 | bf16
     world_size: int
     micro_batch: int
@@ -95,7 +95,7 @@ class RankPlan:
 
 
 def plan_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInputs:
-    """The inputs of one plan, from decided values (cputrain.run_choices)."""
+    """The inputs of one plan, from decided values (cputrain.training.choices)."""
     if world_size < 1:
         raise ConfigError(f"world size must be at least 1 (got {world_size}); set --world-size or --nnodes × --nproc-per-node")
     if strategy == "single" and world_size > 1:

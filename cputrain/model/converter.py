@@ -41,6 +41,6 @@ class ModelConverter:
 
     def export(self, strategy, model: nn.Module, hf_config, tokenizer, target: str, is_writer: bool) -> None:
         """Write model/ at `target` (every rank takes part in the gathers; the writer writes)."""
-        from cputrain.run_folder.export import export_hf
+        from cputrain.model.export import export_hf
 
         export_hf(strategy.full_state_dict(model), hf_config, tokenizer, target, is_writer=is_writer)

@@ -1,22 +1,22 @@
 """The time plan as `cputrain plan` prints it and writes it into plan.json: the step's compute,
 its communication per collective, what the network adds, tokens/s, MFU, cost per million tokens,
-and the remedies where the network dominates (cputrain.plan.time_advice)."""
+and the remedies where the network dominates (cputrain.plan.time.advice)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from cputrain.plan.instances import Instance
-from cputrain.plan.measured_mfu import MfuChoice, measured_mfu
-from cputrain.plan.step_time import StepSettings, StepTimePlan, plan_step_time
-from cputrain.plan.time_advice import NETWORK_SHARE_ADVICE, Remedy, remedies
+from cputrain.plan.time.measured_mfu import MfuChoice, measured_mfu
+from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
+from cputrain.plan.time.advice import NETWORK_SHARE_ADVICE, Remedy, remedies
 
 GB = 1e9
 
 
 def instance_rank_peak(instance: Instance, precision: str, ranks_per_node: int) -> float:
     """One rank's share of the instance's theoretical peak (its cores split evenly)."""
-    from cputrain.plan.stop_window import instance_peak_flops
+    from cputrain.plan.time.stop_window import instance_peak_flops
 
     return instance_peak_flops(instance, precision) / ranks_per_node
 
@@ -25,7 +25,7 @@ def rank_peak_bytes(plan, **changes) -> int:
     """The memory plan's peak rank with some of its inputs changed (micro-batch, world size)."""
     from dataclasses import replace
 
-    from cputrain.plan.estimate import plan_all_ranks
+    from cputrain.plan.memory.estimate import plan_all_ranks
 
     return max(r.total_bytes for r in plan_all_ranks(plan.shape, replace(plan.inputs, **changes)))
 

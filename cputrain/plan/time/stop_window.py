@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from cputrain.config import checkpointed_blocks
 from cputrain.hardware import peak_flops
 from cputrain.metrics.flops import flops_per_token
-from cputrain.plan.accounting import BYTES_PER_PARAM
+from cputrain.plan.memory.accounting import BYTES_PER_PARAM
 from cputrain.plan.instances import Instance
 from cputrain.plan.model_shape import ModelShape
 
