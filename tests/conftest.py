@@ -93,27 +93,27 @@ def _tier_of_this_test(request):
 
 
 class _WarmInterpreter:
-    """The client of tests/warm_interpreter.py: one server per test process, started on first use."""
+    """The client of tests/harness/warm_interpreter.py: one server per test process, started on first use."""
 
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="cputrain-warm-"))
         self.log = open(self.folder / "server.log", "w")  # noqa: SIM115 (open while the server lives)
         # The ranks of a command's torchrun agent are forked by a second warm server; the agent runs
-        # tests/rank_python.py as their `python` (torchrun's PYTHON_EXEC).
+        # tests/harness/rank_python.py as their `python` (torchrun's PYTHON_EXEC).
         self.rank_socket = self.folder / "ranks.sock"
-        self.rank_server = subprocess.Popen([sys.executable, str(TESTS / "warm_interpreter.py"), "--ranks",
+        self.rank_server = subprocess.Popen([sys.executable, str(TESTS / "harness" / "warm_interpreter.py"), "--ranks",
                                              str(self.rank_socket)], cwd=REPO, env=cli_env(), stdin=subprocess.PIPE,
                                             stdout=self.log, stderr=self.log)
         python = self.folder / "rank-python"
-        python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{TESTS / "rank_python.py"}" "$@"\n')
+        python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{TESTS / "harness" / "rank_python.py"}" "$@"\n')
         python.chmod(0o755)
         env = cli_env(PYTHON_EXEC=python, CPUTRAIN_TEST_RANK_SERVER=self.rank_socket)
-        self.server = subprocess.Popen([sys.executable, str(TESTS / "warm_interpreter.py")], cwd=REPO, env=env,
+        self.server = subprocess.Popen([sys.executable, str(TESTS / "harness" / "warm_interpreter.py")], cwd=REPO, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.calls = 0
 
     def forked_rank(self, pid: int) -> int | None:
-        """The rank a process started as tests/rank_python.py stands in for (None: not such a process)."""
+        """The rank a process started as tests/harness/rank_python.py stands in for (None: not such a process)."""
         with contextlib.suppress(OSError, ValueError):
             return int((self.folder / "ranks.sock.ranks" / str(pid)).read_text())
         return None
@@ -286,7 +286,7 @@ def cli_env(**extra) -> dict:
 
 def run_cli(*args, cwd=None, env=None, timeout=600, check=False, fresh=False) -> subprocess.CompletedProcess:
     """`python -m cputrain ARGS` in a process of its own, as a user would run it: forked from a
-    warm interpreter (tests/warm_interpreter.py) that has imported torch and transformers, or a
+    warm interpreter (tests/harness/warm_interpreter.py) that has imported torch and transformers, or a
     fresh interpreter where the call sets its own environment, asks for one (`fresh`), or the test
     is marked `fresh_interpreter` (it measures a process's memory)."""
     if not _TIER["slow"] and _starts_training(args):

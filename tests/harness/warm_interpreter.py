@@ -13,7 +13,7 @@ Protocol, one JSON object per line: the request {"argv", "cwd", "stdout", "stder
 output paths are files the child writes); the answers {"pid"} at once and {"returncode"} when the
 child has ended (negative: the signal that ended it, as subprocess reports it).
 
-`--ranks SOCKET` serves the ranks a torchrun agent starts (tests/rank_python.py is the `python`
+`--ranks SOCKET` serves the ranks a torchrun agent starts (tests/harness/rank_python.py is the `python`
 the agent runs, through torchrun's PYTHON_EXEC): over a unix socket, each request brings the
 rank's argv, working folder, environment and its stdin/stdout/stderr, and the child becomes that
 rank. Ranks run side by side, so this server never waits on one: it reaps children as they end
