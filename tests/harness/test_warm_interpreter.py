@@ -7,7 +7,8 @@ import json
 import subprocess
 
 import pytest
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 pytestmark = pytest.mark.slow  # one test trains until its timeout; both were in tests/e2e's slow tier
 

@@ -7,7 +7,7 @@ state is copied into a child), then for each request forks a child that becomes
 `python -m cputrain ARGS`: its own pid, working folder, stdout and stderr files, exit code and
 signals, and cputrain itself imported fresh in the child (the server never imports it). What it
 cannot give is a different environment at import time, so a run_cli call with its own `env`, and
-a test that measures a process's memory, start a fresh interpreter instead (conftest.run_cli).
+a test that measures a process's memory, start a fresh interpreter instead (harness.run_cli).
 
 Protocol, one JSON object per line: the request {"argv", "cwd", "stdout", "stderr"} (the two
 output paths are files the child writes); the answers {"pid"} at once and {"returncode"} when the

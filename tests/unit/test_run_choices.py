@@ -85,7 +85,7 @@ def test_cputrain_plan_reads_what_run_choices_decided(tiny_model, tmp_path):
     The data is not read (its file is not on this machine): its keys are the run's to decide."""
     import json
 
-    from conftest import run_cli_here
+    from harness.run_cli_here import run_cli_here
 
     from cputrain.config.file import load_config
 
