@@ -42,7 +42,8 @@ def main() -> None:
     answer = conn.recv(4096)
     code = json.loads(answer)["returncode"] if answer else 1
     if code < 0:  # killed by a signal: end by the same one
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # its action cannot be set (signal.signal raises): it is the default
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
