@@ -1,8 +1,8 @@
 """The suite's hooks and shared fixtures; what they use lives in tests/harness/ (its README says
 how the warm interpreter, the tiers and the budget work).
 
-Tests import helpers from their harness module (`from harness.run_cli import run_cli`), never
-from this file: pytest alone imports it. The running test's tier, which the autouse fixture
+Tests import what they use from its harness module (`from harness.run_cli import run_cli`),
+never from this file: pytest alone imports it. The running test's tier, which the autouse fixture
 below sets and the runners read, lives in `harness.tiers`, one module under one name.
 """
 
