@@ -35,8 +35,8 @@ demo-dpo: install
 	$(VENV)/bin/cputrain train configs/demo-dpo.yaml
 
 # Two test processes (pytest-xdist), a test file each at a time so its module fixtures are made
-# once: 1,201 s against 1,690 s serial on 2 cores (README, Tests). Tests marked `alone` run with
-# nothing beside them.
+# once: 1,201 s against 1,690 s serial on 2 cores (tests/harness/README.md). Tests marked
+# `alone` run with nothing beside them.
 test: install-test
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 

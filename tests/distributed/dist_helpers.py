@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import with_forked_ranks
+from harness.warm_client import with_forked_ranks
 
 
 def free_port() -> int:
@@ -31,7 +31,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
     """Live processes whose command line contains `text` (a test's unique output folder), and the
-    ranks forked for them by the warm rank server (conftest.with_forked_ranks), ranks first."""
+    ranks forked for them by the warm rank server (harness.warm_client.with_forked_ranks), ranks first."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:

@@ -11,7 +11,10 @@ import time
 
 import pytest
 
-from conftest import cli_env, run_cli, run_cli_here, tiny_overrides
+from harness.cli_env import cli_env
+from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors, free_port
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,9 @@ import uuid
 
 import pytest
 
-from conftest import REPO, cli_env, tiny_overrides
+from harness.cli_env import cli_env
+from harness.repo import REPO
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]

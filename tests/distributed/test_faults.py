@@ -14,7 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, cli_env, run_cli, start_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.repo import REPO
+from harness.run_cli import run_cli
+from harness.start_cli import start_cli
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors, free_port, processes_mentioning
 
 pytestmark = pytest.mark.slow

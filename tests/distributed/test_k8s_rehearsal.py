@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_ARCH, cli_env
+from harness.cli_env import cli_env
+from harness.tiny_run import TINY_ARCH
 from cputrain.config.file import load_config
 from cputrain.k8s.indexed_job import COMPLETION_INDEX
 from cputrain.k8s.options import ClusterOptions

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors, losses
 
 pytestmark = pytest.mark.slow

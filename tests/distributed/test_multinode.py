@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, cli_env, tiny_overrides
+from harness.cli_env import cli_env
+from harness.repo import REPO
+from harness.tiny_run import tiny_overrides
 from dist_helpers import HOST_ADDRS, HOST_LINK, assert_no_survivors, losses, two_hosts
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]

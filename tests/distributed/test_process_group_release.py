@@ -15,7 +15,8 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, cli_env
+from harness.cli_env import cli_env
+from harness.repo import REPO
 from dist_helpers import free_port
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import yaml
 
-from conftest import run_cli, sft_overrides, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import sft_overrides, tiny_overrides
 from dist_helpers import assert_no_survivors, losses
 
 pytestmark = pytest.mark.slow

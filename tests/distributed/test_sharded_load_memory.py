@@ -18,7 +18,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import cli_env, make_tiny_model, run_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.run_cli import run_cli
+from harness.tiny_model import make_tiny_model
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors
 
 # every rank starts as a user's does, a fresh interpreter: the tests measure its memory

@@ -8,7 +8,9 @@ import shutil
 
 import pytest
 
-from conftest import REPO, run_cli, tiny_overrides
+from harness.repo import REPO
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors, losses
 
 pytest.importorskip("deepspeed", reason="strategy zero3 needs the deepspeed extra: scripts/install.sh dev,deepspeed")

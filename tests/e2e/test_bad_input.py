@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, run_cli_here, tiny_overrides
+from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 
 
 def snapshot(folder) -> dict:

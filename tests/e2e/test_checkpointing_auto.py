@@ -7,7 +7,8 @@ import json
 
 import yaml
 
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 
 def test_auto_is_decided_by_the_plan_and_recorded(tmp_path, cache_dir):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 from dist_helpers import losses
 
 pytestmark = pytest.mark.slow

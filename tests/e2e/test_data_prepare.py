@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, start_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.start_cli import start_cli
+from harness.tiny_run import tiny_overrides
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,10 @@ import time
 import pytest
 import torch
 
-from conftest import cli_env, run_cli, start_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.run_cli import run_cli
+from harness.start_cli import start_cli
+from harness.tiny_run import tiny_overrides
 
 LONG = {"train.max_steps": 150, "train.checkpoint_every": 1000, "train.eval_every": 1000}
 

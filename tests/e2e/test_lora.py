@@ -11,7 +11,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_tiny_model, run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_model import make_tiny_model
+from harness.tiny_run import tiny_overrides
 
 LORA = {"model.lora.enabled": "true", "model.lora.rank": 4, "train.lr": 1e-2}
 

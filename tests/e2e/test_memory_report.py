@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 from cputrain.metrics.phases import PHASES
 
 pytestmark = pytest.mark.slow

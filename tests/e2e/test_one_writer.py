@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, cli_env, run_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.repo import REPO
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 LOCK = "run.lock"
 

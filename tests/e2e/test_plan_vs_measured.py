@@ -18,7 +18,8 @@ import json
 import pytest
 import yaml
 
-from conftest import run_cli, run_cli_here
+from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
 from cputrain.plan.memory.compare import EXACT, RSS_TOLERANCE, compare_run, markdown_table
 
 SIZES = {

@@ -12,7 +12,9 @@ import math
 
 import pytest
 
-from conftest import run_cli, run_cli_here, tiny_overrides
+from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 
 DPO = {"data.source": "builtin:pydoc-dpo", "data.format": "auto", "data.seq_len": 256, "data.val_fraction": 0.1,
        "train.objective": "dpo", "model.lora.enabled": "true",

@@ -16,7 +16,8 @@ import json
 
 import pytest
 
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.slow

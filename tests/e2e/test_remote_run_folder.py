@@ -12,7 +12,9 @@ import json
 import os
 from pathlib import Path
 
-from conftest import cli_env, run_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 REMOTE_FS = Path(__file__).parent / "remote_fs"
 

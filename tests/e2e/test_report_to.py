@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-from conftest import REPO, cli_env, run_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.repo import REPO
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 OPTIONAL = [name for name in ("mlflow", "wandb") if importlib.util.find_spec(name) is not None]
 

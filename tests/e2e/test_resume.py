@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 
 def _losses(out) -> dict[int, tuple]:

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import run_cli, sft_overrides, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import sft_overrides, tiny_overrides
 
 pytestmark = pytest.mark.slow
 

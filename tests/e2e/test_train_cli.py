@@ -11,7 +11,10 @@ import sys
 import pytest
 import yaml
 
-from conftest import cli_env, run_cli, run_cli_here, tiny_overrides
+from harness.cli_env import cli_env
+from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 
 METRIC_FIELDS = {"step", "loss", "lr", "tokens_per_s", "mfu", "rss_gib"}
 SUMMARY_FIELDS = {"final_loss", "val_loss", "tokens_per_s", "mfu", "peak_rss_gib", "wall_time_s"}

@@ -7,7 +7,8 @@ import pytest
 from cputrain.errors import UserError
 from cputrain.k8s.checks import quantity_value
 
-from conftest import run_cli, run_cli_here
+from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
 
 from .rendering import ARCH, render_case
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
+from harness.repo import REPO
 
 
 def test_dockerfile_installs_with_the_shared_script():

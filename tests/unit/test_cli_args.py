@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cputrain.cli import build_parser, parse_command_line
-from conftest import run_cli_here
+from harness.run_cli_here import run_cli_here
 
 
 def parse(*words):

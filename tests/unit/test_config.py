@@ -210,7 +210,8 @@ def test_chunked_loss_auto_follows_precision_and_the_logits_size():
 def test_a_preference_run_plans_the_block_wise_head_it_runs():
     """DPO and SimPO read each answer's log-probabilities through the same block-wise head as the
     lm loss (kernels/chunked_logps.py): auto takes it in bf16 as for lm, and the plan counts it."""
-    from conftest import TINY_ARCH, run_cli_here
+    from harness.run_cli_here import run_cli_here
+    from harness.tiny_run import TINY_ARCH
 
     proc = run_cli_here("plan", *TINY_ARCH, "train.objective=dpo", "data.source=builtin:pydoc-dpo",
                         "hardware.precision=bf16", "--json")

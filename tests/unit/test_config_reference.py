@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import run_cli_here
+from harness.run_cli_here import run_cli_here
 
 from cputrain.config import reference
 from cputrain.config.file import describe_fields

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli_here
+from harness.run_cli_here import run_cli_here
 
 gguf = pytest.importorskip("gguf")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli_here
+from harness.run_cli_here import run_cli_here
 
 QUESTIONS_FILE = Path(__file__).parent / "lm_eval_task" / "questions.jsonl"
 QUESTIONS = [json.loads(line) for line in QUESTIONS_FILE.read_text().splitlines()]

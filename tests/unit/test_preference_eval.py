@@ -7,7 +7,7 @@ import shutil
 
 import yaml
 
-from conftest import run_cli_here
+from harness.run_cli_here import run_cli_here
 
 
 def test_a_dpo_run_from_random_weights_has_no_reference_to_eval_against(tmp_path, tiny_model_dir):

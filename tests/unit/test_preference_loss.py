@@ -10,7 +10,8 @@ import torch
 
 from cputrain.objectives.objective import PreferenceObjective
 from cputrain.objectives.preference_loss import dpo_losses, sequence_logps, simpo_losses
-from tests.conftest import run_cli_here, tiny_overrides
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 
 
 def _sigmoid(x: float) -> float:

@@ -87,7 +87,7 @@ def test_cputrain_plan_reads_what_run_choices_decided(tiny_model, tmp_path):
     The data is not read (its file is not on this machine): its keys are the run's to decide."""
     import json
 
-    from conftest import run_cli_here
+    from harness.run_cli_here import run_cli_here
 
     from cputrain.config.file import load_config
 
@@ -130,7 +130,7 @@ def test_a_resumed_lora_rank_builds_one_skeleton_and_reads_config_yaml_once(tiny
     build), and the run folder's config.yaml is read once (the choices and the folder's check)."""
     import gc
 
-    from conftest import _process_state
+    from harness.run_cli_here import _process_state
 
     from cputrain.config.file import load_config
     from cputrain.model import skeleton

@@ -11,7 +11,8 @@ import torch
 from cputrain.data.batch import IGNORE_INDEX
 from cputrain.data.preference.rows import PairRows, shared_prefixes, shared_prompt_mask
 from cputrain.objectives.objective import pair_logps, reference_table
-from tests.conftest import run_cli_here, tiny_overrides
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 
 VOCAB = 512  # the tiny tokenizer's
 

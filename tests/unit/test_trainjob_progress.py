@@ -22,7 +22,9 @@ from cputrain.errors import ConfigError
 from cputrain.metrics import trainjob_progress
 from cputrain.metrics.trainjob_progress import TrainJobProgress
 
-from conftest import cli_env, run_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 
 PATH = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ns/trainjobs/llama-ft/status"
 

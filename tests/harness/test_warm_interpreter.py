@@ -1,4 +1,4 @@
-"""run_cli forks most commands from a warm interpreter (tests/warm_interpreter.py): what a test sees
+"""run_cli forks most commands from a warm interpreter (tests/harness/warm_interpreter.py): what a test sees
 of such a process — exit code, stdout, stderr, a timeout — is what it sees of a fresh one."""
 
 from __future__ import annotations
@@ -7,7 +7,10 @@ import json
 import subprocess
 
 import pytest
-from conftest import run_cli, tiny_overrides
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
+
+pytestmark = pytest.mark.slow  # one test trains until its timeout; both were in tests/e2e's slow tier
 
 
 def _both(*args) -> dict[str, subprocess.CompletedProcess]:

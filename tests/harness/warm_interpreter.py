@@ -7,13 +7,13 @@ state is copied into a child), then for each request forks a child that becomes
 `python -m cputrain ARGS`: its own pid, working folder, stdout and stderr files, exit code and
 signals, and cputrain itself imported fresh in the child (the server never imports it). What it
 cannot give is a different environment at import time, so a run_cli call with its own `env`, and
-a test that measures a process's memory, start a fresh interpreter instead (conftest.run_cli).
+a test that measures a process's memory, start a fresh interpreter instead (harness.run_cli).
 
 Protocol, one JSON object per line: the request {"argv", "cwd", "stdout", "stderr"} (the two
 output paths are files the child writes); the answers {"pid"} at once and {"returncode"} when the
 child has ended (negative: the signal that ended it, as subprocess reports it).
 
-`--ranks SOCKET` serves the ranks a torchrun agent starts (tests/rank_python.py is the `python`
+`--ranks SOCKET` serves the ranks a torchrun agent starts (tests/harness/rank_python.py is the `python`
 the agent runs, through torchrun's PYTHON_EXEC): over a unix socket, each request brings the
 rank's argv, working folder, environment and its stdin/stdout/stderr, and the child becomes that
 rank. Ranks run side by side, so this server never waits on one: it reaps children as they end

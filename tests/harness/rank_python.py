@@ -1,5 +1,5 @@
 """The `python` a torchrun agent runs for each rank in the tests (torchrun's PYTHON_EXEC): it asks
-the rank server (tests/warm_interpreter.py --ranks), which has torch and transformers imported, to
+the rank server (tests/harness/warm_interpreter.py --ranks), which has torch and transformers imported, to
 fork the rank, hands it this process's stdin/stdout/stderr, forwards the agent's signals to it and
 ends as it ends (its exit code, or the signal that killed it). The agent sees one process per rank
 that behaves as `python -u -m cputrain train ...` does, without ~4 s of imports per rank.
@@ -42,7 +42,8 @@ def main() -> None:
     answer = conn.recv(4096)
     code = json.loads(answer)["returncode"] if answer else 1
     if code < 0:  # killed by a signal: end by the same one
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # its action cannot be set (signal.signal raises): it is the default
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 

@@ -1,0 +1,137 @@
+"""To a torchrun agent, the rank stand-in (rank_python.py, its PYTHON_EXEC) is the rank's process:
+a signal sent to it reaches the rank, which ends with that signal's status; a rank killed ends its
+stand-in the same way; a stand-in killed (SIGKILL cannot be forwarded) takes its rank with it, and
+the rank server serves on. Nothing is left to wait on.
+
+The test's own rank server forks ranks of a stand-in `cputrain` package put first on its
+PYTHONPATH: a rank that says it is ready and its pid, then waits, and reports a SIGTERM before
+ending by it. What is tested is the protocol, not a training run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.cli_env import cli_env
+from harness.rank_server import RankServer
+
+pytestmark = pytest.mark.slow  # the rank server imports torch and transformers first: seconds of CPU
+
+RANK_MAIN = """\
+import os, signal, sys, time
+
+
+def report_and_end(received, _frame):
+    print(f"rank {os.getpid()} got signal {received}", flush=True)
+    signal.signal(received, signal.SIG_DFL)
+    os.kill(os.getpid(), received)
+
+
+signal.signal(signal.SIGTERM, report_and_end)
+if sys.argv[1:2] == ["exit"]:
+    sys.exit(int(sys.argv[2]))
+print(f"rank {os.getpid()} ready", flush=True)
+time.sleep(120)  # a test that fails leaves nothing for long
+"""
+
+
+@pytest.fixture(scope="module")
+def rank_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranks")
+    package = folder / "stand-in-package" / "cputrain"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(RANK_MAIN)
+    path = os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH", "")) if p)
+    with open(folder / "server.log", "w") as log:
+        server = RankServer(folder, log, cli_env(PYTHONPATH=path))
+        deadline = time.monotonic() + 300
+        while not Path(f"{server.socket}.ranks").is_dir():  # made once the socket listens
+            assert server.process.poll() is None, (folder / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the rank server did not start listening"
+            time.sleep(0.1)
+        yield server
+        server.close()
+
+
+@pytest.fixture
+def start_rank(rank_server, tmp_path):
+    """`start_rank(*argv)` does what the agent does for a rank: starts its `python -u -m cputrain
+    ARGV`, here the stand-in; returns it and the file of its output. A stand-in or rank a failed
+    test leaves running is killed after it."""
+    started: list[subprocess.Popen] = []
+
+    def start(*argv: str) -> tuple[subprocess.Popen, Path]:
+        out = tmp_path / f"rank-{uuid.uuid4().hex[:8]}.out"
+        with open(out, "w") as stdout:
+            started.append(subprocess.Popen([str(rank_server.python), "-u", "-m", "cputrain", *argv],
+                                            stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
+                                            env=cli_env(**rank_server.exec_env())))
+        return started[-1], out
+
+    yield start
+    for stand_in in started:  # a rank's record lasts until the server has reaped it
+        for pid in (rank_server.forked_rank(stand_in.pid), None if stand_in.poll() is not None else stand_in.pid):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        stand_in.wait(timeout=30)
+
+
+def _ready_rank(server: RankServer, stand_in: subprocess.Popen, out: Path) -> int:
+    """The pid of the rank once it says it is ready; the server forked it for this stand-in."""
+    deadline = time.monotonic() + 60
+    while "ready" not in out.read_text():
+        assert stand_in.poll() is None, f"the stand-in ended ({stand_in.returncode}): {out.read_text()}"
+        assert time.monotonic() < deadline, out.read_text()
+        time.sleep(0.05)
+    rank = int(out.read_text().split()[1])
+    assert rank != stand_in.pid and server.forked_rank(stand_in.pid) == rank
+    return rank
+
+
+def _gone(pid: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_signal_to_the_stand_in_reaches_the_rank_which_ends_by_it(rank_server, start_rank):
+    stand_in, out = start_rank("wait")
+    rank = _ready_rank(rank_server, stand_in, out)
+    stand_in.send_signal(signal.SIGTERM)
+    assert stand_in.wait(timeout=30) == -signal.SIGTERM
+    assert f"rank {rank} got signal {int(signal.SIGTERM)}" in out.read_text()
+    assert _gone(rank)
+
+
+def test_a_rank_killed_ends_its_stand_in_by_the_same_signal(rank_server, start_rank):
+    stand_in, out = start_rank("wait")
+    rank = _ready_rank(rank_server, stand_in, out)
+    os.kill(rank, signal.SIGKILL)
+    assert stand_in.wait(timeout=30) == -signal.SIGKILL  # what the agent sees of a rank lost with its node
+    assert rank_server.forked_rank(stand_in.pid) is None  # the server has reaped it
+
+
+def test_a_killed_stand_in_takes_its_rank_with_it_and_the_server_serves_on(rank_server, start_rank):
+    stand_in, out = start_rank("wait")
+    rank = _ready_rank(rank_server, stand_in, out)
+    stand_in.kill()
+    assert stand_in.wait(timeout=30) == -signal.SIGKILL
+    assert _gone(rank), f"rank {rank} outlived its stand-in"
+    next_rank, _ = start_rank("exit", "3")
+    assert next_rank.wait(timeout=30) == 3  # its exit code, through the same server
