@@ -484,6 +484,25 @@ class ParallelConfig(Section):
     """Seconds a collective (all-reduce, barrier) may wait for the slowest rank before the run
     fails. Data preparation never waits in a collective, so it may take longer than this."""
 
+    layout: Literal["auto", "full_shard", "node_reshard", "gather_once", "hybrid"] = "auto"
+    """fsdp: how parameters are sharded and how often they cross the network. full_shard: over every
+    rank, gathered for each micro-batch's forward and again for its backward. node_reshard: the
+    same, but after the forward each block keeps the node's share, so the backward gathers within
+    the node. gather_once: gathered once per optimizer step and kept (and gradients reduced once)
+    across its micro-batches. hybrid: sharded within a node, replicated across nodes (HSDP), the
+    gradients all-reduced across nodes once per step. Every layout keeps the root (embeddings,
+    final norm, head) gathered across a step's micro-batches. auto: the fastest layout whose
+    memory fits each rank, by the time plan."""
+
+    reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """fsdp: the dtype gradients are reduced in. bf16 halves the reduce traffic (the weights and
+    the optimizer stay fp32). auto: by the measured loss drift (docs/reference/auto.md)."""
+
+    reduce_scatter: Literal["auto", "native", "all_to_all"] = "auto"
+    """fsdp: how gradients are reduce-scattered. gloo has no reduce-scatter of its own: it runs
+    an all-reduce and keeps a slice (twice the bytes). all_to_all: each rank sends every other
+    rank its slice once and sums what it receives. auto: all_to_all on gloo, native on ccl."""
+
 
 class LaunchConfig(Section):
     nproc_per_node: int = Field(1, gt=0)
