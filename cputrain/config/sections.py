@@ -499,7 +499,7 @@ class ParallelConfig(Section):
     the optimizer stay fp32). auto: by the measured loss drift (docs/reference/auto.md)."""
 
     reduce_scatter: Literal["auto", "native", "all_to_all"] = "auto"
-    """fsdp: how gradients are reduce-scattered. gloo has no reduce-scatter of its own: it runs
+    """fsdp and zero3: how gradients are reduce-scattered. gloo has no reduce-scatter of its own: it runs
     an all-reduce and keeps a slice (twice the bytes). all_to_all: each rank sends every other
     rank its slice once and sums what it receives. auto: all_to_all on gloo, native on ccl."""
 
