@@ -1,7 +1,7 @@
 """Which malloc a training run should take: glibc as is, glibc tuned to keep what a step frees
 (hardware.allocator=glibc-tuned: no mmap, no trimming, set by cputrain itself), jemalloc and
 tcmalloc side by side, each `cputrain train` run at its defaults otherwise, on three models. Writes block
-allocator-<precision> of docs/benchmarks.md; `hardware.allocator=auto` is read from these figures
+allocator-<precision> of docs/benchmarks/memory.md; `hardware.allocator=auto` is read from these figures
 (cputrain/native/allocator.py says which).
 
     python benchmarks/allocator.py                    # bf16 where the machine has AMX or AVX512-BF16, else fp32;
@@ -139,7 +139,7 @@ def main() -> None:
     print(markdown)
     if not a.quick:
         write_block(f"allocator-{precision}", markdown)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        print("written to docs/benchmarks/memory.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

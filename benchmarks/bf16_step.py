@@ -1,5 +1,5 @@
 """The bf16 training step on this machine: what each change buys, and cputrain against the
-Hugging Face Trainer (packed data, bf16) side by side. Writes block bf16_step of docs/benchmarks.md.
+Hugging Face Trainer (packed data, bf16) side by side. Writes block bf16_step of docs/benchmarks/step-time.md.
 
     python benchmarks/bf16_step.py            # the figures (needs `scripts/install.sh bench`)
     python benchmarks/bf16_step.py --quick    # a tiny model, one repetition: checks the script only
@@ -60,7 +60,7 @@ def step_child(opts: dict) -> dict:
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from cputrain.kernels.attention_choice import choose_attention
+    from cputrain.kernels.attention_choice import attention_choice
     from cputrain.kernels.chunked_head import install_chunked_loss
     from cputrain.model import compile_blocks
 
@@ -70,7 +70,7 @@ def step_child(opts: dict) -> dict:
     dtype = torch.bfloat16 if opts["precision"] == "bf16" else torch.float32
     attn, why = opts.get("attn", "sdpa"), ""
     if attn == "auto":
-        choice = choose_attention(config, MICRO, opts["seq_len"], dtype)
+        choice = attention_choice(config, MICRO, opts["seq_len"], dtype)
         attn, why = choice.implementation, choice.reason
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)

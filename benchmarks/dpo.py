@@ -1,5 +1,5 @@
 """Preference tuning (DPO): cputrain against TRL's DPOTrainer, side by side, LoRA and full
-weights. Writes block dpo of docs/benchmarks.md.
+weights. Writes block dpo of docs/benchmarks/sft-and-dpo.md.
 
     python benchmarks/dpo.py            # needs the sft-peer extra (trl); ~20 min on 2 cores: run it alone
     python benchmarks/dpo.py --quick    # a tiny model and 3 steps, one run: checks the script only

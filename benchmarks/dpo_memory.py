@@ -1,7 +1,7 @@
 """Memory of full-weight DPO against supervised fine-tuning of the same model on rows of the same
 size: DPO's step peak should be SFT's plus the stored reference log-probabilities, no second model
 (the reference is computed once from the starting weights before training). Writes block
-dpo_memory of docs/benchmarks.md. Memory only: nothing here is timed, so a busy machine changes
+dpo_memory of docs/benchmarks/sft-and-dpo.md. Memory only: nothing here is timed, so a busy machine changes
 no figure.
 
     python benchmarks/dpo_memory.py            # ~88M Llama, bf16, 3 runs × --runs, a few minutes each

@@ -1,7 +1,7 @@
 """Each speed default of the training step, measured in fp32 on this machine: the chunked head +
 loss, fused AdamW, the attention kernel, the memory allocator and OpenMP thread binding, on three
-shapes. Writes one block per shape (fp32_choices-demo, -100m, -128k-head) of docs/benchmarks.md; cputrain's `auto` values for fp32 are
-read from these figures (cputrain/resolve.py says which row each choice comes from).
+shapes. Writes one block per shape (fp32_choices-demo, -100m, -128k-head) of docs/benchmarks/step-time.md; cputrain's `auto` values for fp32 are
+read from these figures (cputrain/config/resolve.py says which row each choice comes from).
 
     python benchmarks/fp32_choices.py            # the figures
     python benchmarks/fp32_choices.py --quick    # tiny shapes, one round: checks the script only
@@ -173,7 +173,7 @@ baseline. Step peak: the highest RSS of one step.
         print(text)
         if not a.quick:
             write_block(f"fp32_choices-{slug}", text)
-            print("written to docs/benchmarks.md", file=sys.stderr)
+            print("written to docs/benchmarks/step-time.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

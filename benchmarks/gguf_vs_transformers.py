@@ -1,5 +1,5 @@
 """Does llama.cpp run what `cputrain export RUN --gguf TYPE` writes as transformers runs model/?
-Writes block gguf_vs_transformers of docs/benchmarks.md.
+Writes block gguf_vs_transformers of docs/benchmarks/export.md.
 
     python benchmarks/gguf_vs_transformers.py                          # runs/default and runs/demo-sft
     python benchmarks/gguf_vs_transformers.py RUN [RUN ...] --types f32,bf16,q8_0
@@ -94,8 +94,8 @@ def compare(run: Path, types: list[str], threads: int) -> list[dict]:
     import torch
     from llama_cpp import Llama
 
-    from cputrain.gguf_export.write import export_gguf, load_source
-    from cputrain.inference import model_folder
+    from cputrain.finished.gguf.write import export_gguf, load_source
+    from cputrain.finished.load import model_folder
 
     folder = Path(model_folder(str(run)))
     from cputrain.data.tokenizer import load_tokenizer
@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("runs", nargs="*", default=[str(REPO / "runs" / "default"), str(REPO / "runs" / "demo-sft")])
     parser.add_argument("--types", default="f32,f16,bf16,q8_0")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks.md alone")
+    parser.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks/export.md alone")
     parser.add_argument("--note", default="", help="a sentence for the block: how the runs were trained")
     args = parser.parse_args()
     try:

@@ -10,8 +10,8 @@ reduce dtype) and all-reduce (fp32, DDP's gradient buckets) between the two node
 1–256 MiB (a message = the whole unsharded tensor: an FSDP block's parameters, a DDP bucket).
 Time per call is the median of `--reps` calls after a warm-up, timed on rank 0 between barriers.
 Efficiency = the ring's bytes per rank (all-reduce 2·(W−1)/W·N, the others (W−1)/W·N; the
-counts cputrain's comm meter uses) ÷ time ÷ the line rate. The table goes to docs/benchmarks.md
-(block `gloo_link`) and, as JSON, to cputrain/plan/gloo_link_efficiency.json, which the time plan
+counts cputrain's comm meter uses) ÷ time ÷ the line rate. The table goes to docs/benchmarks/network.md
+(block `gloo_link`) and, as JSON, to cputrain/plan/time/gloo_link_efficiency.json, which the time plan
 (`cputrain plan`) reads.
 
 Part 2, runs (`--part runs`): 2-node `cputrain train` runs (DDP and FSDP, bf16 where the CPU
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-EFFICIENCY_FILE = REPO / "cputrain" / "plan" / "gloo_link_efficiency.json"
+EFFICIENCY_FILE = REPO / "cputrain" / "plan" / "time" / "gloo_link_efficiency.json"
 ADDRS = ("10.78.0.1", "10.78.0.2")
 LINK = "gllink"
 MTU = 9000
@@ -240,10 +240,10 @@ def train_two_nodes(names: list[str], settings: list[str], micro: int, strategy:
 def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float | None, mfu: float):
     """cputrain's time plan of these run settings on this machine: one core per rank, `world`
     nodes of one rank each."""
-    from cputrain.plan.build import make_plan
-    from cputrain.plan.command import load_run_config
-    from cputrain.plan.step_time import plan_step_time, rank_peak_flops_here
-    from cputrain.run_choices import decide_for_plan
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.commands.plan import load_run_config
+    from cputrain.plan.time.step_time import plan_step_time, rank_peak_flops_here
+    from cputrain.training.choices import decide_for_plan
 
     micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
     vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
@@ -307,7 +307,7 @@ def write_collectives(rows: list[dict], sizes_mib: list[int], reps: int) -> None
              "2·(W−1)/W·N, all-gather and reduce-scatter (W−1)/W·N, W = 2) ÷ time ÷ line rate; \"no limit\" "
              "gives the Gbit/s the CPUs reach unshaped. All-gather in bf16 (FSDP2's parameters), reduce-scatter "
              "and all-reduce in fp32 (FSDP2's gradient reduction, DDP's buckets). `python benchmarks/gloo_link.py "
-             "--part collectives`; the shaped rows are also cputrain/plan/gloo_link_efficiency.json, which "
+             "--part collectives`; the shaped rows are also cputrain/plan/time/gloo_link_efficiency.json, which "
              "`cputrain plan` reads.", "",
              "| collective | message | " + " | ".join(f"{r:g} Gbit/s" if r else "no limit" for r in rates) + " |",
              "| --- | ---: |" + " ---: |" * len(rates)]
@@ -325,9 +325,9 @@ def write_collectives(rows: list[dict], sizes_mib: list[int], reps: int) -> None
 
 
 def model_check_lines(rows: list[dict], sizes_mib: list[int]) -> list[str]:
-    """The time plan's efficiency (cputrain.plan.link_efficiency: the slowest rate's share, capped by
+    """The time plan's efficiency (cputrain.plan.time.link_efficiency: the slowest rate's share, capped by
     the unshaped Gbit/s) against what was measured at the faster rates."""
-    from cputrain.plan.link_efficiency import load_table
+    from cputrain.plan.time.link_efficiency import load_table
 
     table = load_table(EFFICIENCY_FILE)
     rates = sorted({r["link_gbit_s"] for r in rows if r["link_gbit_s"]})
@@ -364,7 +364,7 @@ def write_runs(rows: list[dict], quick: bool) -> None:
              f"2-node `cputrain train` runs over the shaped link ({'tiny smoke model' if quick else '~34M Llama'}, "
              "one rank per namespace on its own core, one thread, precision auto, micro-batch 2 × 512 tokens, one "
              f"micro-batch per rank per step), median step time of the steps after the {WARMUP_STEPS} first, against "
-             "`cputrain plan`'s time plan (cputrain/plan/step_time.py) of the same settings, as planned for this "
+             "`cputrain plan`'s time plan (cputrain/plan/time/step_time.py) of the same settings, as planned for this "
              "machine (`gloo_cpu_capped`: the efficiency capped by what gloo reached unshaped). The plan is given the "
              "compute: the MFU of one rank of the same strategy run alone on one core, no network ("
              + ", ".join(f"{k} {v[0]:.2f} s a step, {v[1]:.1%} of the core's peak" for k, v in alone.items())

@@ -1,5 +1,5 @@
 """Why a LoRA step's peak RSS sits above the memory plan: what glibc keeps of what a step frees.
-Writes block heap_retention of docs/benchmarks.md.
+Writes block heap_retention of docs/benchmarks/memory.md.
 
     python benchmarks/heap_retention.py            # ~8 min on 2 cores: run it alone
     python benchmarks/heap_retention.py --quick    # a tiny model, 2 steps: checks the script only

@@ -48,12 +48,12 @@ def layers_child(opts: dict) -> dict:
     import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from cputrain.kernels.attention_choice import choose_attention
+    from cputrain.kernels.attention_choice import attention_choice
     from cputrain.model import compile_blocks
 
     torch.set_num_threads(physical_cores())
     cfg = _config(opts["shape"], opts["layers"])
-    choice = choose_attention(cfg, 1, opts["seq_len"], torch.bfloat16)
+    choice = attention_choice(cfg, 1, opts["seq_len"], torch.bfloat16)
     cfg._attn_implementation = choice.implementation
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(opts["layers"])])

@@ -1,6 +1,6 @@
 """LoRA on this machine: what it saves against full fine-tuning, how it compares with peft under
 the Hugging Face Trainer, how well `cputrain plan` predicts it, and what it does to a layer of
-Llama-3-8B's shape. Writes block lora of docs/benchmarks.md (one inner block per part, so a part
+Llama-3-8B's shape. Writes block lora of docs/benchmarks/lora.md (one inner block per part, so a part
 can be rerun alone with --only).
 
     python benchmarks/lora.py            # every part; the Trainer needs `scripts/install.sh bench` (accelerate);
@@ -140,7 +140,7 @@ def run_cputrain(base: str, lora: bool, steps: int, warmup: int, seq_len: int, s
 def train_and_read(overrides: list[str], warmup: int, what: str) -> dict:
     """`cputrain train <overrides>` in a fresh process and a temporary output folder; what its
     metrics.jsonl, memory.json, summary.json and plan.json say."""
-    from cputrain.plan.compare import compare_run
+    from cputrain.plan.memory.compare import compare_run
 
     with tempfile.TemporaryDirectory(prefix="cputrain-lora-bench-") as out:
         run = Path(out) / "run"
@@ -233,12 +233,12 @@ def layers_child(opts: dict) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from cputrain.kernels.attention_choice import choose_attention
+    from cputrain.kernels.attention_choice import attention_choice
     from cputrain.metrics import memory
 
     torch.set_num_threads(physical_cores())
     cfg = LlamaConfig(**{**opts["shape"], "num_hidden_layers": opts["layers"]})
-    choice = choose_attention(cfg, 1, opts["seq_len"], torch.bfloat16)
+    choice = attention_choice(cfg, 1, opts["seq_len"], torch.bfloat16)
     cfg._attn_implementation = choice.implementation
     torch.manual_seed(0)
     holder = torch.nn.Module()
@@ -277,18 +277,20 @@ def med(results: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in results)
 
 
-def write_doc(blocks: dict[str, str], doc: Path | None = None) -> None:
+def write_doc(blocks: dict[str, str], docs: Path | None = None) -> None:
     """Block `lora` holds one inner block per part; a part run alone replaces only its own."""
-    from benchmarks.report import DOC, write_block
+    from benchmarks.pages import DOCS, page_of
+    from benchmarks.report import write_block
 
-    doc = doc or DOC
-    text = doc.read_text() if doc.exists() else ""
+    docs = docs or DOCS
+    page = page_of("lora", docs)
+    text = page.read_text() if page.exists() else ""
     if "<!-- bench: lora -->" not in text:
         inner = "\n\n".join(f"<!-- bench: lora_{p} -->\n(not measured yet: `python benchmarks/lora.py --only {p}`)\n"
                             f"<!-- /bench: lora_{p} -->" for p in PARTS)
-        write_block("lora", inner, doc)
+        write_block("lora", inner, docs)
     for part, markdown in blocks.items():
-        write_block(f"lora_{part}", markdown, doc)
+        write_block(f"lora_{part}", markdown, docs)
 
 
 def main() -> None:
@@ -531,7 +533,7 @@ Losses of every step, bf16-stored vs fp32-stored: largest difference {loss_diff:
 {steps} optimizer steps of 2 micro-batches × 1 × {ck_seq} tokens, eager blocks, tokens/s after the first {warmup} step(s), the sides
 alternated, median of {runs} fresh-process run(s). `selective` keeps every block's matmul and attention outputs and
 recomputes the rest (cputrain.model.selective_checkpointing). `model.activation_checkpointing=auto` picks among these
-by the plan and the node's memory (cputrain.plan.checkpointing): none, else selective, else the fewest blocks.
+by the plan and the node's memory (cputrain.plan.memory.checkpointing): none, else selective, else the fewest blocks.
 
 | checkpointing | tokens/s | range | step peak RSS (GiB) | plan peak (error) | tokens/s vs every block |
 | --- | ---: | ---: | ---: | ---: | ---: |
@@ -588,7 +590,7 @@ time {per_layer_s[True] / per_layer_s[False]:.2f}×, memory {per_layer_gib[True]
     print(f"wall time {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     if not a.quick and not a.set:
         write_doc(blocks)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        print("written to docs/benchmarks/lora.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Llama-3-8B LoRA fine-tuning on this machine, end to end: block lora_8b-<precision> of docs/benchmarks.md.
+"""Llama-3-8B LoRA fine-tuning on this machine, end to end: block lora_8b-<precision> of docs/benchmarks/lora.md.
 
     python benchmarks/lora_8b.py            # ~16 GB of disk for the model folder (deleted after), ~20 GiB
                                             # of memory; a step of 2,048 tokens: 5.5 min on 2 AVX512-BF16
@@ -125,8 +125,8 @@ def config_step_flops(run_dir: Path, seq_len: int) -> float:
     """Model FLOPs of one sequence of `seq_len` through the run's model, counted as its MFU counts
     them (cputrain.metrics.flops: no recompute of checkpointed activations)."""
     from cputrain.config.file import load_config
-    from cputrain.plan.build import make_plan
-    from cputrain.plan.stop_window import step_flops
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.time.stop_window import step_flops
 
     cfg = load_config(str(run_dir / "config.yaml"))
     return step_flops(make_plan(cfg, 1).shape, seq_len, 1, activation_checkpointing=False)
@@ -135,7 +135,7 @@ def config_step_flops(run_dir: Path, seq_len: int) -> float:
 def projection(flops: float, mfu: float, peak_flops: float, seq_len: int, target_seq_len: int = 2048) -> list[str]:
     """The config's step (seq 2048, `flops`) here and on AMX nodes, at an assumed MFU of their peak."""
     from cputrain.plan.instances import builtin_instances
-    from cputrain.plan.stop_window import ASSUMED_CLOCK_GHZ, instance_peak_flops
+    from cputrain.plan.time.stop_window import ASSUMED_CLOCK_GHZ, instance_peak_flops
 
     lines = []
     if seq_len != target_seq_len:
@@ -200,7 +200,7 @@ def main() -> None:
     import yaml
 
     from cputrain.hardware import detect
-    from cputrain.plan.compare import compare_run
+    from cputrain.plan.memory.compare import compare_run
 
     layers = 2 if a.quick else a.layers
     arch = {**LLAMA3_8B, "num_hidden_layers": layers} if layers else LLAMA3_8B
@@ -290,7 +290,7 @@ def main() -> None:
         # one block per precision (both are published), and per set of overrides
         write_block(f"lora_8b-{summary['precision']}" + (f"-{layers}-layers" if layers else "")
                     + "".join(f"-{o}" for o in a.set), markdown)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        print("written to docs/benchmarks/lora.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

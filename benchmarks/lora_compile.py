@@ -1,5 +1,5 @@
 """Why compiled blocks lose with LoRA: what torch.compile makes of a decoder block carrying peft's
-adapters, against the same block fully trained. Block lora_compile of docs/benchmarks.md.
+adapters, against the same block fully trained. Block lora_compile of docs/benchmarks/lora.md.
 
     python benchmarks/lora_compile.py            # seconds: shapes are small, nothing is timed
     python benchmarks/lora_compile.py --print    # print only
@@ -165,7 +165,7 @@ def main() -> None:
     print(markdown)
     if not a.print:
         write_block("lora_compile", markdown)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        print("written to docs/benchmarks/lora.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Trains two model sizes (a tiny Llama and one of about 100M parameters) for 2 steps with 1 and
 2 ranks under every strategy available here (single, ddp, fsdp; zero3 with and without
 optimizer offload when DeepSpeed is installed), then writes a table of planned vs measured
-parameter, gradient and optimizer bytes and peak RSS into docs/benchmarks.md (block
+parameter, gradient and optimizer bytes and peak RSS into docs/benchmarks/memory.md (block
 `plan-vs-actual`).
 
     python benchmarks/plan_vs_actual.py            # both sizes (a few minutes on 2 cores)
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import machine_line, write_block  # noqa: E402
-from cputrain.plan.compare import compare_run, markdown_table  # noqa: E402
+from cputrain.plan.memory.compare import compare_run, markdown_table  # noqa: E402
 
 SIZES = {
     "tiny": ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
@@ -62,7 +62,7 @@ def run(size: str, strategy: str, ranks: int, offload: bool, out: Path, cache: P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only (checks the script, not the figures)")
-    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks/memory.md alone")
     args = ap.parse_args()
     sizes = ["tiny"] if args.quick else ["tiny", "100m"]
     rows = []

@@ -1,7 +1,7 @@
 """What DPO's and SimPO's head costs: each answer token's log-probability from the whole logits
 (objectives.preference_loss.sequence_logps, the plain head) against the block-wise head
 (kernels/chunked_logps.py, model.chunked_loss), forward and backward, peak memory and time.
-Writes block preference_head of docs/benchmarks.md.
+Writes block preference_head of docs/benchmarks/sft-and-dpo.md.
 
     python benchmarks/preference_head.py            # Llama-3's vocabulary, 512 / 1,024 / 2,048 tokens
     python benchmarks/preference_head.py --quick    # 512 tokens only, one repeat

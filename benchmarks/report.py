@@ -1,7 +1,8 @@
-"""Writes a benchmark's figures into its own block of docs/benchmarks.md.
+"""Writes a benchmark's figures into its own block of a page of docs/benchmarks/.
 
 Each script owns the block between `<!-- bench: NAME -->` and `<!-- /bench: NAME -->` and
-replaces only that, so scripts can be rerun one at a time.
+replaces only that, so scripts can be rerun one at a time; which page and section a block
+belongs to is registered in benchmarks/pages.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import statistics
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+from benchmarks.pages import DOCS, insert_into_section, place_of
 
 
 def machine_line() -> str:
@@ -40,10 +41,15 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def write_block(name: str, markdown: str, doc: Path = DOC) -> None:
+def write_block(name: str, markdown: str, docs: Path = DOCS) -> None:
+    """Block `name` replaced where it stands on its page, or, new there, added at the end of its
+    section; a name benchmarks/pages.py does not register is refused before anything is written."""
+    page_name, section = place_of(name)
+    page = docs / page_name
     start, end = f"<!-- bench: {name} -->", f"<!-- /bench: {name} -->"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    text = page.read_text() if page.exists() else ""
     block = f"{start}\n{markdown.strip()}\n{end}"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else insert_into_section(text, section, block)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text)

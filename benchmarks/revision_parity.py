@@ -15,7 +15,7 @@ to every run, and the attention kernel is fixed (sdpa), since `auto` times both 
 and may pick either, whose bf16 results differ. Each revision tokenizes into its own cache, so a
 change in tokenizing shows up too. Losses must agree to 4 decimals at every logged step (the same
 revision run twice agrees exactly); the speed ratio is after ÷ before. Writes block
-`revision-parity` of docs/benchmarks.md.
+`revision-parity` of docs/benchmarks/revision-parity.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every run goes through the real `cputrain train` command: same model, data and g
 fp32. Throughput is the median over repetitions of each run's own figure (summary.json: the
 median of its logged windows after the first); the communication fraction is computed from
 the comm_time_s and step_time_s fields of metrics.jsonl over the same windows. Writes its
-tables into docs/benchmarks.md (block `scale_out`).
+tables into docs/benchmarks/ (block `scale_out` on network.md, `sharded_load` on memory.md).
 
     python benchmarks/scale_out.py            # the figures (run on a quiet machine)
     python benchmarks/scale_out.py --quick    # tiny models, few steps: checks the script only
@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny models, 3 steps, 1 repetition (checks the script only)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each throughput run (default: %(default)s)")
-    ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/benchmarks/ alone")
     ap.add_argument("--only", choices=("throughput", "loading"), help="run one of the two measurements (each writes "
                     "its own block: scale_out, sharded_load)")
     args = ap.parse_args()

@@ -1,5 +1,5 @@
 """Supervised fine-tuning on chat data: cputrain against TRL's SFTTrainer, side by side, full and
-LoRA. Writes block sft of docs/benchmarks.md.
+LoRA. Writes block sft of docs/benchmarks/sft-and-dpo.md.
 
     python benchmarks/sft.py            # needs the sft-peer extra (trl); ~15 min on 2 cores: run it alone
     python benchmarks/sft.py --quick    # a tiny model and 3 steps, one run: checks the script only
@@ -47,7 +47,7 @@ from benchmarks.report import machine_line, write_block  # noqa: E402
 from benchmarks.step_timing import count_trainer_steps  # noqa: E402
 from benchmarks.vs_hf_trainer import physical_cores  # noqa: E402
 from cputrain.data.chat_template import MARKED_CHATML  # noqa: E402
-from cputrain.data.examples import open_examples  # noqa: E402
+from cputrain.data.examples.rows import open_examples  # noqa: E402
 
 ARCH_100M = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
              "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": False}

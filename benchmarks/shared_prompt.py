@@ -1,10 +1,10 @@
 """Preference pairs with the prompt laid out once per pair (data.shared_prompt=true) against the
 two whole sequences (false): LoRA DPO, pairs/s and tokens/s at three prompt shares. Writes block
-shared_prompt of docs/benchmarks.md.
+shared_prompt of docs/benchmarks/sft-and-dpo.md.
 
     python benchmarks/shared_prompt.py            # ~100M Llama, 3 shares × 2 layouts × 3 runs: run it alone
     python benchmarks/shared_prompt.py --quick    # a tiny model, 3 steps, one run, prints the block only
-    python benchmarks/shared_prompt.py --quick --doc /tmp/b.md   # … and writes it there (checks write_block)
+    python benchmarks/shared_prompt.py --quick --doc /tmp/b      # … and writes it into /tmp/b/sft-and-dpo.md (checks write_block)
 
 The model: a ~100M-parameter Llama (benchmarks/sft.py's shape) with random weights, saved as a
 Hugging Face folder with the byte-level BPE of benchmarks/lora.py (trained on builtin:pydoc).
@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.lora import make_base, run_measured, steady_median  # noqa: E402
-from benchmarks.report import DOC, machine_line, write_block  # noqa: E402
+from benchmarks.pages import DOCS  # noqa: E402
+from benchmarks.report import machine_line, write_block  # noqa: E402
 from benchmarks.sft import ARCH_100M, QUICK_ARCH  # noqa: E402
 
 SHARES = (0.1, 0.3, 0.5)  # the prompt's part of each sequence's characters
@@ -112,7 +113,7 @@ def run_cputrain(base: str, data: Path, shared: bool, steps: int, warmup: int, s
 
 def saved_share(cache_dir: str, seq_len: int) -> float:
     """The share of the pairs' two sequences' tokens the shared layout leaves out, from the cache."""
-    from cputrain.data.pairs import open_pairs
+    from cputrain.data.preference.rows import open_pairs
 
     folder = next(Path(cache_dir).glob("packed/*/stats.json")).parent
     return open_pairs(folder, packing=True, shared_prompt=True).stats["shared_prompt_saved_share"]
@@ -123,8 +124,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one run: checks the script only")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--doc", type=Path, default=None, help="write the block here (default: docs/benchmarks.md, "
-                                                               "not with --quick)")
+    parser.add_argument("--doc", type=Path, default=None, help="write the block into this folder's sft-and-dpo.md "
+                                                               "(default: docs/benchmarks/, not with --quick)")
     args = parser.parse_args()
     from cputrain.hardware import detect
 
@@ -154,9 +155,9 @@ def main() -> None:
         cell["saved"] = saved_share(cell["cache"], seq_len)
     block = "\n".join(render(cells, base["parameters"], precision, steps, runs, seq_len))
     print(block)
-    doc = args.doc if args.doc is not None else (None if args.quick else DOC)
-    if doc is not None:
-        write_block("shared_prompt", block, doc)
+    docs = args.doc if args.doc is not None else (None if args.quick else DOCS)
+    if docs is not None:
+        write_block("shared_prompt", block, docs)
 
 
 def render(cells: dict, parameters: int, precision: str, steps: int, runs: int, seq_len: int) -> list[str]:

@@ -2,7 +2,7 @@
 speed-ups do to it. The packed Trainer and cputrain run the same Hugging Face model code, so
 what separates them is what is left outside these operators.
 
-    python benchmarks/step_profile.py            # the figures, written to docs/benchmarks.md
+    python benchmarks/step_profile.py            # the figures, written to docs/benchmarks/step-time.md
     python benchmarks/step_profile.py --quick    # a tiny model: checks the script only
 
 Each variant runs in a fresh process (forward with labels, backward, foreach AdamW, as
@@ -153,7 +153,7 @@ operators of the same model code; {compile_verdict}.
     print(table)
     if not a.quick:
         write_block("step_profile", table)
-        print("written to docs/benchmarks.md", file=sys.stderr)
+        print("written to docs/benchmarks/step-time.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ ZeRO-3 without offload, with optimizer offload, and with optimizer + parameter o
 recipe's DeepSpeed file, configs/deepspeed/zero3-offload.json, unchanged).
 
 Same model (a ~34M-parameter Llama, like the reference recipe's), same data, same global batch,
-fp32, 2 ranks each (one per physical core). Writes its table into docs/benchmarks.md (block
+fp32, 2 ranks each (one per physical core). Writes its table into docs/benchmarks/network.md (block
 `strategies`).
 
     python benchmarks/strategies.py            # the figures (run on a quiet machine)
@@ -134,7 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 steps (checks the script, not the figures)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
-    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks/network.md alone")
     args = ap.parse_args()
     if importlib.util.find_spec("deepspeed") is None:
         raise SystemExit("the zero3 rows need DeepSpeed: scripts/install.sh dev,deepspeed")

@@ -1,7 +1,7 @@
 """cputrain against the Hugging Face Trainer: the same Llama, corpus, tokenizer, batch and threads,
 this machine, at three sizes (the demo's model, ~30M, ~100M) and in each precision the CPU runs
 natively (fp32 always; bf16 where it has AMX or AVX512-BF16), with the ceiling this machine's matrix
-products set. Writes its table to docs/benchmarks.md (block vs_hf_trainer, or the name block_name()
+products set. Writes its table to docs/benchmarks/vs-hf-trainer.md (block vs_hf_trainer, or the name block_name()
 gives: precisions other than fp32, a CPU other than AVX2, torch's kernels limited by ATEN_CPU_CAPABILITY).
 
     python benchmarks/vs_hf_trainer.py            # full run, several repetitions, writes the doc
@@ -305,6 +305,25 @@ def block_name(precisions: list[str]) -> str:
     return name
 
 
+def block_heading(precisions: list[str]) -> str:
+    """The block's heading under the page's one "cputrain vs the Hugging Face Trainer" section: what sets
+    its table apart from the others there, the precision and the instructions it ran on (what block_name
+    keys on, and for bf16 the unit that runs it: AMX or AVX512-BF16)."""
+    import torch
+
+    from cputrain.hardware import detect
+
+    flags = detect().flags
+    capability = torch.backends.cpu.get_cpu_capability()  # AVX2, AVX512, ...: what ATen dispatches to
+    fp32_unit = {"AVX512": "AVX-512"}.get(capability, capability)
+    bf16_unit = ("AMX" if flags.get("amx_bf16") else "AVX512-BF16 (no AMX)" if flags.get("avx512_bf16")
+                 else "emulated")
+    heading = "### " + " and ".join(f"{p} on {fp32_unit if p == 'fp32' else bf16_unit}" for p in precisions)
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        heading += f", torch's kernels limited by ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}"
+    return heading
+
+
 def native_precisions() -> list[str]:
     """fp32 everywhere; bf16 only where the CPU runs it in hardware (emulated bf16 is 100× slower)."""
     from cputrain.hardware import detect
@@ -325,7 +344,7 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="corpus (default: ../shared/data/tinyshakespeare.txt if present, "
                     "else builtin:pydoc)")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "bench"), help="tokenizer/data cache")
-    ap.add_argument("--write-doc", action="store_true", help="write docs/benchmarks.md even with --quick")
+    ap.add_argument("--write-doc", action="store_true", help="write docs/benchmarks/vs-hf-trainer.md even with --quick")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -337,7 +356,6 @@ def main() -> None:
     repeats = 1 if a.quick else a.repeats
     micro, global_batch = a.micro_batch, a.global_batch
     precisions = a.precisions.split(",") if a.precisions else native_precisions()
-    title_suffix = "" if "fp32" in precisions else ", " + " and ".join(precisions)
     # (name, arch, vocabulary, optimizer steps): larger models take fewer steps, each much longer.
     sizes = [("demo", ARCH, VOCAB, 4 if a.quick else a.steps)]
     if not a.quick:
@@ -428,7 +446,7 @@ def main() -> None:
         "come from a run on such a machine.")
     from benchmarks.report import machine_line, write_block
 
-    table = f"""### cputrain vs the Hugging Face Trainer{title_suffix}
+    table = f"""{block_heading(precisions)}
 
 {machine_line()}
 
@@ -462,7 +480,7 @@ Reproduce: `python benchmarks/vs_hf_trainer.py {" ".join(sys.argv[1:])}`
     print(table)
     if not a.quick or a.write_doc:
         write_block(block_name(precisions), table)
-        print(f"written to docs/benchmarks.md (block {block_name(precisions)})", file=sys.stderr)
+        print(f"written to docs/benchmarks/vs-hf-trainer.md (block {block_name(precisions)})", file=sys.stderr)
 
 
 if __name__ == "__main__":

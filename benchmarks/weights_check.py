@@ -2,7 +2,7 @@
 each optimizer step (Strategy.weights_finite: the sum of the trained tensors' sums, finite or not)
 so that an update that leaves inf or nan in the weights is a bad step, never a checkpoint or an
 export. Two other full reads are timed beside it: a fused max-|x| norm and isfinite().all().
-Writes block weights-check of docs/benchmarks.md.
+Writes block weights-check of docs/benchmarks/step-time.md.
 
     python benchmarks/weights_check.py            # demo shape and ~100M, fp32 and bf16 where the CPU has it
     python benchmarks/weights_check.py --quick    # the demo shape only, fewer repetitions
@@ -41,7 +41,7 @@ def measure(shape: dict, precision: str, repeats: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cputrain.config import TrainConfig
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
     from cputrain.parallel.base import all_finite
 
     torch.manual_seed(0)

@@ -437,7 +437,7 @@ def run_cli_here(*args, env: dict | None = None, cwd=None, check: bool = False) 
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     with _process_state(env, cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            mock.patch("cputrain.worker.run_worker", _no_work), mock.patch("cputrain.launch.run_agent", _no_work):
+            mock.patch("cputrain.training.worker.run_worker", _no_work), mock.patch("cputrain.training.launch.run_agent", _no_work):
         try:
             code = cli.main(argv)
         except SystemExit as exit_:  # argparse's usage errors

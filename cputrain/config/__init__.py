@@ -1,5 +1,6 @@
 """The config: its typed sections (sections), a YAML file with key=value overrides (file), the
-read-only config after every "auto" is decided (resolved), a model folder's config.json
+machine's "auto"s turned into values with reasons (resolve), the read-only config after every
+"auto" is decided (resolved), a model folder's config.json
 checked (model_file), and the configuration reference page rendered from the fields' docs
 (reference). The sections' names are handed on here, as `from cputrain.config import Config`."""
 

@@ -1,4 +1,4 @@
-"""The config after cputrain.resolve: the same keys and dump, every "auto" a value, and read-only,
+"""The config after cputrain.config.resolve: the same keys and dump, every "auto" a value, and read-only,
 so code downstream takes a thread count as an int and a precision as a torch dtype without
 casting, and nothing in a run can change a value that other parts of it have already read."""
 
@@ -39,7 +39,7 @@ class ResolvedModelConfig(ModelConfig):
     lora: ResolvedLoraConfig
     # attn_implementation, chunked_loss, activation_checkpointing, the LoRA targets and base dtype
     # may still be "auto" here: they need the data, the model's shape or the process group, and
-    # cputrain.run_choices decides them before a model is built.
+    # cputrain.training.choices decides them before a model is built.
 
 
 class ResolvedDataConfig(DataConfig):
@@ -62,7 +62,7 @@ class ResolvedLaunchConfig(LaunchConfig):
 
 
 class ResolvedConfig(Config):
-    """A Config after cputrain.resolve: the same keys and dump, every "auto" a value, read-only."""
+    """A Config after cputrain.config.resolve: the same keys and dump, every "auto" a value, read-only."""
 
     model_config = _READ_ONLY
     model: ResolvedModelConfig
@@ -73,7 +73,7 @@ class ResolvedConfig(Config):
     launch: ResolvedLaunchConfig
 
 
-# After cputrain.run_choices: the keys that need the data, the model or the process group are
+# After cputrain.training.choices: the keys that need the data, the model or the process group are
 # decided too, so a run's config admits no "auto" at all, by type. LoRA's two keys are decided
 # only where LoRA is on (they mean nothing otherwise).
 class DecidedLoraConfig(ResolvedLoraConfig):
@@ -102,14 +102,14 @@ class DecidedHardwareConfig(ResolvedHardwareConfig):
 
 
 class DecidedConfig(ResolvedConfig):
-    """A run's config once every "auto" is decided (cputrain.run_choices): what the Trainer gets."""
+    """A run's config once every "auto" is decided (cputrain.training.choices): what the Trainer gets."""
 
     model: DecidedModelConfig
     data: DecidedDataConfig
     hardware: DecidedHardwareConfig
 
 
-# What a plan reads: the keys that change a rank's bytes, decided. cputrain.run_choices decides
+# What a plan reads: the keys that change a rank's bytes, decided. cputrain.training.choices decides
 # them for `cputrain plan` and `cputrain k8s` with a plan's facts (decide_for_plan), and for a run
 # with its node's (decide): a run's DecidedConfig is a planned config too. Threads, tokenizing
 # processes, compile, the backend, the allocator and the data's format may still be "auto" here:
@@ -159,11 +159,11 @@ def undecided_for_plan(cfg: Config) -> list[str]:
 
 def as_planned(cfg: Config) -> PlannedConfig:
     """`cfg` as a plan reads it. A key still "auto" is named, not decided here: the plan would
-    then hold a second rule beside cputrain.run_choices', and drift from what a run does."""
+    then hold a second rule beside cputrain.training.choices', and drift from what a run does."""
     if isinstance(cfg, PlannedConfig):
         return cfg
     left = undecided_for_plan(cfg)
     if left:
-        raise ValueError(f"a plan reads decided values (cputrain.run_choices.decide_for_plan decides them); "
+        raise ValueError(f"a plan reads decided values (cputrain.training.choices.decide_for_plan decides them); "
                          f"still auto: {', '.join(left)}")
     return PlannedConfig.model_validate(cfg.model_dump())

@@ -3,7 +3,7 @@
 Every section is a pydantic model with `extra="forbid"`, so an unknown key is refused; the
 docstring under each field is its documentation (pydantic keeps it as the field description,
 which `cputrain train --help-config` prints). Values left at "auto" are resolved later, with
-a reason, by `cputrain.resolve` once the hardware is known, into a read-only
+a reason, by `cputrain.config.resolve` once the hardware is known, into a read-only
 `cputrain.config.resolved.ResolvedConfig`. Reading YAML and overrides is `cputrain.config.file`'s.
 """
 
@@ -46,7 +46,7 @@ def _positive_or_auto(section: Section, dotted: str):
 
 def batch_error(train: "TrainConfig", world_size: int = 1) -> str | None:
     """The one batch-divisibility rule: whole micro-batches per step, and per rank once the
-    world size is known (config validation asks with one rank, cputrain.resolve with all)."""
+    world size is known (config validation asks with one rank, cputrain.config.resolve with all)."""
     if train.global_batch_size % train.micro_batch_size:
         return (f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
                 f"train.micro_batch_size ({train.micro_batch_size})")
@@ -141,7 +141,7 @@ class ModelConfig(Section):
     mix not with parallel.strategy=zero3); auto: none where the memory plan fits this node
     without checkpointing, else selective where that fits, else the fewest whole blocks with the
     others selective (zero3: the others keeping everything) that fit, by
-    `cputrain.plan.checkpointing`."""
+    `cputrain.plan.memory.checkpointing`."""
 
     compile: bool | Literal["auto"] = "auto"
     """Compile each decoder block with torch.compile (inductor). The first step is slower (its
@@ -186,7 +186,7 @@ def checkpointing_split(setting: bool | int | str, layers: int) -> tuple[int, in
     activations are freed) and how many of the others keep only their matmul outputs; the rest
     keep everything."""
     if setting == "auto":
-        raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.checkpointing)")
+        raise ValueError("model.activation_checkpointing=auto is resolved by the run (cputrain.plan.memory.checkpointing)")
     if isinstance(setting, str):  # "selective" or "N+selective"
         whole = min(int(setting.split("+")[0]), layers) if "+" in setting else 0
         return whole, layers - whole
@@ -411,7 +411,7 @@ class TrainConfig(Section):
     """Where DPO's reference log-probabilities come from. precompute: one no-grad pass over the
     pairs before the first step (the weights as loaded; with LoRA the base, adapters off), kept in
     memory (8 bytes a pair), so no step runs the reference: with LoRA 1.35× the trained tokens/s of
-    live on a 2-core AVX512-BF16 EPYC (docs/benchmarks.md, block dpo). live (LoRA only): the base
+    live on a 2-core AVX512-BF16 EPYC (docs/benchmarks/sft-and-dpo.md, block dpo). live (LoRA only): the base
     with the adapters off on every micro-batch, which costs less only where a run sees fewer pairs
     than the data holds. Full weights precompute always: live would need a second model."""
 

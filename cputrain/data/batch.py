@@ -1,16 +1,16 @@
-"""A micro-batch as the model takes it, and the rows of packed text it is cut from.
+"""A micro-batch as the model takes it, and padding rows into one.
 
-Every kind of data gives the trainer rows with `len(rows)` and `rows.batch(indices)`: packed text
-(TokenRows: every token a label, positions 0…seq_len-1), and chat or prompt/completion examples
-(cputrain.data.examples.ExampleRows: labels only on answers, positions restarting per example),
-and preference pairs (cputrain.data.pairs.PairRows: as examples, with the sequence of each token).
+Every kind of data gives the trainer rows (cputrain.data.rows) with `len(rows)` and
+`rows.batch(indices)`: packed text (cputrain.data.text.rows.TokenRows: every token a label,
+positions 0…seq_len-1), chat or prompt/completion examples (cputrain.data.examples.rows.ExampleRows:
+labels only on answers, positions restarting per example), and preference pairs
+(cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # a label the loss skips (transformers' and the chunked loss's rule)
@@ -21,14 +21,14 @@ class Batch:
     input_ids: torch.Tensor  # [micro-batch, tokens]
     labels: torch.Tensor  # [micro-batch, tokens]; the model shifts them: token t+1 is t's target
     position_ids: torch.Tensor | None = None  # None: 0 … tokens-1 in every row
-    # Preference pairs (cputrain.data.pairs): the micro-batch's sequence each token is in, 2p for
+    # Preference pairs (cputrain.data.preference): the micro-batch's sequence each token is in, 2p for
     # pair p's chosen, 2p+1 for its rejected, -1 padding. None for text and examples.
     sequence_ids: torch.Tensor | None = None
     # DPO's reference log-probabilities of those sequences (summed), where they were computed
     # before training (full weights: cputrain.objectives); None: computed live, or not wanted.
     reference_logps: torch.Tensor | None = None
     # [micro-batch, 1, tokens, tokens] bool, True: attend; pairs with a shared prompt
-    # (cputrain.data.pairs) carry it. None: transformers builds the causal mask from the positions.
+    # (cputrain.data.preference.rows) carry it. None: transformers builds the causal mask from the positions.
     attention_mask: torch.Tensor | None = None
 
     @property
@@ -71,18 +71,17 @@ def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
     return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
 
 
-class TokenRows:
-    """Packed text: rows of a [n, seq_len] token array (memory-mapped); every token is a label."""
-
-    def __init__(self, sequences: np.ndarray):
-        self.sequences = sequences
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    def prompt_ids(self, row: int) -> None:
-        return None  # text has no prompts: a text model is sampled from a word of its own
-
-    def batch(self, indices) -> Batch:
-        tokens = torch.from_numpy(np.ascontiguousarray(self.sequences[indices], dtype=np.int64))
-        return Batch(tokens, tokens)
+def padded(rows: list, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows given as (ids, labels, positions, …) numpy arrays as [len(rows), width] tensors: ids
+    padded with `pad_id`, labels with IGNORE_INDEX, and the padding's positions 0, 1, … after the
+    row's end: the padding is a block of its own."""
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab, pos, *_) in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n] = torch.from_numpy(ids)
+        labels[i, :n] = torch.from_numpy(lab)
+        positions[i, :n] = torch.from_numpy(pos)
+        positions[i, n:] = torch.arange(width - n)
+    return input_ids, labels, positions

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cputrain.config import DataConfig
-from cputrain.data import packing, sources
+from cputrain.data import sources
 from cputrain.data.kind import BuildFacts, DataKind, Worker
 from cputrain.data.stop_on_signal import start_tokenizing_worker
 from cputrain.data.tree_memory import TreeMemory
@@ -41,6 +41,11 @@ log = logging.getLogger("cputrain")
 CHUNK_CHARS = 1_000_000  # text per task: large enough to amortise a task, small enough to bound memory
 COMMIT_EVERY_S = 2.0  # how much work a kill can cost: progress.json is rewritten this often
 LOG_EVERY_S = 30.0  # progress lines where no terminal shows a bar (CI, pod logs)
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The item type of every entry's token ids: uint16 where the vocabulary fits, else uint32."""
+    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "uint32"
 
 
 def _rows_per_chunk(corpus: sources.Corpus) -> int:
@@ -137,7 +142,7 @@ def build(data_cfg: DataConfig, seed: int, kind: DataKind, vocab_size: int, num_
     memory = TreeMemory()  # this process and its tokenizing workers, reported in stats.json
     corpus = sources.open_corpus(data_cfg, fields=kind.fields)
     held_out, n_val_records = validation_mask(corpus.rows, data_cfg.val_fraction, seed)
-    dtype = packing.token_dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     streams, worker = kind.streams(dtype), kind.worker(corpus, dtype)
     where = f"data.cache_dir '{data_cfg.cache_dir}'"
     try:

@@ -125,7 +125,7 @@ def render(template: str, messages: list[dict], variables: dict, add_generation_
     return rendered[0]
 
 
-ANSWER_MASK_RULE = "overlap"  # part of the token cache's key (data/packing.cache_key)
+ANSWER_MASK_RULE = "overlap"  # part of the token cache's key (cputrain.data.cache_key)
 
 
 def answer_mask(offsets, spans: list[tuple[int, int]]) -> np.ndarray:

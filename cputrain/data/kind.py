@@ -4,8 +4,9 @@ The cache builder (cputrain.data.cache_builder) and the front door (cputrain.dat
 kind and never ask which one it is. A kind says which record fields the corpus must have, which
 tokenizing worker turns rows into arrays, the stream files and counters of its cache entry, its
 stats.json, its part of the cache key, and how a complete entry opens as the rows the trainer
-batches from. Text (text_kind) and examples (example_kind: chat, prompt/completion, Alpaca) are
-the kinds today; another (preference pairs) is one more class, with no change to the builder.
+batches from. The kinds are text (cputrain.data.text), examples (cputrain.data.examples: chat,
+prompt/completion, Alpaca) and preference pairs (cputrain.data.preference), each a package of the
+same files; how another is added: cputrain.data's docstring.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from cputrain.config import DataConfig
 from cputrain.data.validation_split import VALIDATION_RULE
+
+if TYPE_CHECKING:  # annotations only: tokenizing workers import this module (Worker), and need no config
+    from cputrain.config import DataConfig
 
 
 @dataclass

@@ -16,12 +16,13 @@ import os
 from pathlib import Path
 
 from cputrain.config import DataConfig
-from cputrain.data import cache_builder, cache_lock, packing, sources
-from cputrain.data.example_kind import ExampleKind
+from cputrain.data import cache_builder, cache_lock, sources
+from cputrain.data.cache_key import cache_key
+from cputrain.data.examples.kind import ExampleKind
 from cputrain.data.kind import DataKind
-from cputrain.data.preference_kind import PreferenceKind
+from cputrain.data.preference.kind import PreferenceKind
 from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, stop_on_signal
-from cputrain.data.text_kind import TextKind
+from cputrain.data.text.kind import TextKind
 from cputrain.errors import DataError
 
 log = logging.getLogger("cputrain")
@@ -56,7 +57,7 @@ def cached_data(data_cfg: DataConfig, data_fingerprint: str, seed: int, kind: Da
                 may_build: bool = True):
     """The cache entry for this data, kind, tokenizer and cut: built once by one writer, then
     opened. Without `may_build`, a missing entry raises _NotBuilt."""
-    key = packing.cache_key(data_fingerprint, data_cfg, seed, kind.tokenizer, kind.key())
+    key = cache_key(data_fingerprint, data_cfg, seed, kind.tokenizer, kind.key())
     final = Path(data_cfg.cache_dir) / "packed" / key
     partial = final.with_name(f"{key}.partial")
 

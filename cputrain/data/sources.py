@@ -327,7 +327,7 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
 
 
 def record_format(cfg: DataConfig) -> str:
-    """data.format: as set, or as auto decides it (a run's config has it decided: run_choices)."""
+    """data.format: as set, or as auto decides it (a run's config has it decided: training.choices)."""
     return cfg.format if cfg.format != "auto" else format_choice(cfg)[0]
 
 

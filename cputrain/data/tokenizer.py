@@ -81,7 +81,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 SAMPLE_BLOCK_ROWS = 100  # documents read together: few Arrow slices, spread over the whole corpus
 # The BPE trainer is given text in pieces of at most this many characters. It pre-tokenizes each
 # string it is given whole, at tens of bytes per character: one 52 MB document (a one-line file)
-# took the process to 5.5 GB. Pieces are cut before spaces (tokenize_chunk.pieces, which the token
+# took the process to 5.5 GB. Pieces are cut before spaces (text.tokenize.pieces, which the token
 # pass uses too), where the byte-level pre-tokenizer splits anyway: the words it counts are the same.
 SAMPLE_PIECE_CHARS = 64_000
 
@@ -91,7 +91,7 @@ def document_pieces(doc: str, max_chars: int, piece_chars: int = SAMPLE_PIECE_CH
 
     A document longer than `max_chars` is sampled within itself: evenly spaced pieces, so a
     corpus that is one huge document gives the tokenizer its beginning, middle and end."""
-    from cputrain.data.tokenize_chunk import pieces
+    from cputrain.data.text.tokenize import pieces
 
     parts = pieces(doc, piece_chars)
     wanted = min(len(parts), max(1, max_chars // piece_chars))

@@ -5,7 +5,7 @@ The agent is torch.distributed.run's own (its argument parser, LaunchConfig and
 elastic_launch), with a c10d rendezvous: the node with node_rank 0 hosts the store at
 rdzv_endpoint, the others connect to it. Restarts after a lost rank (launch.max_restarts)
 are the agent's; each restarted rank resumes from the newest complete checkpoint. Deciding
-what to start, and whether to start the agent at all, is cputrain.launch's.
+what to start, and whether to start the agent at all, is cputrain.training.launch's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from cputrain.config import Config
 from cputrain.native.allocator import AllocatorChoice, preload_env
 from cputrain.errors import ConfigError, Diverged, PeerLost, Stopped, UserError
-from cputrain.resolve import AGENT_SETTINGS_VAR
+from cputrain.config.resolve import AGENT_SETTINGS_VAR
 
 log = logging.getLogger("cputrain")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from cputrain.k8s.checks import (ManifestError, check_count, check_env_name, check_image, check_name,
                                  check_quantity, quantity_value)
-from cputrain.plan.stop_window import DEFAULT_STORAGE_WRITE_MIB_S
+from cputrain.plan.time.stop_window import DEFAULT_STORAGE_WRITE_MIB_S
 
 GIB = 2**30
 RDZV_PORT = 29500
@@ -34,7 +34,7 @@ class ClusterOptions:
     memory: str | None = None  # None: the plan's pod memory plus /dev/shm
     shm_size: str = "8Gi"
     karpenter: bool = True
-    # Seconds a pod gets after SIGTERM (None: the plan's stop window, plan/stop_window.py) and the
+    # Seconds a pod gets after SIGTERM (None: the plan's stop window, plan/time/stop_window.py) and the
     # storage rate that window assumes; render fills grace_period_s and stop_timeout_s.
     grace_period_s: int | None = None
     storage_write_mib_s: float = DEFAULT_STORAGE_WRITE_MIB_S

@@ -9,11 +9,11 @@ from cputrain.config import Config
 from cputrain.k8s import indexed_job, karpenter, storage, trainjob
 from cputrain.k8s.checks import quantity_value
 from cputrain.k8s.options import ClusterOptions, pod_resources
-from cputrain.plan.build import Plan
-from cputrain.plan.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
+from cputrain.plan.memory.build import Plan
+from cputrain.plan.memory.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
 from cputrain.plan.instances import Instance, find_instance
-from cputrain.plan.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
-from cputrain.run_choices import decided_plan
+from cputrain.plan.time.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
+from cputrain.training.choices import decide_and_plan
 
 log = logging.getLogger("cputrain")
 
@@ -35,7 +35,7 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     # The plan of `cfg` with its keys decided as `cputrain plan` decides them; the ConfigMap keeps
     # `cfg` as written, so each pod decides its "auto"s on its own node. No instance fit in the
     # plan: the render fits the whole pod (its ranks and /dev/shm) below.
-    plan = plan or decided_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node, config_json=config_json)
+    plan = plan or decide_and_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node, config_json=config_json)
     rank_peak = max(r.total_bytes for r in plan.ranks)
     given = bool(opts.instance_type)
     if given:

@@ -58,7 +58,7 @@ def time_forward_backward(fn, batch: int, heads: int, kv_heads: int, seq_len: in
     return time.perf_counter() - t0
 
 
-def choose_attention(hf_config, micro_batch: int, seq_len: int, dtype: torch.dtype) -> AttentionChoice:
+def attention_choice(hf_config, micro_batch: int, seq_len: int, dtype: torch.dtype) -> AttentionChoice:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads

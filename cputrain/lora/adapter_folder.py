@@ -37,7 +37,7 @@ def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], model, tok
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from cputrain.run_folder.export import fresh_staging, swap_in
+    from cputrain.model.export import fresh_staging, swap_in
 
     if not is_writer:
         for _ in tensors:  # take part in each gather; keep nothing
@@ -89,7 +89,7 @@ def merged_model(folder: Path):
 def merge_into_base(folder: Path, out: Path) -> Path:
     """Write `out`: the base with the adapters merged into its weights, in the base's own dtype,
     as a plain Hugging Face model folder (with the tokenizer). `out` must not exist yet."""
-    from cputrain.run_folder.export import fresh_staging, swap_in
+    from cputrain.model.export import fresh_staging, swap_in
     from cputrain.data.tokenizer import load_tokenizer
 
     if out.exists():

@@ -13,7 +13,7 @@ from cputrain.config.resolved import ResolvedConfig
 from cputrain.lora import base_model
 from cputrain.lora.base_storage import BASE_DTYPES
 from cputrain.lora.adapters import ADAPTER, add_adapters, base_file_name, fill_adapters, is_adapter_parameter
-from cputrain.model_converter import ModelConverter
+from cputrain.model.converter import ModelConverter
 
 log = logging.getLogger("cputrain")
 
@@ -37,7 +37,7 @@ class LoraConverter(ModelConverter):
         """Adapters into the skeleton, the rest frozen (bf16 where the compute is); their initial
         values are kept until the strategy has materialized the model."""
         cfg = self.cfg
-        # Decided before the run (cputrain.run_choices, with its reason in config.yaml): read, not decided again.
+        # Decided before the run (cputrain.training.choices, with its reason in config.yaml): read, not decided again.
         base_dtype = BASE_DTYPES[cfg.model.lora.base_dtype]
         self.initial = add_adapters(skeleton, cfg.model.lora, frozen_dtype=base_dtype, seed=cfg.seed,
                                     base_path=str(source.folder.resolve()), compute_dtype=cfg.hardware.dtype)

@@ -17,7 +17,8 @@ def read_summary(run: RunFolder) -> dict | None:
 
 
 def write_summary(run: RunFolder, summary: dict) -> None:
-    run.write_text(finite_json.dumps(summary, indent=2), NAME)
+    text = finite_json.dumps(summary, indent=2)
+    run.write_text(text, NAME)
 
 
 def summary_table(s: dict) -> list[str]:

@@ -2,7 +2,9 @@
 
 Loading a pretrained model goes skeleton-on-meta → (strategy shards it) → materialize → copy
 tensors from the safetensors files. Three jobs, a module each: which model and its config
-(source), the structure and what is done to it (skeleton), filling it (weights).
+(source), the structure and what is done to it (skeleton), filling it (weights). Beside them:
+what a run does to the model beyond building and loading it (converter: the protocol, whose
+identity is full fine-tuning) and the finished model written as a plain Hugging Face folder (export).
 """
 
 from cputrain.model.skeleton import (  # noqa: F401

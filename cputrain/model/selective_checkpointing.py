@@ -14,7 +14,7 @@ output (inner dimension × THIN_RATIO ≤ output width) costs 2·inner FLOPs per
 for the bytes it would keep. LoRA's lora_B (rank 16 into a 4,096- or 14,336-wide output) is one:
 keeping it would double what each adapted linear keeps, for ~1% of that linear's FLOPs. Eager
 attention's q·kᵀ (head_dim into a sequence-wide row) is another: its batch × heads × seq² output is
-recomputed from the kept q and k. cputrain.plan.activations counts what this keeps.
+recomputed from the kept q and k. cputrain.plan.memory.activations counts what this keeps.
 """
 
 from __future__ import annotations

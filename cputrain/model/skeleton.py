@@ -3,6 +3,7 @@ what is done to them (activation checkpointing, compiled blocks), and its parame
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -14,22 +15,45 @@ from cputrain.errors import ModelError, first_line
 from cputrain.model.source import ModelSource
 
 
+# The skeleton last built in this process, by what determines it. A rank asks for the same one
+# up to four times (the checks before any work, LoRA's target layers, the plan of activation
+# checkpointing, the trainer), and each changes its own (adapters, checkpointing): one build, and
+# a copy for each (a meta copy takes milliseconds; an 8B build, seconds). One entry: a process
+# builds one model, and a test session many.
+_built: tuple[tuple, nn.Module] | None = None
+
+
 def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
-    """The model with every parameter on the meta device: structure, no storage."""
+    """The model with every parameter on the meta device: structure, no storage. Its config is
+    `source.hf_config`, left as transformers' from_config leaves the config it builds from."""
+    global _built
+    # "auto" is decided by timing (the run's choices); a skeleton built before that, for a plan or
+    # LoRA's targets, is the same either way
+    attn = "sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    key = (source.hf_config.to_json_string(), attn, cfg.trust_remote_code)
+    if _built is None or _built[0] != key:
+        _built = key, _from_config(copy.deepcopy(source.hf_config), attn, cfg.trust_remote_code)
+    built = _built[1]
+    # The copy holds the caller's config object, set as from_config sets the one it is given
+    # (dtype, the attention kernel): the trainer exports that object as model/config.json.
+    memo = {id(built.config): source.hf_config}
+    model = copy.deepcopy(built, memo)
+    source.hf_config.__dict__.update({name: copy.deepcopy(value, memo)
+                                      for name, value in built.config.__dict__.items()})
+    return model
+
+
+def _from_config(hf_config, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                source.hf_config,
-                # "auto" is decided by timing (trainer); a skeleton built before that, for a plan, is the same either way
-                attn_implementation="sdpa" if cfg.attn_implementation == "auto" else cfg.attn_implementation,
-                trust_remote_code=cfg.trust_remote_code,
+            return AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
                 dtype=torch.float32,  # master weights stay fp32; bf16 is a compute choice (autocast)
             )
     except Exception as exc:
         raise ModelError(f"could not build the model from its config: {first_line(exc)}") from None
-    return model
 
 
 def enable_activation_checkpointing(model: nn.Module, setting: bool | int | str = True) -> None:
@@ -88,7 +112,7 @@ def compile_blocks(model: nn.Module, cache_dir: str) -> None:
     and the loss stay eager. Only `forward` is compiled, not the module call: the hooks that
     DDP, FSDP2 and DeepSpeed put on a block stay outside the graph, and parameter names (so
     checkpoints and the export) are those of an eager run. benchmarks/step_profile.py measures
-    it against eager on the machine at hand (docs/benchmarks.md).
+    it against eager on the machine at hand (docs/benchmarks/step-time.md).
     """
     import os
 

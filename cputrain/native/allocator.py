@@ -93,7 +93,7 @@ def find_allocator(name: str = "tcmalloc", dirs: list[str] | None = None) -> str
     return None
 
 
-def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] | None = None,
+def allocator_choice(setting: str, environ: dict | None = None, dirs: list[str] | None = None,
                      precision: str | None = None, strategy: str | None = None) -> AllocatorChoice:
     """What to put in LD_PRELOAD for the ranks, and why (setting = hardware.allocator; precision =
     the run's hardware.precision, which picks the measurement the reason cites; strategy = the
@@ -121,6 +121,19 @@ def choose_allocator(setting: str, environ: dict | None = None, dirs: list[str] 
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")
+
+
+def running_allocator_choice(precision: str, strategy: str, environ: dict | None = None) -> tuple[str, str]:
+    """hardware.allocator=auto in a running rank: what this process runs on, and why. The
+    allocator was preloaded before it started (or not: started by another launcher), or it is
+    glibc, tuned by the worker before the model is built where allocator_choice says so."""
+    env = os.environ if environ is None else environ
+    choice = allocator_choice("auto", precision=precision, strategy=strategy)
+    loaded = choice.library is not None and choice.library in env.get("LD_PRELOAD", "")
+    if loaded or choice.library is None:
+        return (choice.name if loaded or choice.name == "glibc-tuned" else "system"), choice.reason
+    return "system", (f"{choice.name} is installed but was not preloaded into this process (started by another "
+                      "launcher): glibc malloc")
 
 
 def preload_env(choice: AllocatorChoice, environ: dict) -> None:

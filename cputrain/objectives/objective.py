@@ -60,7 +60,7 @@ class LmObjective:
     @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
         """([sum of the losses], trained targets) over rows[indices]."""
-        from cputrain.evaluation import summed_loss
+        from cputrain.objectives.validation_loss import summed_loss
 
         total, targets = summed_loss(model, rows, indices, micro_batch, autocast)
         return np.array([total]), targets

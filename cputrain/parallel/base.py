@@ -56,7 +56,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 @dataclass
 class StrategyContext:
     """What a strategy is built from. The compute dtype is read from here, never from the
-    config's precision string: one value, decided once (cputrain.resolve)."""
+    config's precision string: one value, decided once (cputrain.config.resolve)."""
 
     cfg: Config
     rank: int
@@ -100,7 +100,7 @@ class Strategy:
         strategy verifies before the first step. Nothing by default; ddp checks that its replicas agree."""
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        from cputrain.optim import build_adamw
+        from cputrain.parallel.adamw import build_adamw
 
         return build_adamw(model, self.ctx.cfg.train)
 
@@ -118,8 +118,10 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    # Whether step() can leave the weights untouched when the gradients are not finite.
+    # Whether step() can leave the weights untouched when the gradients are not finite, and what
+    # a bad step's warning says in place of "optimizer step skipped" where it cannot.
     can_skip_step = True
+    cannot_skip_words = "this strategy cannot skip it"
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
              loss_finite: bool = True) -> tuple[float, bool]:
@@ -135,6 +137,15 @@ class Strategy:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm, stepped
+
+    def weights_finite_on_every_rank(self, model: nn.Module) -> bool:
+        """Each rank reads the trained weights it holds (weights_finite); one all-reduce of one
+        number on several ranks, so every rank answers alike."""
+        from cputrain.distributed import process_group as pg
+
+        finite_here = self.weights_finite(model)
+        (bad_ranks,) = pg.all_reduce_sum([0.0 if finite_here else 1.0])
+        return bad_ranks == 0
 
     def weights_finite(self, model: nn.Module) -> bool:
         """Whether every trained parameter this rank holds (its shard, where sharded) is finite. A

@@ -30,7 +30,7 @@ from cputrain.errors import ConfigError, UserError
 MIN_DEEPSPEED = "0.16.0"
 INSTALL_HINT = "pip install 'cputrain[deepspeed]' (scripts/install.sh deepspeed)"
 
-# Measured on an AMD EPYC without AMX or AVX512-BF16 (see cputrain.resolve): bf16 matmuls are
+# Measured on an AMD EPYC without AMX or AVX512-BF16 (see cputrain.config.resolve): bf16 matmuls are
 # emulated there.
 EMULATED_BF16_REASON = (
     "this CPU has no AMX or AVX512-BF16, so bf16 matmuls are emulated "

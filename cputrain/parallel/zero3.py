@@ -41,10 +41,10 @@ from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
-from cputrain.optim import adamw, decay_groups  # noqa: E402
+from cputrain.parallel.adamw import adamw, decay_groups  # noqa: E402
 from cputrain.native.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
-from cputrain.resolve import grad_accum_steps  # noqa: E402
+from cputrain.config.resolve import grad_accum_steps  # noqa: E402
 
 log = logging.getLogger("cputrain")
 # DeepSpeed still calls collectives torch has renamed; one warning per call would flood the log.
@@ -195,6 +195,7 @@ class Zero3Strategy(Strategy):
     # DeepSpeed computes the norm inside engine.step(), after which the step is taken: a
     # non-finite step cannot be skipped here, only detected (the trainer then stops at once).
     can_skip_step = False
+    cannot_skip_words = "zero3 cannot skip it"
 
     def step(self, model: nn.Module, optimizer, grad_clip: float, loss_finite: bool = True) -> tuple[float, bool]:
         self.engine.step()  # clips to gradient_clipping, steps, zeroes the gradient partitions

@@ -252,14 +252,14 @@ def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_js
                 compute_dtype=None, seed: int = 0) -> ModelShape:
     """Every parameter of the model the config trains. With model.lora enabled the adapters are
     added as the trainer adds them, on the targets and with the base dtype decided for the run
-    (cputrain.run_choices), under `compute_dtype` (default fp32)."""
+    (cputrain.training.choices), under `compute_dtype` (default fp32)."""
     import torch
 
     from cputrain import model as models
 
     if model_cfg.lora.enabled and "auto" in (model_cfg.lora.target_modules, model_cfg.lora.base_dtype):
         raise ValueError("model.lora.target_modules and model.lora.base_dtype are read decided "
-                         "(cputrain.run_choices.decide_for_plan decides them for a plan)")
+                         "(cputrain.training.choices.decide_for_plan decides them for a plan)")
     hf_config = hf_config_for(model_cfg, vocab_size, config_json)
     skeleton = models.build_skeleton(models.ModelSource(None, hf_config), model_cfg)  # meta: no memory
     if model_cfg.lora.enabled:

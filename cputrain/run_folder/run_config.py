@@ -4,6 +4,8 @@ folder. Its identity keys decide whether the folder's checkpoints may continue t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import yaml
 
 from cputrain.run_folder.layout import RunFolder
@@ -64,18 +66,40 @@ def _get(d: dict, dotted: str):
     return d
 
 
-def check_compatible(run: RunFolder, cfg: Config) -> None:
-    """Refuse to touch a run folder whose checkpoints belong to a different run."""
+@dataclass(frozen=True)
+class RecordedConfig:
+    """What a run folder holds to resume: whether it has complete checkpoints, and its config.yaml
+    (None: no checkpoints, or checkpoints without the file). Read once per rank (read_recorded)
+    and handed to every rule that reads a recorded value, and to the folder's identity check."""
+
+    has_checkpoints: bool
+    values: dict | None
+
+    def value(self, dotted: str):
+        """The value of `dotted` in the recorded config.yaml, or None."""
+        return _get(self.values, dotted) if self.values is not None else None
+
+
+def read_recorded(run: RunFolder) -> RecordedConfig:
+    if not run.complete_steps():
+        return RecordedConfig(False, None)
+    text = run.read_text(NAME)
+    return RecordedConfig(True, (yaml.safe_load(text) or {}) if text is not None else None)
+
+
+def check_compatible(run: RunFolder, cfg: Config, recorded: RecordedConfig | None = None) -> None:
+    """Refuse to touch a run folder whose checkpoints belong to a different run. `recorded`: the
+    folder as read_recorded read it (read here when not given)."""
     if run.fs.exists(run.root) and not run.fs.isdir(run.root):
         raise RunFolderError(f"output_dir '{run.url}' is a file, not a folder; choose another output_dir")
-    if not run.complete_steps():
+    recorded = recorded if recorded is not None else read_recorded(run)
+    if not recorded.has_checkpoints:
         return
-    old_text = run.read_text(NAME)
-    if old_text is None:
+    if recorded.values is None:
         raise RunFolderError(
             f"output_dir '{run.url}' holds checkpoints but no config.yaml; choose another output_dir"
         )
-    old, new = yaml.safe_load(old_text) or {}, cfg.model_dump(mode="json")
+    old, new = recorded.values, cfg.model_dump(mode="json")
     was_lora = bool(_get(old, "model.lora.enabled"))
     if was_lora != cfg.model.lora.enabled:
         held, now = ("LoRA adapters", "full fine-tuning") if was_lora else ("a full fine-tune", "LoRA")
@@ -100,20 +124,6 @@ def check_compatible(run: RunFolder, cfg: Config) -> None:
                 f"output_dir '{run.url}' holds checkpoints of another run ({key}: {there!r} there, "
                 f"{now!r} now); choose a new output_dir or set {key} back to resume it"
             )
-
-
-def recorded_config(run: RunFolder) -> dict | None:
-    """The config.yaml of a run folder with checkpoints to resume, or None (nothing to resume)."""
-    if not run.complete_steps():
-        return None
-    text = run.read_text(NAME)
-    return (yaml.safe_load(text) or {}) if text else None
-
-
-def recorded_value(run: RunFolder, dotted: str):
-    """The value of `dotted` in the config.yaml of a run folder with checkpoints to resume, or None."""
-    recorded = recorded_config(run)
-    return _get(recorded, dotted) if recorded is not None else None
 
 
 def recorded_identity(recorded: dict, key: str) -> tuple[object, bool]:

@@ -5,7 +5,7 @@ nothing else, so the tx bytes of `lo` in /proc/net/dev (read in that namespace b
 after) are everything the ranks, the agent and the rendezvous store sent. The sum over ranks
 of `comm_sent_bytes` (ring all-reduce: each rank sends the same, so twice rank 0's logged
 figure) must account for most of it and must not exceed it. The time plan's DDP volume (one
-all-reduce of the trained gradients a step, cputrain.plan.comm_volume) must match what a step logged.
+all-reduce of the trained gradients a step, cputrain.plan.time.comm_volume) must match what a step logged.
 
 Tolerance: the kernel count may exceed the metered bytes by 15% (TCP/IP headers, about 1%
 on loopback's 64 KiB segments, and gloo's own framing) plus a fixed 4 MiB for what the meter
@@ -101,7 +101,7 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
     # The time plan's figure for the same run: the shape the run planned (plan.json: its real
     # vocabulary), one all-reduce of the trained gradients a step whatever the accumulation (2 here).
     from cputrain.config.file import load_config
-    from cputrain.plan.comm_volume import comm_pattern
+    from cputrain.plan.time.comm_volume import comm_pattern
     from cputrain.plan.model_shape import model_shape
 
     doc = json.loads((out / "plan.json").read_text())

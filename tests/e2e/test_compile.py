@@ -49,7 +49,7 @@ def test_a_compiled_block_takes_the_shared_prompts_4d_mask_as_eager_does(tmp_pat
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cputrain.data.pairs import PairRows
+    from cputrain.data.preference.rows import PairRows
     from cputrain.model.skeleton import compile_blocks
     from cputrain.objectives.objective import pair_logps
     from cputrain.objectives.preference_loss import dpo_losses

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import run_cli, run_cli_here
-from cputrain.plan.compare import EXACT, RSS_TOLERANCE, compare_run, markdown_table
+from cputrain.plan.memory.compare import EXACT, RSS_TOLERANCE, compare_run, markdown_table
 
 SIZES = {
     "tiny": ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",

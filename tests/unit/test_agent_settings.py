@@ -8,7 +8,7 @@ import pytest
 
 from cputrain.config.file import load_config
 from cputrain.errors import ConfigError
-from cputrain.resolve import AGENT_SETTINGS_VAR, check_agent_agrees, settings_of
+from cputrain.config.resolve import AGENT_SETTINGS_VAR, check_agent_agrees, settings_of
 
 
 def _resolved(**values):

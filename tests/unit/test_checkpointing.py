@@ -69,7 +69,7 @@ def test_the_first_n_blocks_are_recomputed_and_the_step_is_the_same():
 def test_blocks_left_out_keep_their_activations_as_the_plan_counts_them():
     """What autograd saves outside the checkpoints grows by one whole block per block left out,
     and that block is the one the plan adds for each of them (within its ±15%)."""
-    from cputrain.plan.activations import activation_bytes
+    from cputrain.plan.memory.activations import activation_bytes
     from cputrain.plan.model_shape import ModelShape
 
     saved = {n: _step(_tiny_llama(), n)[3] for n in (0, 1, 2, 3, 4)}
@@ -87,7 +87,7 @@ def test_blocks_left_out_keep_their_activations_as_the_plan_counts_them():
 
 
 def test_the_plan_keeps_n_inputs_and_the_other_blocks_whole():
-    from cputrain.plan.activations import activation_bytes
+    from cputrain.plan.memory.activations import activation_bytes
     from cputrain.plan.model_shape import ModelShape
 
     m = ModelShape((), layers=8, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=100, tied_embeddings=False)
@@ -115,10 +115,10 @@ def _plan_config(*extra):
 
 
 def test_auto_takes_the_fewest_blocks_that_fit_the_node():
-    from cputrain.plan.build import make_plan
-    from cputrain.plan.checkpointing import MEMORY_FRACTION, checkpointing_choice
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.memory.checkpointing import MEMORY_FRACTION, checkpointing_choice
 
-    # the keys run_choices decides before activation checkpointing, as a one-rank fp32 run decides them
+    # the keys training.choices decides before activation checkpointing, as a one-rank fp32 run decides them
     cfg = _plan_config("model.activation_checkpointing=auto", "parallel.strategy=single",
                        "model.attn_implementation=sdpa", "model.chunked_loss=false")
 
@@ -161,8 +161,8 @@ def test_auto_takes_the_fewest_blocks_that_fit_the_node():
 
 def test_auto_under_zero3_takes_whole_blocks_only():
     """zero3 takes no selective checkpointing: the fewest whole blocks, the others keeping everything."""
-    from cputrain.plan.build import make_plan
-    from cputrain.plan.checkpointing import MEMORY_FRACTION, checkpointing_choice
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.memory.checkpointing import MEMORY_FRACTION, checkpointing_choice
 
     cfg = _plan_config("model.activation_checkpointing=auto", "parallel.strategy=zero3",
                        "model.attn_implementation=sdpa", "model.chunked_loss=false")
@@ -191,10 +191,10 @@ def test_the_setting_is_checked_and_auto_is_never_counted_unresolved():
 
 
 def test_cputrain_plan_plans_auto_as_every_block_and_says_so():
-    from cputrain.run_choices import decided_plan
+    from cputrain.training.choices import decide_and_plan
 
-    auto = decided_plan(_plan_config("model.activation_checkpointing=auto"), 1)
-    every = decided_plan(_plan_config("model.activation_checkpointing=true"), 1)
+    auto = decide_and_plan(_plan_config("model.activation_checkpointing=auto"), 1)
+    every = decide_and_plan(_plan_config("model.activation_checkpointing=true"), 1)
     assert auto.ranks == every.ranks
     assert any("model.activation_checkpointing=auto" in note for note in auto.notes)
 

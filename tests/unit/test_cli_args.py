@@ -27,7 +27,7 @@ def test_train_overrides_before_or_after_flags(words):
 
 def test_no_config_file_only_overrides_after_flags():
     args = parse("train", "--dry-run", "--max-restarts", "1", "train.max_steps=5", "--nnodes", "1", "a.b=2")
-    # the first override lands in `config`; cmd_train moves a word with '=' that is no file to the overrides
+    # the first override lands in `config`; commands.train moves a word with '=' that is no file to the overrides
     assert [args.config, *args.overrides] == ["train.max_steps=5", "a.b=2"]
     assert args.dry_run and args.max_restarts == 1 and args.nnodes == 1
 

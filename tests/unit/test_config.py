@@ -15,7 +15,7 @@ from cputrain.config import Config
 from cputrain.config.file import describe_fields, load_config
 from cputrain.errors import ConfigError
 from cputrain.hardware import detect
-from cputrain.resolve import EMULATED_BF16_WARNING, resolve
+from cputrain.config.resolve import EMULATED_BF16_WARNING, resolve
 
 
 def test_defaults_and_overrides_apply_dotted_keys(tmp_path):
@@ -196,7 +196,7 @@ def test_world_size_must_divide_the_batch():
 def test_chunked_loss_auto_follows_precision_and_the_logits_size():
     """bf16: chunked. fp32: plain where a micro-batch's fp32 logits are small (measured as fast),
     chunked where they exceed the 256 MiB block (a large vocabulary); an explicit value stays."""
-    from cputrain.resolve import chunked_loss_choice
+    from cputrain.config.resolve import chunked_loss_choice
 
     assert chunked_loss_choice("auto", "bf16", 2048, 4096)[0] is True
     demo, why = chunked_loss_choice("auto", "fp32", 8 * 256, 4096)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from cputrain.config import DataConfig, ModelConfig
-from cputrain.data import cache_builder, order, packing, prepare, sources, tokenizer as tokenizers
+from cputrain.data import cache_builder, cache_key, order, prepare, sources, tokenizer as tokenizers
 from cputrain.data.rows import Rows
-from cputrain.data.text_kind import TextKind
+from cputrain.data.text.kind import TextKind
 from cputrain.data.validation_split import validation_mask
 from cputrain.errors import DataError
 
@@ -72,7 +72,7 @@ def test_records_whose_text_is_not_a_string_are_counted_not_dropped_silently(tok
 
 
 def test_a_long_document_is_encoded_in_pieces_with_the_ids_of_the_whole(tok, tmp_path, monkeypatch):
-    from cputrain.data import tokenize_chunk
+    from cputrain.data.text import tokenize as tokenize_chunk
 
     doc = " ".join(f"word{i % 97}  and,more" for i in range(3000)) + " " + "x" * 5000 + " tail"
     parts = tokenize_chunk.pieces(doc, piece_chars=1000)
@@ -147,7 +147,7 @@ RUN_DEPENDENT = ("source", "resumed_at_record", "prepare_time_s", "tokens_per_s"
 
 
 def test_interrupted_preparation_resumes_to_the_same_cache(tok, tmp_path, monkeypatch):
-    from cputrain.data import tokenize_chunk
+    from cputrain.data.text import tokenize as tokenize_chunk
 
     monkeypatch.setattr(cache_builder, "CHUNK_CHARS", 1_000)
     monkeypatch.setattr(cache_builder, "COMMIT_EVERY_S", 0.0)  # commit after every chunk
@@ -290,7 +290,7 @@ def test_trained_tokenizer_is_cached(tmp_path):
     assert calls == [1]  # trained once; the second run reads the cache
     assert len(first) == len(second) == 300
     assert first.eos_token == tokenizers.EOS and first.eos_token_id is not None
-    assert packing.tokenizer_hash(first) == packing.tokenizer_hash(second)
+    assert cache_key.tokenizer_hash(first) == cache_key.tokenizer_hash(second)
     text = "def f(x):\n    return x ** 2  # ünïcödé"
     assert second.decode(second(text)["input_ids"]) == text  # byte-level: any text round-trips
     assert sorted(p.name for p in (tmp_path / "tokenizers").iterdir()) == ["bpe-v2-300-fp1-256mb"]  # no lock left

@@ -10,7 +10,7 @@ from cputrain.config import Config
 
 from cputrain.config.file import load_config, read_yaml
 from cputrain.hardware import detect
-from cputrain.resolve import resolve
+from cputrain.config.resolve import resolve
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

@@ -19,8 +19,8 @@ from conftest import run_cli_here
 gguf = pytest.importorskip("gguf")
 
 from cputrain.errors import ModelError  # noqa: E402
-from cputrain.gguf_export.llama import permute_for_llama_cpp  # noqa: E402
-from cputrain.gguf_export.vocab import LLAMA3_SPLIT, pre_tokenizer_name  # noqa: E402
+from cputrain.finished.gguf.llama import permute_for_llama_cpp  # noqa: E402
+from cputrain.finished.gguf.vocab import LLAMA3_SPLIT, pre_tokenizer_name  # noqa: E402
 
 # llama.cpp's tensor names for one block of the tiny model, and what each is in transformers.
 BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

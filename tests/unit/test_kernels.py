@@ -124,7 +124,7 @@ def test_attention_choice_is_the_faster_and_says_why(monkeypatch):
     times = {attention_choice._sdpa: 0.2, attention_choice._eager: 0.1}
     monkeypatch.setattr(attention_choice, "time_forward_backward", lambda fn, *a: times[fn])
     cfg = CONFIG_MAPPING["llama"](hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    choice = attention_choice.choose_attention(cfg, micro_batch=2, seq_len=32, dtype=torch.bfloat16)
+    choice = attention_choice.attention_choice(cfg, micro_batch=2, seq_len=32, dtype=torch.bfloat16)
     assert choice.implementation == "eager"
     assert "eager 100.0 ms" in choice.reason and "sdpa 200.0 ms" in choice.reason and "2×4 heads (2 KV)×32×16" in choice.reason
 
@@ -154,7 +154,7 @@ def test_measure_grows_the_matmul_until_it_takes_long_enough(monkeypatch):
 
 def test_adamw_is_fused():
     from cputrain.config import TrainConfig
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
 
     opt = build_adamw(torch.nn.Linear(4, 4), TrainConfig())
     assert opt.defaults["fused"] is True and not opt.defaults["foreach"]

@@ -16,18 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cputrain"
 # modules of its own unit; nothing in its own layer or above.
 LAYERS = [
     ["errors", "log", "hardware", "kernels", "native"],  # facts, kernels, native libraries: no project imports
-    ["config", "locks"],  # the config: sections, YAML and overrides, the resolved config; lock files
-    ["resolve"],  # every "auto" → a value, from the hardware
+    ["config", "locks"],  # the config: sections, YAML and overrides, the machine's "auto"s resolved; lock files
     ["distributed"],  # rank variables, placement, the agent, the process group, communication
-    ["model", "optim"],  # the Hugging Face model: found, its files read, its skeleton shaped; AdamW
+    ["model"],  # the Hugging Face model: found, its files read, its skeleton shaped, what a run does to it
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
-    ["metrics", "model_converter"],  # a run's figures; what a run does to the model (identity)
+    ["metrics"],  # a run's figures
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
-    ["evaluation", "inference", "gguf_export"],  # validation loss; a finished model for sampling; as GGUF
-    ["objectives", "lm_harness"],  # what a step minimises: the LM loss, DPO, SimPO; benchmarks via lm-eval
-    ["plan", "preflight"],  # memory per rank; what is refused before any work
-    ["trainer", "run_choices"],  # the training loop; the "auto"s beyond the hardware
-    ["worker", "launch", "k8s"],  # what a rank runs; ranks here or through the agent; manifests
+    ["objectives"],  # what a step minimises: the LM loss, DPO, SimPO; the validation-loss loop
+    ["finished"],  # a finished model: sampled, evaluated, benchmarked via lm-eval, written as GGUF
+    ["plan"],  # memory per rank and the time of a step, before any run
+    ["training"],  # a run: refused before any work, launched, decided, its ranks' loop
+    ["k8s"],  # manifests sized by the plan the run's choices decide
+    ["commands"],  # one module per subcommand: its parser and its body
     ["cli"],
     ["__main__"],
 ]
@@ -40,7 +40,7 @@ def _module_name(path: Path) -> str:
 
 
 def _unit(module: str) -> str:
-    """cputrain.run_folder.layout → run_folder; cputrain.trainer → trainer."""
+    """cputrain.run_folder.layout → run_folder; cputrain.training.trainer → training."""
     return module.split(".")[1]
 
 
@@ -103,18 +103,20 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (fake / "run_folder").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "run_folder" / "__init__.py").write_text("")
-    (fake / "run_folder" / "layout.py").write_text("def f():\n    from cputrain.trainer import Trainer\n")
-    (fake / "trainer.py").write_text("from cputrain.run_folder.layout import f\n")
+    (fake / "training").mkdir()
+    (fake / "training" / "__init__.py").write_text("")
+    (fake / "run_folder" / "layout.py").write_text("def f():\n    from cputrain.training.trainer import Trainer\n")
+    (fake / "training" / "trainer.py").write_text("from cputrain.run_folder.layout import f\n")
     monkeypatch.setitem(globals(), "PACKAGE", fake)
     try:
         test_no_import_runs_up_or_sideways()
     except AssertionError as exc:
-        assert "cputrain.run_folder.layout → cputrain.trainer" in str(exc)
+        assert "cputrain.run_folder.layout → cputrain.training.trainer" in str(exc)
     else:
         raise AssertionError("an upward import went unseen")
     try:
         test_no_circle_of_modules()
     except AssertionError as exc:
-        assert "cputrain.run_folder.layout" in str(exc) and "cputrain.trainer" in str(exc)
+        assert "cputrain.run_folder.layout" in str(exc) and "cputrain.training.trainer" in str(exc)
     else:
         raise AssertionError("a circle went unseen")

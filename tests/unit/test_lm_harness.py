@@ -73,7 +73,7 @@ def answer_logprobs(model_dir: Path) -> list[list[float]]:
     call cputrain's validation loss makes), the answer's tokens alone labelled."""
     import torch
 
-    from cputrain.inference import load_for_inference
+    from cputrain.finished.load import load_for_inference
 
     model, tokenizer = load_for_inference(str(model_dir))
     out = []
@@ -197,7 +197,7 @@ def test_harness_flags_without_tasks_are_refused(run_dir):
 def test_a_group_gets_a_row_and_a_file_of_its_own(tmp_path):
     """A group's aggregate (the harness's results without a task config) is reported beside its
     tasks; its file lists them instead of a config, and it has no samples of its own."""
-    from cputrain.lm_harness import table_lines, write_results
+    from cputrain.finished.lm_harness import table_lines, write_results
 
     def task(acc):
         return {"alias": "t", "sample_len": 3, "acc,none": acc, "acc_stderr,none": 0.1, "acc_norm,none": 0.5,

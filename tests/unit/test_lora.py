@@ -71,7 +71,7 @@ def test_starts_as_the_base_and_trains_only_the_adapters(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from cputrain.config import TrainConfig
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
 
     model, initial = _lora_model(tiny_model_dir)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -101,7 +101,7 @@ def test_bf16_stored_base_computes_as_the_fp32_stored_one(tiny_model, tie, chunk
     matrices in bf16 and no fp32 copy of one kept for the backward."""
     from cputrain.config import TrainConfig
     from cputrain.kernels.chunked_head import install_chunked_loss
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
 
     folder = tiny_model(tie=tie, dtype=torch.bfloat16)
     # 21 tokens: no activation has a frozen matrix's shape (the hook below tells them apart by shape)

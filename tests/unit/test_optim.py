@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from cputrain.config import TrainConfig
-from cputrain.optim import build_adamw, build_schedule, lr_factor
+from cputrain.parallel.adamw import build_adamw
+from cputrain.training.lr_schedule import build_schedule, lr_factor
 
 
 def test_warmup_is_linear_then_cosine_to_min_ratio():

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from cputrain.native.allocator import choose_allocator, preload_env
+from cputrain.native.allocator import allocator_choice, preload_env
 from cputrain.distributed.placement import core_sets
 from cputrain.config import Config
 from cputrain.hardware import Core, detect, parse_cpu_list
-from cputrain.resolve import resolve
+from cputrain.config.resolve import resolve
 
 
 def _machine(numa_nodes: int, cores_per_node: int):
@@ -51,13 +51,13 @@ def test_cpu_lists_as_the_kernel_writes_them():
 def test_allocator_found_and_preloaded(tmp_path):
     lib = tmp_path / "libtcmalloc_minimal.so.4"
     lib.write_bytes(b"")
-    choice = choose_allocator("auto", environ={}, dirs=[str(tmp_path)])
+    choice = allocator_choice("auto", environ={}, dirs=[str(tmp_path)])
     assert choice.library == str(lib)
     env = {"LD_PRELOAD": "/other.so"}
     preload_env(choice, env)
     assert env["LD_PRELOAD"] == f"{lib}:/other.so"
-    assert choose_allocator("system", environ={}, dirs=[str(tmp_path)]).library is None
-    assert choose_allocator("auto", environ={}, dirs=[str(tmp_path / "none")]).library is None
+    assert allocator_choice("system", environ={}, dirs=[str(tmp_path)]).library is None
+    assert allocator_choice("auto", environ={}, dirs=[str(tmp_path / "none")]).library is None
 
 
 def test_auto_takes_tcmalloc_never_jemalloc_and_says_why(tmp_path):
@@ -67,16 +67,16 @@ def test_auto_takes_tcmalloc_never_jemalloc_and_says_why(tmp_path):
     figures of the run's own precision, and tcmalloc's memory price where it was measured."""
     (tmp_path / "libjemalloc.so.2").write_bytes(b"")
     for precision in ("fp32", "bf16", None):
-        auto = choose_allocator("auto", environ={}, dirs=[str(tmp_path)], precision=precision)
+        auto = allocator_choice("auto", environ={}, dirs=[str(tmp_path)], precision=precision)
         assert auto.library is None and auto.name == "system" and "no tcmalloc installed" in auto.reason
-    assert choose_allocator("jemalloc", environ={}, dirs=[str(tmp_path)]).library == str(tmp_path / "libjemalloc.so.2")
+    assert allocator_choice("jemalloc", environ={}, dirs=[str(tmp_path)]).library == str(tmp_path / "libjemalloc.so.2")
     (tmp_path / "libtcmalloc.so.4").write_bytes(b"")
-    fp32 = choose_allocator("auto", environ={}, dirs=[str(tmp_path)], precision="fp32")
-    bf16 = choose_allocator("auto", environ={}, dirs=[str(tmp_path)], precision="bf16")
+    fp32 = allocator_choice("auto", environ={}, dirs=[str(tmp_path)], precision="fp32")
+    bf16 = allocator_choice("auto", environ={}, dirs=[str(tmp_path)], precision="bf16")
     assert fp32.library == bf16.library == str(tmp_path / "libtcmalloc.so.4")
     assert "1.17× with a 128k-vocabulary head" in fp32.reason and "AVX512-BF16" not in fp32.reason
     assert "1.12× with LoRA on ~300M" in bf16.reason and "step peak" in bf16.reason and "AVX2" not in bf16.reason
-    unresolved = choose_allocator("auto", environ={}, dirs=[str(tmp_path)])  # precision still `auto`: both
+    unresolved = allocator_choice("auto", environ={}, dirs=[str(tmp_path)])  # precision still `auto`: both
     assert "fp32 tokens/s" in unresolved.reason and "bf16 tokens/s" in unresolved.reason
 
 
@@ -85,12 +85,12 @@ def test_a_one_process_run_is_started_again_once_with_the_allocator(tmp_path):
 
     lib = tmp_path / "libtcmalloc.so.4"
     lib.write_bytes(b"")
-    choice = choose_allocator("auto", environ={}, dirs=[str(tmp_path)])
+    choice = allocator_choice("auto", environ={}, dirs=[str(tmp_path)])
     env = reexec_env(choice, {"LD_PRELOAD": "/other.so", "PATH": "/bin"})
     assert env["LD_PRELOAD"] == f"{lib}:/other.so" and env[REEXEC_MARK] == "1" and env["PATH"] == "/bin"
     assert env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]  # no "large alloc" lines in the training log
     assert reexec_env(choice, env) is None  # started again once, never twice
-    assert reexec_env(choose_allocator("system", environ={}), {}) is None
+    assert reexec_env(allocator_choice("system", environ={}), {}) is None
 
 
 def test_without_tcmalloc_auto_tunes_glibc_on_whole_tensor_strategies_only(tmp_path):
@@ -99,14 +99,14 @@ def test_without_tcmalloc_auto_tunes_glibc_on_whole_tensor_strategies_only(tmp_p
     (the agent's dry report before resolving) is glibc as is."""
     nothing = [str(tmp_path / "none")]
     for strategy in ("single", "ddp"):
-        choice = choose_allocator("auto", environ={}, dirs=nothing, precision="bf16", strategy=strategy)
+        choice = allocator_choice("auto", environ={}, dirs=nothing, precision="bf16", strategy=strategy)
         assert choice.name == "glibc-tuned" and choice.library is None and "step peak" in choice.reason
     for strategy in ("fsdp", "zero3", None):
-        assert choose_allocator("auto", environ={}, dirs=nothing, strategy=strategy).name == "system"
-    asked = choose_allocator("glibc-tuned", environ={}, dirs=nothing, strategy="fsdp")
+        assert allocator_choice("auto", environ={}, dirs=nothing, strategy=strategy).name == "system"
+    asked = allocator_choice("glibc-tuned", environ={}, dirs=nothing, strategy="fsdp")
     assert asked.name == "glibc-tuned" and asked.library is None
     (tmp_path / "libtcmalloc.so.4").write_bytes(b"")  # installed: tcmalloc, whatever the strategy
-    assert choose_allocator("auto", environ={}, dirs=[str(tmp_path)], strategy="single").name == "tcmalloc"
+    assert allocator_choice("auto", environ={}, dirs=[str(tmp_path)], strategy="single").name == "tcmalloc"
 
 
 # A fresh interpreter (no torch) mallocs 64 MiB, touches it, frees it, and prints its resident

@@ -9,12 +9,12 @@ import torch
 
 from cputrain.config.file import load_config
 from cputrain.errors import ConfigError, ModelError
-from cputrain.plan.accounting import fsdp_rows, state_bytes
-from cputrain.plan.build import make_plan
-from cputrain.plan.fit import smallest_cluster
+from cputrain.plan.memory.accounting import fsdp_rows, state_bytes
+from cputrain.plan.memory.build import make_plan
+from cputrain.plan.memory.fit import smallest_cluster
 from cputrain.plan.instances import builtin_instances, load_instances
 from cputrain.plan.model_shape import ModelShape, ParamInfo, model_shape
-from cputrain.run_choices import decide_for_plan, decided_plan
+from cputrain.training.choices import decide_for_plan, decide_and_plan
 
 GIB = 2**30
 
@@ -74,7 +74,7 @@ def test_loading_holds_the_whole_init_only_where_the_code_builds_it_whole(tmp_pa
                              "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=4",
                              "model.arch.num_key_value_heads=2", "parallel.strategy=fsdp", "hardware.precision=fp32",
                              "train.global_batch_size=16", "train.micro_batch_size=4"])
-    scratch = decided_plan(cfg, 4, vocab_size=512)
+    scratch = decide_and_plan(cfg, 4, vocab_size=512)
     total = scratch.shape.total_params
     # fsdp from scratch: the whole fp32 init beside the rank's shard, freed before the first step.
     assert scratch.ranks[0].load_bytes == total * 4
@@ -84,11 +84,11 @@ def test_loading_holds_the_whole_init_only_where_the_code_builds_it_whole(tmp_pa
     LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2).save_pretrained(tmp_path)  # a model folder (its weights are not read)
     folder = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(tmp_path)})})
-    loaded = decided_plan(folder, 4)  # rows read straight into the shard
+    loaded = decide_and_plan(folder, 4)  # rows read straight into the shard
     assert loaded.ranks[0].load_bytes == 0
     ddp = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": "ddp"})})
     # ddp initialises in place, with no start-up broadcast (replica_check): nothing beyond the weights.
-    assert decided_plan(ddp, 4, vocab_size=512).ranks[0].load_bytes == 0
+    assert decide_and_plan(ddp, 4, vocab_size=512).ranks[0].load_bytes == 0
 
 
 def test_shape_from_config_json_counts_every_parameter(tmp_path):
@@ -111,11 +111,11 @@ def test_llama3_8b_sizes(tmp_path):
     cfg = load_config(None, ["data.seq_len=2048", "train.micro_batch_size=1", "train.global_batch_size=4",
                              "hardware.precision=bf16", "model.activation_checkpointing=true"])
     cfg.parallel.strategy = "ddp"
-    ddp = decided_plan(cfg, 4, config_json=str(tmp_path))
+    ddp = decide_and_plan(cfg, 4, config_json=str(tmp_path))
     assert ddp.shape.total_params == 8_030_261_248
     assert ddp.peak_rank.param_bytes == 8_030_261_248 * 4
     cfg.parallel.strategy = "fsdp"
-    fsdp = decided_plan(cfg, 4, config_json=str(tmp_path), instances=builtin_instances())
+    fsdp = decide_and_plan(cfg, 4, config_json=str(tmp_path), instances=builtin_instances())
     assert 0.24 < fsdp.peak_rank.param_bytes / ddp.peak_rank.param_bytes <= 0.26
     assert 30 * GIB < fsdp.peak_rank.total_bytes < 70 * GIB  # "about 50-60 GB per process" by `top`
     assert fsdp.fit is not None and fsdp.fit.instance.amx
@@ -205,7 +205,7 @@ def test_lora_shape_counts_adapters_and_frozen_base(tmp_path):
 
     LlamaConfig(**TINY_LORA, tie_word_embeddings=False).save_pretrained(tmp_path)
     cfg = _lora_config(tmp_path)
-    plan = decided_plan(cfg, 1)
+    plan = decide_and_plan(cfg, 1)
     m = plan.shape
     # Per layer, r·in + out·r for each projection (kv width 16, MLP width 64), rank 4:
     # q 4·32+32·4, k 4·32+16·4, v the same, o as q, gate 4·32+64·4, up the same, down 4·64+32·4.
@@ -222,7 +222,7 @@ def test_lora_shape_counts_adapters_and_frozen_base(tmp_path):
     assert r.optimizer_bytes == 4096 * 8 + 28 * 4  # two moments + one `step` per adapter tensor
     assert r.load_bytes == 4096 * 4  # the adapters' initial values, held until they are copied in
     # fp32: the frozen base keeps 4 bytes, still without gradients or optimizer state
-    fp32 = decided_plan(_lora_config(tmp_path, "hardware.precision=fp32"), 1).ranks[0]
+    fp32 = decide_and_plan(_lora_config(tmp_path, "hardware.precision=fp32"), 1).ranks[0]
     assert fp32.param_bytes == (base + 4096) * 4 and fp32.grad_bytes == r.grad_bytes
 
 
@@ -236,12 +236,12 @@ def test_lora_bytes_match_the_real_models_tensors(tmp_path, tie):
 
     from cputrain.lora.adapters import ADAPTER, peft_config
     from cputrain.metrics.phases import state_bytes as measured_state
-    from cputrain.optim import build_adamw
+    from cputrain.parallel.adamw import build_adamw
 
     config = LlamaConfig(**TINY_LORA, tie_word_embeddings=tie)
     config.save_pretrained(tmp_path)
     cfg = _lora_config(tmp_path, "model.lora.target_modules=[q_proj,v_proj,down_proj]")
-    plan = decided_plan(cfg, 1).ranks[0]
+    plan = decide_and_plan(cfg, 1).ranks[0]
 
     torch.manual_seed(0)
     real = LlamaForCausalLM(config)
@@ -282,7 +282,7 @@ def test_lora_plan_builds_the_skeleton_the_trainer_builds(tmp_path):
     decided = _decided(cfg)  # targets and base dtype as a run decides them
     planned = model_shape(decided.model, compute_dtype=torch.bfloat16, seed=cfg.seed)
     assert shape_of(skeleton) == planned
-    assert make_plan(decided, 1, shape=shape_of(skeleton)).ranks == decided_plan(cfg, 1).ranks
+    assert make_plan(decided, 1, shape=shape_of(skeleton)).ranks == decide_and_plan(cfg, 1).ranks
 
 
 def test_lora_under_fsdp_shards_frozen_and_trained_parameters_alike():
@@ -303,12 +303,12 @@ def test_lora_under_fsdp_shards_frozen_and_trained_parameters_alike():
 def test_lora_adds_only_small_activations_and_no_autocast_copies_of_the_base(tmp_path):
     from transformers import LlamaConfig
 
-    from cputrain.plan.activations import activation_bytes
+    from cputrain.plan.memory.activations import activation_bytes
 
     LlamaConfig(**TINY_LORA, tie_word_embeddings=False).save_pretrained(tmp_path)
     full_cfg = load_config(None, [f"model.name_or_path={tmp_path}", "hardware.precision=bf16", "data.seq_len=16",
                                   "train.micro_batch_size=2", "train.global_batch_size=2"])
-    full, lora = decided_plan(full_cfg, 1), decided_plan(_lora_config(tmp_path), 1)
+    full, lora = decide_and_plan(full_cfg, 1), decide_and_plan(_lora_config(tmp_path), 1)
     # bf16: the plan takes the chunked head, as model.chunked_loss=auto resolves there
     full_act = activation_bytes(full.shape, 2, 16, "bf16", False, 0, chunked_loss=True).saved_bytes
     lora_act = activation_bytes(lora.shape, 2, 16, "bf16", False, 0, chunked_loss=True).saved_bytes
@@ -330,14 +330,14 @@ def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
     from cputrain.errors import UserError
     from cputrain.k8s.options import ClusterOptions
     from cputrain.k8s.render import render
-    from cputrain.plan.fit import fits
+    from cputrain.plan.memory.fit import fits
 
     instances = builtin_instances()
     table = {i.name: i for i in instances}
     single = ["parallel.strategy=single", "hardware.precision=bf16"]
     lora_cfg = load_config("configs/llama3-8b-fsdp.yaml", [*single, "model.lora.enabled=true"])
-    lora = decided_plan(lora_cfg, 1, instances=instances)
-    full = decided_plan(load_config("configs/llama3-8b-fsdp.yaml", single), 1, instances=instances)
+    lora = decide_and_plan(lora_cfg, 1, instances=instances)
+    full = decide_and_plan(load_config("configs/llama3-8b-fsdp.yaml", single), 1, instances=instances)
     assert lora.shape.trainable_params == 32 * 16 * (4096 * 4 + 4096 * 2 + 1024 * 2 + 4096 * 2 + 14336 * 3 + 4096)
     assert lora.shape.frozen_params == full.shape.total_params == 8_030_261_248
     r = lora.peak_rank
@@ -354,7 +354,7 @@ def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
         assert fits(table[name], r.total_bytes, 1)
     assert not fits(table["m7i.8xlarge"], full.peak_rank.total_bytes, 1)
     # Sharded over the shipped 4 nodes × 2 ranks, a full fine-tuning step still holds more per rank than LoRA's on one.
-    fsdp = decided_plan(load_config("configs/llama3-8b-fsdp.yaml", ["hardware.precision=bf16"]), 8, nproc_per_node=2)
+    fsdp = decide_and_plan(load_config("configs/llama3-8b-fsdp.yaml", ["hardware.precision=bf16"]), 8, nproc_per_node=2)
     assert fsdp.peak_rank.training_peak_bytes > r.training_peak_bytes
     # `cputrain k8s` sizes the pod from the same plan: one m7i.8xlarge holds it, not full fine-tuning.
     opts = dict(name="llama3-8b-lora", image="registry.example.com/cputrain:0.1.0", nnodes=1, nproc_per_node=1,
@@ -368,11 +368,11 @@ def test_llama3_8b_lora_fits_one_node_where_full_fine_tuning_does_not():
 def test_llama3_8b_lora_in_fp32_keeps_its_bf16_base():
     """On a CPU without bf16 units (fp32 compute) the 8B base is stored as its files are, in bf16
     (model.lora.base_dtype=auto), and fits 24 GiB; stored in fp32 it would not."""
-    from cputrain.plan.activations import upcast_copy_bytes
+    from cputrain.plan.memory.activations import upcast_copy_bytes
 
     args = ["parallel.strategy=single", "hardware.precision=fp32", "model.lora.enabled=true"]
-    auto = decided_plan(load_config("configs/llama3-8b-fsdp.yaml", args), 1)
-    fp32 = decided_plan(load_config("configs/llama3-8b-fsdp.yaml", [*args, "model.lora.base_dtype=fp32"]), 1)
+    auto = decide_and_plan(load_config("configs/llama3-8b-fsdp.yaml", args), 1)
+    fp32 = decide_and_plan(load_config("configs/llama3-8b-fsdp.yaml", [*args, "model.lora.base_dtype=fp32"]), 1)
     norms = 32 * 2 * 4096 + 4096  # kept in fp32: small, and not used by a linear layer
     adapters = 41_943_040
     assert auto.peak_rank.param_bytes == (8_030_261_248 - norms) * 2 + norms * 4 + adapters * 4
@@ -409,7 +409,7 @@ def test_loading_from_a_folder_counts_the_mapped_weight_files(tmp_path):
     file_data = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     cfg = _lora_config(tmp_path)
     assert set(weight_file_bytes(cfg.model).values()) == {4}
-    lora = decided_plan(cfg, 1)
+    lora = decide_and_plan(cfg, 1)
     base = lora.shape.frozen_params
     assert all(p.file_bytes == (0 if p.trainable else 4) for p in lora.shape.params)
     largest = 100 * 32 * 4  # the embedding: the largest fp32 tensor read into a buffer, then cast to bf16
@@ -419,8 +419,8 @@ def test_loading_from_a_folder_counts_the_mapped_weight_files(tmp_path):
     # buffer of its largest rows
     full_fsdp = load_config(None, [f"model.name_or_path={tmp_path}", "parallel.strategy=fsdp",
                                    "hardware.precision=bf16"])
-    assert decided_plan(full_fsdp, 2).ranks[0].load_bytes == 0
-    lora_fsdp = decided_plan(_lora_config(tmp_path, "parallel.strategy=fsdp", "train.global_batch_size=4"), 2)
+    assert decide_and_plan(full_fsdp, 2).ranks[0].load_bytes == 0
+    lora_fsdp = decide_and_plan(_lora_config(tmp_path, "parallel.strategy=fsdp", "train.global_batch_size=4"), 2)
     owned = sum(-(-p.shape[0] // 2) * (p.numel // p.shape[0]) for p in lora_fsdp.shape.params if not p.trainable)
     assert lora_fsdp.ranks[0].load_bytes == largest // 2 + 4096 * 4
     assert owned * 4 > largest  # (the shard read through safetensors' map would have counted all of it)
@@ -431,13 +431,13 @@ def test_the_plan_follows_the_head_the_run_uses():
     logits instead of three fp32 copies: at Llama-3's vocabulary that is GiBs per rank."""
     fp32_llama3_head = ["data.seq_len=1024", "train.micro_batch_size=2", "train.global_batch_size=2",
                         "hardware.precision=fp32"]
-    plain = decided_plan(load_config(None, [*fp32_llama3_head, "model.chunked_loss=false"]), 1, vocab_size=128_256)
-    chunked = decided_plan(load_config(None, [*fp32_llama3_head, "model.chunked_loss=true"]), 1, vocab_size=128_256)
-    auto = decided_plan(load_config(None, fp32_llama3_head), 1, vocab_size=128_256)
+    plain = decide_and_plan(load_config(None, [*fp32_llama3_head, "model.chunked_loss=false"]), 1, vocab_size=128_256)
+    chunked = decide_and_plan(load_config(None, [*fp32_llama3_head, "model.chunked_loss=true"]), 1, vocab_size=128_256)
+    auto = decide_and_plan(load_config(None, fp32_llama3_head), 1, vocab_size=128_256)
     saved = plain.ranks[0].activation_bytes - chunked.ranks[0].activation_bytes
     assert saved > 1.5 * 2048 * 128_256 * 4  # about two of the three fp32 logits copies
     assert auto.inputs.chunked_loss is True  # fp32 with 1 GiB of logits per micro-batch
-    small = decided_plan(load_config(None, ["hardware.precision=fp32"]), 1, vocab_size=4096)
+    small = decide_and_plan(load_config(None, ["hardware.precision=fp32"]), 1, vocab_size=4096)
     assert small.inputs.chunked_loss is False  # the demo in fp32: the plain head
 
 
@@ -445,8 +445,8 @@ def test_plan_and_k8s_refuse_a_world_size_that_train_would_refuse():
     """global_batch_size 8 over 3 ranks is no whole micro-batches per rank: `train` refuses it,
     so the plan (and k8s, which renders from it) refuses it too, with the same line."""
     with pytest.raises(ConfigError, match=r"global_batch_size \(8\) is not divisible by micro_batch_size × world size \(4 × 3\)"):
-        decided_plan(load_config(None, []), 3)
-    assert decided_plan(load_config(None, []), 2).inputs.world_size == 2
+        decide_and_plan(load_config(None, []), 3)
+    assert decide_and_plan(load_config(None, []), 2).inputs.world_size == 2
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -457,7 +457,7 @@ def test_eager_attention_keeps_the_attention_matrix_the_plan_counts(precision):
     resolved model.attn_implementation=eager."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cputrain.plan.activations import eager_attention_bytes
+    from cputrain.plan.memory.activations import eager_attention_bytes
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)
@@ -485,8 +485,8 @@ def test_eager_attention_keeps_the_attention_matrix_the_plan_counts(precision):
     assert square_matrices_saved("sdpa") == 0
     assert eager_attention_bytes(_tiny_shape(), 2, 48, 2 if precision == "bf16" else 4) == per_block
     run = ["train.micro_batch_size=2", "train.global_batch_size=2", "data.seq_len=48", "hardware.precision=fp32"]
-    sdpa = decided_plan(load_config(None, run), 1, vocab_size=256)
-    eager = decided_plan(load_config(None, [*run, "model.attn_implementation=eager"]), 1, vocab_size=256)
+    sdpa = decide_and_plan(load_config(None, run), 1, vocab_size=256)
+    eager = decide_and_plan(load_config(None, [*run, "model.attn_implementation=eager"]), 1, vocab_size=256)
     m = sdpa.shape
     assert eager.ranks[0].activation_bytes - sdpa.ranks[0].activation_bytes == m.layers * 2 * m.heads * 48 * 48 * 4
 
@@ -496,9 +496,9 @@ def _tiny_shape() -> ModelShape:
 
 
 def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
-    """Every key a plan reads is decided by cputrain.run_choices (decide_for_plan before a run,
+    """Every key a plan reads is decided by cputrain.training.choices (decide_for_plan before a run,
     decide in one); make_plan and model_shape refuse a key still auto rather than decide it, and no
-    module of cputrain.plan calls a rule of another domain (plan.checkpointing is the home of its own)."""
+    module of cputrain.plan calls a rule of another domain (plan.memory.checkpointing is the home of its own)."""
     import ast
     from pathlib import Path
 
@@ -519,9 +519,9 @@ def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
     assert undecided_for_plan(cfg) and undecided_for_plan(_decided(cfg)) == []
     assert undecided_for_plan(_decided(lora)) == [] and len(PLANNED_KEYS) == 7
     rules = {"precision_choice", "strategy_choice", "chunked_loss_choice", "base_dtype_choice", "target_modules_choice",
-             "files_are_bf16", "choose_attention"}
+             "files_are_bf16", "attention_choice"}
     called = set()
-    for path in (Path(__file__).resolve().parents[2] / "cputrain" / "plan").glob("*.py"):
+    for path in (Path(__file__).resolve().parents[2] / "cputrain" / "plan").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
             if name in rules:

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template, tokenize_preferences
+from cputrain.data import chat_template, sequences
 from cputrain.data.batch import IGNORE_INDEX
-from cputrain.data.pairs import PairRows
-from cputrain.data.tokenize_preferences import PreferenceSpec, extract_prompt
+from cputrain.data.preference import tokenize as tokenize_preferences
+from cputrain.data.preference.rows import PairRows
+from cputrain.data.preference.tokenize import PreferenceSpec, extract_prompt
 from cputrain.errors import DataError
 
 
@@ -37,8 +38,7 @@ def _tokenize(tok, records, seq_len=256, shared_prompt=False):
     template = chat_template.template_of(tok, None)
     spec = PreferenceSpec("prompt", "chosen", "rejected", template, chat_template.template_variables(tok), seq_len,
                           shared_prompt)
-    tokenize_preferences.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id,
-                                     "uint16")
+    sequences.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
     return tokenize_preferences.tokenize_rows(0, len(records), np.zeros(len(records), bool))
 
 

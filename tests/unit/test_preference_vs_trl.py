@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template, tokenize_preferences
-from cputrain.data.pairs import PairRows
-from cputrain.data.tokenize_preferences import PreferenceSpec
+from cputrain.data import chat_template, sequences
+from cputrain.data.preference import tokenize as tokenize_preferences
+from cputrain.data.preference.rows import PairRows
+from cputrain.data.preference.tokenize import PreferenceSpec
 from cputrain.objectives.preference_loss import sequence_logps
 
 trl = pytest.importorskip("trl")
@@ -48,8 +49,8 @@ def _cputrain(tok, records):
 
     template = chat_template.template_of(tok, None)
     spec = PreferenceSpec("prompt", "chosen", "rejected", template, chat_template.template_variables(tok), 10_000)
-    tokenize_preferences.init_worker(None, datasets.Dataset.from_list(records), spec, tok.backend_tokenizer.to_str(),
-                                     tok.eos_token_id, "uint32")
+    sequences.init_worker(None, datasets.Dataset.from_list(records), spec, tok.backend_tokenizer.to_str(),
+                          tok.eos_token_id, "uint32")
     chunk = tokenize_preferences.tokenize_rows(0, len(records), np.zeros(len(records), bool))
     return chunk.parts["train.bin"], chunk.parts["train.mask.bin"], chunk.parts["train.lengths.bin"]
 

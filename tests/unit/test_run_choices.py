@@ -1,16 +1,18 @@
 """Every "auto" of a run is decided in one place, in one order, each with its reason, and a run's
-config then admits no "auto" by type (cputrain.run_choices, config.resolved.DecidedConfig)."""
+config then admits no "auto" by type (cputrain.training.choices, config.resolved.DecidedConfig)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cputrain import run_choices
+from cputrain.training import choices
 from cputrain.config import Config
 from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.distributed.env import RankEnv
 from cputrain.hardware import detect
-from cputrain.resolve import resolve
+from cputrain.config.resolve import resolve
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import read_recorded
 
 ONE_RANK = RankEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="python")
 
@@ -19,7 +21,7 @@ def _decide(**sections):
     # attention fixed: timing kernels is not what this checks
     cfg = Config.model_validate({**sections, "model": {"attn_implementation": "sdpa", **sections.get("model", {})}})
     hw = detect()
-    return run_choices.decide(resolve(cfg, hw, 1, 1), hw, ONE_RANK)
+    return choices.decide(resolve(cfg, hw, 1, 1), hw, ONE_RANK, read_recorded(RunFolder(cfg.output_dir)))
 
 
 def test_a_lora_chat_run_decides_every_auto_with_a_reason(tiny_model, tmp_path):
@@ -70,7 +72,7 @@ def test_a_plan_decides_the_lora_keys_as_a_run_does(tiny_model, tmp_path, files)
     sections = {"model": {"name_or_path": str(folder), "lora": {"enabled": True}}, "hardware": {"precision": "fp32"},
                 "data": {"cache_dir": str(tmp_path)}, "output_dir": str(tmp_path / "run")}
     run = _decide(**sections)
-    plan = run_choices.decide_for_plan(Config.model_validate(sections), 1)
+    plan = choices.decide_for_plan(Config.model_validate(sections), 1)
     assert isinstance(plan.config, PlannedConfig)
     run_why, plan_why = ({key: why for key, _, why in res.reasons} for res in (run, plan))
     for key in ("model.lora.target_modules", "model.lora.base_dtype", "model.chunked_loss"):
@@ -81,7 +83,7 @@ def test_a_plan_decides_the_lora_keys_as_a_run_does(tiny_model, tmp_path, files)
 
 def test_cputrain_plan_reads_what_run_choices_decided(tiny_model, tmp_path):
     """`cputrain plan` on a LoRA config with every key left auto: each key the plan reads is decided
-    by run_choices.decide_for_plan and printed with its reason; the plan is made of those values.
+    by choices.decide_for_plan and printed with its reason; the plan is made of those values.
     The data is not read (its file is not on this machine): its keys are the run's to decide."""
     import json
 
@@ -93,7 +95,7 @@ def test_cputrain_plan_reads_what_run_choices_decided(tiny_model, tmp_path):
                  "data.format=auto", f"data.source={tmp_path / 'not-here.jsonl'}", "data.seq_len=64",
                  "train.micro_batch_size=2", "train.global_batch_size=2"]
     doc = json.loads(run_cli_here("plan", *overrides, "--json", check=True).stdout)
-    decided = run_choices.decide_for_plan(load_config(None, overrides), 1)
+    decided = choices.decide_for_plan(load_config(None, overrides), 1)
     assert [key for key, _, _ in decided.reasons] == [
         "hardware.precision", "parallel.strategy", "model.lora.target_modules", "model.lora.base_dtype",
         "model.attn_implementation", "model.chunked_loss", "model.activation_checkpointing"]  # the list's order
@@ -116,6 +118,50 @@ def test_a_known_hub_id_is_planned_from_its_bf16_files_without_the_hub():
 
     cfg = load_config("configs/llama3-8b-fsdp.yaml", ["parallel.strategy=single", "hardware.precision=fp32",
                                                       "model.lora.enabled=true"])
-    decided = run_choices.decide_for_plan(cfg, 1)
+    decided = choices.decide_for_plan(cfg, 1)
     assert decided.config.model.lora.base_dtype == "bf16"
     assert "the files hold bf16" in {key: why for key, _, why in decided.reasons}["model.lora.base_dtype"]
+
+
+def test_a_resumed_lora_rank_builds_one_skeleton_and_reads_config_yaml_once(tiny_model, tmp_path, monkeypatch):
+    """A LoRA run with model.lora.target_modules=auto and model.activation_checkpointing=auto,
+    resumed in one process as `cputrain train` runs it: the checks before any work, LoRA's targets,
+    the plan of activation checkpointing and the trainer take one meta skeleton between them (one
+    build), and the run folder's config.yaml is read once (the choices and the folder's check)."""
+    import gc
+
+    from conftest import _process_state
+
+    from cputrain.config.file import load_config
+    from cputrain.model import skeleton
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.training.preflight import check_before_work
+    from cputrain.training.worker import run_worker
+
+    def config(max_steps: int):
+        return load_config(None, [
+            f"model.name_or_path={tiny_model()}", "model.lora.enabled=true", "model.activation_checkpointing=auto",
+            f"output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "data.max_documents=200",
+            "data.seq_len=32", f"train.max_steps={max_steps}", "train.global_batch_size=4",
+            "train.micro_batch_size=2", "train.checkpoint_every=1", "train.eval_every=1", "train.eval_batches=1",
+            "train.sample_tokens=0", "hardware.precision=fp32", "hardware.threads=1",
+            "model.attn_implementation=sdpa", "hardware.allocator=system"])
+
+    with _process_state(None, None):
+        run_worker(config(1))
+    builds, reads = [], []
+    build, read_text = skeleton._from_config, RunFolder.read_text
+    monkeypatch.setattr(skeleton, "_built", None)  # this process built it for the first session
+    monkeypatch.setattr(skeleton, "_from_config", lambda *args: builds.append(args) or build(*args))
+    monkeypatch.setattr(RunFolder, "read_text",
+                        lambda self, *parts: reads.append(parts) or read_text(self, *parts))
+    try:
+        with _process_state(None, None):
+            cfg = config(2)
+            check_before_work(cfg)
+            summary = run_worker(cfg)
+    finally:
+        gc.unfreeze()  # the worker froze what this process had made
+    assert summary["status"] == "finished" and summary["final_step"] == 2
+    assert len(builds) == 1, f"{len(builds)} skeleton builds in one rank"
+    assert reads.count(("config.yaml",)) == 1, reads

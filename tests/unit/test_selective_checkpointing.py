@@ -1,5 +1,5 @@
 """model.activation_checkpointing=selective: the step of a run without checkpointing, no matmul run
-twice in the backward, and per block the bytes the plan counts (cputrain.plan.activations)."""
+twice in the backward, and per block the bytes the plan counts (cputrain.plan.memory.activations)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_the_plan_counts_what_selective_keeps(monkeypatch, lora, bf16, attention
     """The plan's bytes kept per block (selective_block_bytes) against the outputs the policy kept
     in a real forward, within 2% (equal on this model); and with the block's input, under 60% of
     what a block keeps without checkpointing."""
-    from cputrain.plan.activations import activation_bytes, selective_block_bytes
+    from cputrain.plan.memory.activations import activation_bytes, selective_block_bytes
     from cputrain.plan.model_shape import shape_of
 
     measured = _kept_per_block(monkeypatch, lora, bf16, attention)
@@ -169,11 +169,11 @@ def test_cputrain_plan_shows_selective_with_no_matmul_recomputed():
     """`cputrain plan ... model.activation_checkpointing=selective`: named in the plan's first
     lines, activations between none and every block, and step FLOPs those of no checkpointing."""
     from cputrain.config.file import load_config
-    from cputrain.plan.report import table_lines
-    from cputrain.plan.stop_window import step_flops
-    from cputrain.run_choices import decided_plan
+    from cputrain.plan.memory.report import table_lines
+    from cputrain.plan.time.stop_window import step_flops
+    from cputrain.training.choices import decide_and_plan
 
-    plans = {s: decided_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",
+    plans = {s: decide_and_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",
                                                 f"model.activation_checkpointing={s}"]), 1)
              for s in ("false", "selective", "true")}
     assert any("activation checkpointing selective" in line for line in table_lines(plans["selective"]))

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from cputrain.data import chat_template, tokenize_examples
+from cputrain.data import chat_template, sequences
 from cputrain.data.batch import IGNORE_INDEX
-from cputrain.data.examples import ExampleRows, pack_bounds
-from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.examples import tokenize as tokenize_examples
+from cputrain.data.examples.rows import ExampleRows
+from cputrain.data.examples.tokenize import ExampleSpec
+from cputrain.data.sequences import pack_bounds
 from cputrain.errors import DataError
 
 
@@ -49,7 +51,7 @@ class _Records:
 
 
 def _tokenize(tok, spec, records, held_out=None):
-    tokenize_examples.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
+    sequences.init_worker(None, _Records(records), spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
     return tokenize_examples.tokenize_rows(0, len(records), np.zeros(len(records), bool) if held_out is None else held_out)
 
 
@@ -165,7 +167,7 @@ def test_tool_calls_are_trained_and_tool_results_are_not(tok):
 
 
 def test_what_prepare_prints_names_the_conversations_left_out():
-    from cputrain.data.examples import ExampleData
+    from cputrain.data.examples.rows import ExampleData
 
     stats = {"format": "chat", "train_examples": 9, "val_examples": 1, "train_tokens": 900, "trained_token_share": 0.5,
              "packing": False, "skipped_no_answer": 0, "dropped_long": 0, "truncated": 0,
@@ -225,7 +227,7 @@ def test_packed_and_unpacked_give_the_same_loss_on_a_real_model(tiny_model_dir):
     this fails (the second example of a row sees the first)."""
     from transformers import AutoModelForCausalLM
 
-    from cputrain.evaluation import summed_loss
+    from cputrain.objectives.validation_loss import summed_loss
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     lengths = [9, 14, 5, 20, 11, 7, 16]

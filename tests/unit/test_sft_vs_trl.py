@@ -14,7 +14,7 @@ import pytest
 
 from cputrain.data import chat_template
 from cputrain.data.chat_template import MARKED_CHATML
-from cputrain.data.tokenize_examples import ExampleSpec
+from cputrain.data.examples.tokenize import ExampleSpec
 
 trl = pytest.importorskip("trl")
 
@@ -51,13 +51,14 @@ def _records(kind: str) -> list[dict]:
 def _cputrain(tok, kind, records, template=None):
     import datasets
 
-    from cputrain.data import tokenize_examples
+    from cputrain.data import sequences
+    from cputrain.data.examples import tokenize as tokenize_examples
 
     fmt, train_on = ("chat", "assistant") if kind == "chat" else ("prompt_completion", "completion")
     spec = ExampleSpec(fmt, "messages", "prompt", "completion", train_on, template,
                        chat_template.template_variables(tok) if template else {}, 10_000, "drop")
-    tokenize_examples.init_worker(None, datasets.Dataset.from_list(records), spec, tok.backend_tokenizer.to_str(),
-                                  tok.eos_token_id, "uint32")
+    sequences.init_worker(None, datasets.Dataset.from_list(records), spec, tok.backend_tokenizer.to_str(),
+                          tok.eos_token_id, "uint32")
     chunk = tokenize_examples.tokenize_rows(0, len(records), np.zeros(len(records), bool))
     bounds = np.concatenate([[0], np.cumsum(chunk.parts["train.lengths.bin"], dtype=np.int64)])
     return [(chunk.parts["train.bin"][a:b].tolist(), chunk.parts["train.mask.bin"][a:b].tolist())

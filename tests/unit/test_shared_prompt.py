@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX
-from cputrain.data.pairs import PairRows, shared_prefixes, shared_prompt_mask
+from cputrain.data.preference.rows import PairRows, shared_prefixes, shared_prompt_mask
 from cputrain.objectives.objective import pair_logps, reference_table
 from tests.conftest import run_cli_here, tiny_overrides
 
@@ -36,15 +36,15 @@ def _streams(pairs):
 def _string_pair(tok):
     """A string pair tokenized as the cache does (whole text, then prompt alone), whose two
     sequences part before one's first trained token: the prompt ends inside a word."""
-    from cputrain.data import tokenize_preferences
-    from cputrain.data.tokenize_preferences import PreferenceSpec
+    from cputrain.data import sequences
+    from cputrain.data.preference.tokenize import PreferenceSpec
 
     spec = PreferenceSpec("prompt", "chosen", "rejected", None, {}, 256)
-    tokenize_preferences.init_worker(None, None, spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
+    sequences.init_worker(None, None, spec, tok.backend_tokenizer.to_str(), tok.eos_token_id, "uint16")
     for prompt, chosen, rejected in (("Hello wor", "ld", "ds"), ("The function retur", "ns a list of values", "n of the king"),
                                      ("Python is a progra", "mming language", "m that runs"),
                                      ("The modu", "le defines classes", "s of the object")):
-        pair = [tokenize_preferences._string_sequence(prompt, a) for a in (chosen, rejected)]
+        pair = [sequences.string_sequence(prompt, a) for a in (chosen, rejected)]
         (c, cm), (r, rm) = pair
         lcp = next(i for i, (a, b) in enumerate(zip(c, r)) if a != b)
         if 2 <= lcp < max(cm.index(1), rm.index(1)):
@@ -252,8 +252,8 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
     import yaml
 
     from cputrain.config import Config
-    from cputrain.resolve import Resolution
-    from cputrain.run_choices import with_data_choices
+    from cputrain.config.resolve import Resolution
+    from cputrain.training.choices import decide_data
     from cputrain.run_folder.layout import RunFolder
     from cputrain.run_folder.run_config import check_compatible, write_run_config
 
@@ -262,7 +262,7 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
     def decided(shared="auto"):
         cfg = Config.model_validate({"output_dir": str(out), "train": {"objective": "dpo"},
                                      "data": {"source": "p.jsonl", "format": "preference", "shared_prompt": shared}})
-        res = with_data_choices(Resolution(cfg))
+        res = decide_data(Resolution(cfg))
         return res.config, {key: (value, why) for key, value, why in res.reasons}
 
     cfg, reasons = decided()

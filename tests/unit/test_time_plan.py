@@ -9,12 +9,12 @@ import math
 import pytest
 
 from cputrain.errors import ConfigError
-from cputrain.plan.comm_volume import comm_pattern
-from cputrain.plan.link_efficiency import EfficiencyTable, load_table, parse_table
-from cputrain.plan.measured_mfu import measured_mfu
+from cputrain.plan.time.comm_volume import comm_pattern
+from cputrain.plan.time.link_efficiency import EfficiencyTable, load_table, parse_table
+from cputrain.plan.time.measured_mfu import measured_mfu
 from cputrain.plan.model_shape import ModelShape, ParamInfo
-from cputrain.plan.step_time import StepSettings, plan_step_time
-from cputrain.plan.time_advice import remedies
+from cputrain.plan.time.step_time import StepSettings, plan_step_time
+from cputrain.plan.time.advice import remedies
 
 W = 4
 
@@ -159,7 +159,7 @@ def test_one_node_and_no_link_plan_no_network_time(monkeypatch):
     assert one_node.network_s == 0 and "not network-bound" in one_node.source["link"]
     no_link = plan("fsdp", 1, None)
     assert no_link.network_s == 0 and no_link.source["link"] == "no link given: network time not planned"
-    monkeypatch.setattr("cputrain.plan.step_time.load_table", lambda: None)  # as before the benchmark wrote it
+    monkeypatch.setattr("cputrain.plan.time.step_time.load_table", lambda: None)  # as before the benchmark wrote it
     assert "not measured" in plan_step_time(settings("ddp"), W, 1, tiny_shape(), link_gbit_s=1.0,
                                             peak_flops_per_s=1e9, mfu=0.5).source["efficiency"]
 
@@ -183,7 +183,7 @@ def test_advice_only_where_the_network_dominates():
 def test_bad_link_rate_refused_in_one_line(bad):
     from types import SimpleNamespace
 
-    from cputrain.plan.command import link_gbit_s_of
+    from cputrain.commands.plan import link_gbit_s_of
 
     with pytest.raises(ConfigError) as err:
         link_gbit_s_of(SimpleNamespace(link_gbit_s=bad))
@@ -198,7 +198,7 @@ def test_measured_mfu_names_its_row_and_what_is_still_to_measure():
 
 
 def test_zero3_keeps_blocks_gathered_whose_backward_comes_within_the_reuse_distance():
-    from cputrain.plan.comm_volume import zero3_backward_gathers
+    from cputrain.plan.time.comm_volume import zero3_backward_gathers
 
     # 32 blocks of 218M elements and a 525M head (Llama-3-8B), DeepSpeed's default distance 1e9:
     # the last two blocks stay gathered (2 × 218M + 525M fetched in between is under 1e9)
@@ -219,7 +219,7 @@ def test_cputrain_plan_prints_the_time_plan_and_writes_it_into_plan_json(capsys)
     assert main([*args, "--instance-type", "c7i.48xlarge"]) == 0
     out = capsys.readouterr().out
     assert "time per optimizer step (4 × c7i.48xlarge" in out and "block layer_mfu" in out
-    assert "gloo's efficiency" in out  # measured (cputrain/plan/gloo_link_efficiency.json) or said to be assumed
+    assert "gloo's efficiency" in out  # measured (cputrain/plan/time/gloo_link_efficiency.json) or said to be assumed
     assert "network over 25% of the step" in out and "not built yet: hybrid layout" in out
     assert main([*args, "--link-gbit-s", "1000", "--json"]) == 0
     time = json.loads(capsys.readouterr().out)["time"]

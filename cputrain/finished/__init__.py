@@ -1,0 +1,13 @@
+"""What uses a finished model: a run's exported model/, a LoRA run's adapters on their base, or a
+Hugging Face model folder.
+
+    load             find the model (a run's model/ or a model folder) and load it
+    generate         sample text from it (`cputrain generate`, the sample a run writes when it ends)
+    dataset_eval     loss and perplexity on a dataset, or a preference run's pair figures (`cputrain eval`)
+    preference_eval  a preference run's objective and reward figures on held-out pairs
+    lm_harness       benchmark tasks through lm-evaluation-harness (`cputrain eval --tasks`)
+    gguf             a Llama written as one GGUF file (`cputrain export --gguf`)
+
+It sits above objectives (a preference run is scored with its own objective) and below the run,
+whose worker samples the exported model.
+"""

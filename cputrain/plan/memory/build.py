@@ -1,0 +1,102 @@
+"""From a run config to a whole plan: model shape → per-rank bytes → the smallest cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cputrain.config import Config
+from cputrain.config.resolved import PlannedConfig, as_planned
+from cputrain.errors import ConfigError
+from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
+from cputrain.plan.memory.fit import ClusterFit, smallest_cluster
+from cputrain.plan.instances import Instance
+from cputrain.plan.model_shape import ModelShape, known_hub_config, model_shape, with_weight_files
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    inputs: PlanInputs
+    ranks: list[RankPlan]
+    fit: ClusterFit | None  # None when no instance table was asked for (inside a running job)
+    notes: list[str]
+
+    @property
+    def peak_rank(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+
+def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
+    """From the DeepSpeed config the zero3 strategy will run with (generated or the user's file)."""
+    if cfg.parallel.strategy != "zero3":
+        return {}
+    from cputrain.parallel.deepspeed_config import plan_for
+    from cputrain.config.resolve import grad_accum_steps
+
+    zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
+    return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
+            "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", 10**9))}
+
+
+def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
+              instances: list[Instance] | None = None, config_json: str | None = None,
+              vocab_size: int | None = None, shape: ModelShape | None = None,
+              reasons: Sequence[tuple[str, str, str]] = ()) -> Plan:
+    """The plan of `cfg` with its keys decided (config.resolved.PLANNED_KEYS: by
+    cputrain.training.choices.decide_for_plan before a run, by decide in one); a key still "auto" is
+    refused, not decided here. `reasons`: the decisions' (key, value, why), the plan's notes.
+    `shape`: the model as built (the trainer's skeleton, adapters and dtypes included); without it
+    the model is built from the config, with model.lora's adapters added the same way."""
+    cfg = _planned(cfg, world_size)
+    if shape is None:
+        import torch
+
+        compute_dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
+        shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
+                            seed=cfg.seed)
+    return _plan(cfg, world_size, shape, nproc_per_node, instances, config_json, reasons)
+
+
+def plan_of_built(cfg: Config, world_size: int, shape: ModelShape) -> Plan:
+    """The plan of a running rank's model, as built (the trainer's skeleton: adapters and dtypes
+    included), for its plan.json: nothing is built here."""
+    return _plan(_planned(cfg, world_size), world_size, shape, None, None, None, ())
+
+
+def _planned(cfg: Config, world_size: int) -> PlannedConfig:
+    from cputrain.config import batch_error
+
+    cfg = as_planned(cfg)
+    error = batch_error(cfg.train, world_size)  # the rule `train` applies: a plan it would refuse is no plan
+    if error:
+        raise ConfigError(error)
+    return cfg
+
+
+def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node: int | None,
+          instances: list[Instance] | None, config_json: str | None, reasons: Sequence[tuple[str, str, str]]) -> Plan:
+    shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
+    inputs = plan_inputs(
+        cfg.parallel.strategy, cfg.hardware.precision, world_size,
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        offload_optimizer=cfg.parallel.offload_optimizer, offload_param=cfg.parallel.offload_param,
+        from_scratch=cfg.model.name_or_path is None,
+        lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
+        chunked_loss=cfg.model.chunked_loss,
+        eager_attention=cfg.model.attn_implementation == "eager",
+        **_zero3_settings(cfg, world_size, shape),
+    )
+    notes = [f"{key}=auto → {value}: {why}" for key, value, why in reasons]
+    if config_json is None and known_hub_config(cfg.model.name_or_path) is not None:
+        notes.append(f"{cfg.model.name_or_path}: its shape is built in (nothing fetched); --model-config "
+                     "plans another config.json")
+    if inputs.offload_optimizer or inputs.offload_param:
+        notes.append("offload moves state to host memory, which on a CPU node is the same RAM: "
+                     "it does not lower the per-rank total")
+    ranks = plan_all_ranks(shape, inputs)
+    fit = None
+    if instances is not None:
+        fit = smallest_cluster(instances, max(r.total_bytes for r in ranks), world_size, nproc_per_node)
+    return Plan(shape, inputs, ranks, fit, notes)

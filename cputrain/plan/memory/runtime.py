@@ -1,0 +1,31 @@
+"""The plan of the run being started: plan.json in the run folder, and a warning when the
+machine cannot hold it (before any weight exists, rather than an OOM kill an hour in)."""
+
+from __future__ import annotations
+
+import logging
+
+from cputrain.plan.memory.build import plan_of_built
+from cputrain.plan.model_shape import shape_of
+from cputrain.plan.memory.report import plan_json
+
+log = logging.getLogger("cputrain")
+GIB = 2**30
+
+
+def write_run_plan(run, cfg, skeleton, world_size: int, local_world_size: int, machine_memory_gib: float):
+    """Plan from the model skeleton (exact shapes, the real vocabulary); returns the Plan."""
+    plan = plan_of_built(cfg, world_size, shape_of(skeleton))
+    run.write_text(plan_json(plan), "plan.json")
+    node_gib = local_world_size * plan.peak_rank.total_bytes / GIB
+    if node_gib > machine_memory_gib:
+        log.warning(
+            "memory plan: %d rank(s) on this node need about %.1f GiB but the machine has %.1f GiB; expect the run "
+            "to be killed for memory. Shard with parallel.strategy=fsdp, turn on model.activation_checkpointing, "
+            "lower train.micro_batch_size, or use more nodes (`cputrain plan` shows what fits)",
+            local_world_size, node_gib, machine_memory_gib,
+        )
+    else:
+        log.info("memory plan: %.2f GiB per rank, %.1f GiB for this node's %d rank(s) of %.1f GiB (plan.json)",
+                 plan.peak_rank.total_bytes / GIB, node_gib, local_world_size, machine_memory_gib)
+    return plan

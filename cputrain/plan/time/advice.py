@@ -1,0 +1,96 @@
+"""What would change a step that waits on the network, each figure re-planned by
+cputrain.plan.time.step_time with one setting changed: a larger micro-batch (more tokens per gather),
+parameters kept gathered across a step's micro-batches, no resharding after the forward, a hybrid
+layout (shard within a node, replicate across nodes), and fewer, bigger nodes. Layouts cputrain
+cannot run yet are said so, with their figure, so the next one to build is chosen by a number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cputrain.plan.memory.fit import fits, pod_memory_bytes
+from cputrain.plan.instances import Instance
+from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
+
+# Above this share of the step spent waiting on the network, the plan lists its remedies.
+NETWORK_SHARE_ADVICE = 0.25
+
+
+@dataclass(frozen=True)
+class Remedy:
+    setting: str  # what to change, as a user would write it
+    built: bool  # False: cputrain cannot run it yet
+    plan: StepTimePlan
+    note: str = ""
+
+    def line(self, now: StepTimePlan) -> str:
+        speedup = self.plan.tokens_per_s / now.tokens_per_s
+        state = "" if self.built else "not built yet: "
+        return (f"{state}{self.setting}: {self.plan.tokens_per_s:,.0f} tokens/s ({speedup:.2f}×), network "
+                f"{self.plan.network_share:.0%} of the step{'; ' + self.note if self.note else ''}")
+
+
+def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int, now: StepTimePlan, *,
+             instance: Instance | None, rank_peak_bytes: int | None, link_gbit_s: float | None, mfu: float,
+             peak_of, memory_of=None, candidates: list[Instance] | None = None, **kwargs) -> list[Remedy]:
+    """The remedies for the step `now`, each planned with the same MFU, efficiency and overlap
+    arguments (`kwargs`). `peak_of(instance, ranks_per_node)`: one rank's peak FLOP/s there.
+    `memory_of(**plan_inputs_changes)`: a rank's peak bytes with those inputs changed (the memory
+    plan), for saying whether a remedy still fits the instance. `candidates`: the instance table
+    bigger nodes are taken from (default: the built-in one)."""
+    if now.network_share <= NETWORK_SHARE_ADVICE:
+        return []
+    out: list[Remedy] = []
+
+    def fit_note(extra: dict, added_bytes: int = 0, what: str = "") -> str:
+        if memory_of is None or instance is None:
+            return what
+        peak = memory_of(**extra) + added_bytes
+        pod_gib = pod_memory_bytes(peak, nproc_per_node) / 2**30
+        verdict = "fits" if fits(instance, peak, nproc_per_node) else "does not fit"
+        return f"{what + ', ' if what else ''}{pod_gib:,.1f} GiB a pod: {verdict} {instance.name}"
+
+    def again(s=settings, world=world_size, nproc=nproc_per_node, link=link_gbit_s, peak=now.peak_flops_per_s,
+              **variant) -> StepTimePlan:
+        return plan_step_time(s, world, nproc, shape, link_gbit_s=link, peak_flops_per_s=peak, mfu=mfu,
+                              **kwargs, **variant)
+
+    # more tokens per gather: the same global batch in fewer, larger micro-batches
+    if now.micro_batches > 1:
+        bigger = replace(settings, micro_batch=settings.micro_batch * 2)
+        out.append(Remedy(f"train.micro_batch_size={bigger.micro_batch}", True, again(bigger),
+                          fit_note({"micro_batch": bigger.micro_batch})))
+    sharded = settings.strategy in ("fsdp", "zero3")
+    gathered = now.whole_parameter_bytes  # every block's parameters as gathered, held at once
+    if sharded and now.micro_batches > 1:
+        out.append(Remedy("parameters kept gathered across a step's micro-batches (one gather and one "
+                          "reduce-scatter a step)", False, again(gather_once_per_step=True),
+                          fit_note({}, gathered, "every rank holds the whole gathered parameters through the step")))
+    if sharded:
+        out.append(Remedy("no resharding after the forward (FSDP2's reshard_after_forward=False)", False,
+                          again(reshard_after_forward=False),
+                          fit_note({}, gathered, "every block's gathered parameters kept from its forward to its backward")))
+    nnodes = world_size // nproc_per_node
+    if sharded and nnodes > 1:
+        note = fit_note({"world_size": nproc_per_node}, 0, f"each rank holds 1/{nproc_per_node} of the state, "
+                        f"not 1/{world_size}")
+        out.append(Remedy(f"hybrid layout: shard within a node ({nproc_per_node} ranks), replicate across the "
+                          f"{nnodes} nodes (HSDP)", False, again(hybrid=True), note))
+    if instance is not None and nnodes > 1 and rank_peak_bytes is not None:
+        # fewer, bigger nodes: half the nodes, twice the ranks on each, the same family
+        fewer = nnodes // 2
+        if fewer >= 1 and world_size % fewer == 0:
+            ranks = world_size // fewer
+            from cputrain.plan.instances import builtin_instances
+
+            bigger = [i for i in (candidates or builtin_instances()) if i.family == instance.family
+                      and i.vcpus >= instance.vcpus and fits(i, rank_peak_bytes, ranks)]
+            if bigger:
+                node = min(bigger, key=lambda i: i.vcpus)
+                plan = again(nproc=ranks, link=node.network_gbit_s if fewer > 1 else link_gbit_s,
+                             peak=peak_of(node, ranks))
+                cost = (f"{fewer * node.price_per_hour / 3600 / plan.tokens_per_s * 1e6:,.2f} USD per million tokens"
+                        if node.price_per_hour else "")
+                out.append(Remedy(f"--nnodes {fewer} --nproc-per-node {ranks} on {node.name}", True, plan, cost))
+    return out

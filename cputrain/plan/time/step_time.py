@@ -1,0 +1,275 @@
+"""How long one optimizer step takes, and how much of it waits on the network.
+
+    compute   (model FLOPs the trainer's MFU counts + the forward of each checkpointed block
+              again) × tokens per rank per step ÷ (the rank's peak FLOP/s × the share of it the
+              cores reach, measured: cputrain.plan.time.measured_mfu)
+    network   bytes through a node's link (cputrain.plan.time.comm_volume) ÷ (link rate × gloo's
+              efficiency for that collective and message size: cputrain.plan.time.link_efficiency)
+    exposed   the part of the network time no compute hides (below); step = compute + exposed
+
+Overlap. FSDP2 on CPU hides none of it: measured over a shaped link (block gloo_link-runs of
+docs/benchmarks/network.md), its gathers and reduce-scatters add to the step whole at every rate (a CPU has
+no side streams for the gather to run on while a block computes). ZeRO-3, modelled: DeepSpeed
+gathers the next block while the current one computes and reduce-scatters a block's gradients
+behind the next block's backward, so each block exposes max(0, its communication − its compute),
+plus the first gather of a pass and the last reduce-scatter, which never hide. DDP's bucketed
+all-reduce runs behind the last micro-batch's backward, all but its last bucket (measured within
+10% at 1 Gbit/s). A measured overlap (the share of network time hidden, 0 to 1) replaces these
+where a benchmark has one. Within one node no link is used: collectives there are memory copies,
+not planned as network time. Planned for the machine the efficiency table was measured on
+(`gloo_cpu_capped`), gloo's CPU time (its bytes at the rate it reached unshaped) never hides: it
+comes out of the cores the compute keeps busy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cputrain.config import Config, checkpointed_blocks
+from cputrain.errors import ConfigError
+from cputrain.plan.time.comm_volume import KINDS, CommPattern, comm_pattern, ring_factor
+from cputrain.plan.time.link_efficiency import NOT_MEASURED, EfficiencyTable, load_table
+from cputrain.plan.model_shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The decided settings a time plan reads (a Plan's inputs, or a decided config)."""
+
+    strategy: str
+    precision: str
+    micro_batch: int
+    seq_len: int
+    global_batch: int
+    activation_checkpointing: bool | int | str
+    persistence_threshold: int | None = None  # zero3: DeepSpeed's stage3_param_persistence_threshold (None: 10 × hidden)
+    max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance
+
+    @classmethod
+    def of_config(cls, cfg: Config) -> StepSettings:
+        """From a config whose keys are decided (cputrain.training.choices.decide_for_plan)."""
+        from cputrain.config.resolved import as_planned
+
+        cfg = as_planned(cfg)
+        return cls(cfg.parallel.strategy, cfg.hardware.precision, cfg.train.micro_batch_size, cfg.data.seq_len,
+                   cfg.train.global_batch_size, cfg.model.activation_checkpointing)
+
+    @classmethod
+    def of_plan(cls, plan, global_batch: int) -> StepSettings:
+        i = plan.inputs
+        return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
+                   i.persistence_threshold, i.max_reuse_distance)
+
+
+@dataclass
+class StepTimePlan:
+    world_size: int
+    nnodes: int
+    micro_batches: int  # per rank per step (the accumulation)
+    tokens_per_rank: int  # per step
+    model_flops_per_rank: float  # per step, as MFU counts them
+    recompute_flops_per_rank: float  # per step: checkpointed blocks' forwards again
+    compute_s: float
+    comm_bytes_by_kind: dict[str, float]  # one rank's ring volume per step
+    link_bytes_by_kind: dict[str, float]  # through one node's link per step, each way
+    message_bytes_by_kind: dict[str, int]
+    efficiency_by_kind: dict[str, float]
+    network_s: float
+    exposed_network_s: float
+    overlap: float  # share of the network time hidden behind compute
+    overlap_source: str  # "given", "modelled", or for FSDP2 "measured on CPU: none hides"
+    step_s: float
+    tokens_per_s_per_rank: float
+    tokens_per_s: float  # the cluster's
+    mfu: float
+    network_share: float  # exposed network time ÷ step time
+    link_gbit_s: float | None
+    peak_flops_per_s: float  # one rank's
+    whole_parameter_bytes: int  # FSDP/ZeRO-3: every block's and the root's parameters as gathered
+    source: dict[str, str] = field(default_factory=dict)  # what the MFU, efficiency and link figures are
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def rank_peak_flops_here(precision: str, threads: int) -> float:
+    """One rank's theoretical peak on this machine, as the trainer's MFU counts it: the machine's
+    peak (cputrain.hardware) × the rank's share of the physical cores."""
+    from cputrain.hardware import detect
+
+    hw = detect()
+    return hw.peak_flops[precision] * min(1.0, threads / max(1, hw.physical_cores))
+
+
+def _flops_per_token(shape: ModelShape, seq_len: int, checkpointed: int) -> tuple[float, float, float, float]:
+    """(model FLOPs per token as cputrain.metrics.flops counts them, recompute FLOPs per token,
+    one block's forward and backward FLOPs per token)."""
+    from cputrain.metrics.flops import flops_per_token
+
+    embed = [p for p in shape.params if "embed_tokens" in p.name]
+    embed_numel = sum(p.numel for p in embed)
+    # the input lookup is no matmul; a tied head still multiplies by the table (model.skeleton's counts)
+    non_embedding = shape.total_params - (0 if shape.tied_embeddings else embed_numel)
+    trained = shape.trainable_params - (0 if shape.tied_embeddings else sum(p.numel for p in embed if p.trainable))
+    model = flops_per_token(non_embedding, shape.layers, shape.hidden, seq_len, trained_params=trained)
+    layers = max(shape.layers, 1)
+    block = sum(p.numel for p in shape.params if p.unit != "root") / layers
+    block_trained = sum(p.numel for p in shape.params if p.unit != "root" and p.trainable) / layers
+    attention = 4 * shape.hidden * seq_len  # a block's forward share of 12·d·T
+    forward = 2 * block + attention
+    backward = 2 * block + 2 * block_trained + 2 * attention
+    return model, checkpointed * forward, forward, backward
+
+
+def _exposed_sharded(p: CommPattern, t_gather: float, t_root_gather: float, t_reduce: float, t_root_reduce: float,
+                     fwd_s: float, bwd_s: float) -> float:
+    """One gathering micro-batch of FSDP/ZeRO-3: what its communication adds to its compute."""
+    layers = p.layers
+    # forward: the root's and the first block's gathers wait; each next block's hides behind the one before
+    exposed = t_root_gather + t_gather + (layers - 1) * max(0.0, t_gather - fwd_s)
+    backward_gather = t_gather * p.backward_gathers / layers  # on average over the blocks
+    # backward: a block's gather (if resharded) and the previous block's reduce-scatter share the
+    # link behind a block's backward; the first gather and the last reduce-scatters never hide
+    exposed += backward_gather + (layers - 1) * max(0.0, backward_gather + t_reduce - bwd_s)
+    exposed += t_reduce + t_root_reduce
+    return exposed
+
+
+def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: int, shape: ModelShape, *,
+                   link_gbit_s: float | None, peak_flops_per_s: float, mfu: float,
+                   efficiency: float | EfficiencyTable | None = None, overlap: float | None = None,
+                   mfu_source: str = "given", reshard_after_forward: bool = True,
+                   gather_once_per_step: bool = False, hybrid: bool = False,
+                   gloo_cpu_capped: bool = False) -> StepTimePlan:
+    """One optimizer step of `cfg` (a decided config, or StepSettings) on `world_size` ranks,
+    `nproc_per_node` to a node.
+
+    `peak_flops_per_s`: one rank's theoretical peak (its share of the node's cores; for this
+    machine cputrain.hardware.detect().peak_flops[precision] × threads ÷ cores). `mfu`: the share
+    of that peak the cores run the step's FLOPs at, recompute included (a run without activation
+    checkpointing logs it as its MFU). `link_gbit_s`: each node's link; None plans no network
+    time (one node needs none). `efficiency`: gloo's share of the line rate, a number for every
+    collective or a measured table; None reads cputrain/plan/time/gloo_link_efficiency.json, or
+    assumes 1.0 without it. `overlap`: the share of network time hidden behind compute, 0 to 1
+    (None: the model in this module's docstring). The last three keywords plan layouts cputrain
+    does not build yet (FSDP/ZeRO-3): no resharding after the forward, parameters kept gathered
+    across the micro-batches of a step, a hybrid layout (shard in a node, replicate across nodes).
+    `gloo_cpu_capped`: the ranks run on the CPU the efficiency table was measured on (one core per
+    rank), so gloo's collectives are also limited by what that CPU pushed through unshaped, and
+    that CPU time, taken from the cores the compute runs on, is never hidden."""
+    s = cfg if isinstance(cfg, StepSettings) else StepSettings.of_config(cfg)
+    if world_size < 1 or nproc_per_node < 1 or world_size % nproc_per_node:
+        raise ConfigError(f"world size {world_size} must be a positive multiple of the ranks per node ({nproc_per_node})")
+    if not peak_flops_per_s > 0:
+        raise ConfigError(f"peak FLOP/s must be positive (got {peak_flops_per_s})")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"MFU must be in (0, 1] (got {mfu})")
+    if link_gbit_s is not None and not link_gbit_s > 0:
+        raise ConfigError(f"--link-gbit-s must be a positive number of Gbit/s (got {link_gbit_s})")
+    if overlap is not None and not 0 <= overlap <= 1:
+        raise ConfigError(f"overlap must be in [0, 1] (got {overlap})")
+    if s.global_batch % (s.micro_batch * world_size):
+        raise ConfigError(f"train.global_batch_size {s.global_batch} is not a multiple of micro-batch "
+                          f"{s.micro_batch} × {world_size} ranks")
+    nnodes = world_size // nproc_per_node
+    micro_batches = s.global_batch // (s.micro_batch * world_size)
+    tokens_mb = s.micro_batch * s.seq_len
+    tokens = micro_batches * tokens_mb
+    # blocks checkpointed whole run their forward again; selective ones rerun no matmul, only
+    # elementwise work the FLOP count leaves out
+    checkpointed = checkpointed_blocks(s.activation_checkpointing, shape.layers)
+    model_ft, recompute_ft, fwd_ft, bwd_ft = _flops_per_token(shape, s.seq_len, checkpointed)
+    rate = peak_flops_per_s * mfu  # FLOPs the cores execute per second
+    compute_s = (model_ft + recompute_ft) * tokens / rate
+    fwd_block_s = fwd_ft * tokens_mb / rate
+    bwd_block_s = (bwd_ft + recompute_ft / max(shape.layers, 1)) * tokens_mb / rate
+
+    pattern = comm_pattern(shape, s.strategy, s.precision, world_size, micro_batches, nnodes=nnodes,
+                           persistence_threshold=(10 * shape.hidden if s.persistence_threshold is None
+                                                  else s.persistence_threshold),
+                           max_reuse_distance=s.max_reuse_distance,
+                           reshard_after_forward=reshard_after_forward,
+                           gather_once_per_step=gather_once_per_step, hybrid=hybrid)
+    rank_bytes = pattern.rank_bytes(world_size)
+    link_bytes = pattern.link_bytes(world_size, nnodes)
+    messages = {"all_gather": pattern.gather_message_bytes, "reduce_scatter": pattern.reduce_message_bytes,
+                "all_reduce": pattern.allreduce_message_bytes}
+    source: dict[str, str] = {"mfu": mfu_source}
+    if isinstance(efficiency, (int, float)):
+        if not 0 < efficiency <= 1.5:
+            raise ConfigError(f"efficiency must be in (0, 1.5] (got {efficiency})")
+        table, fixed = None, float(efficiency)
+        source["efficiency"] = f"given: {fixed:g} of the line rate for every collective"
+    else:
+        table = efficiency if efficiency is not None else load_table()
+        fixed = 1.0
+        source["efficiency"] = table.describe(gloo_cpu_capped) if table is not None else NOT_MEASURED
+    network_used = nnodes > 1 and any(link_bytes.values())
+    if network_used and link_gbit_s is None:
+        source["link"] = "no link given: network time not planned"
+    elif not network_used:
+        source["link"] = ("single: no collectives" if s.strategy == "single" or world_size == 1
+                          else "one node: collectives stay in memory, not network-bound")
+    else:
+        source["link"] = f"{link_gbit_s:g} Gbit/s per node"
+    planned = network_used and link_gbit_s is not None
+    link_bytes_per_s = (link_gbit_s or 0) * 1e9 / 8
+
+    efficiencies = {kind: (table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped)
+                           if table is not None and planned else fixed) for kind in KINDS}
+
+    def seconds(kind: str, nbytes: float) -> float:
+        if not planned or nbytes <= 0:
+            return 0.0
+        return nbytes / (link_bytes_per_s * efficiencies[kind])
+
+    def cpu_seconds(kind: str, nbytes: float) -> float:
+        """The time gloo's transfers and reductions hold a core: the bytes at the unshaped rate."""
+        cap = table.cpu_cap_gbit_s(kind, messages[kind]) if planned and gloo_cpu_capped and table else None
+        return nbytes * 8 / (cap * 1e9) if cap and nbytes > 0 else 0.0
+
+    network_s = sum(seconds(kind, link_bytes[kind]) for kind in KINDS)
+    gloo_cpu_s = sum(cpu_seconds(kind, link_bytes[kind]) for kind in KINDS)
+    if not planned or network_s == 0:
+        exposed = 0.0
+    elif overlap is not None:
+        exposed = (1 - overlap) * network_s
+    elif s.strategy == "fsdp":
+        # FSDP2 on CPU: measured, a block's gather and the gradients' reduce-scatter show in the step
+        # whole at every link rate (block gloo_link-runs of docs/benchmarks/network.md): no overlap
+        exposed = network_s
+    else:
+        exposed = 0.0
+        if pattern.gathering_micro_batches and not pattern.hybrid_ranks_per_node:
+            def per_call(kind: str, whole: int) -> float:  # one collective across the nodes
+                return seconds(kind, whole * ring_factor(kind, world_size))
+
+            one = _exposed_sharded(pattern, per_call("all_gather", pattern.block_gather_bytes),
+                                   per_call("all_gather", pattern.root_gather_bytes),
+                                   per_call("reduce_scatter", pattern.block_reduce_bytes),
+                                   per_call("reduce_scatter", pattern.root_reduce_bytes), fwd_block_s, bwd_block_s)
+            exposed += one * pattern.gathering_micro_batches
+        if pattern.allreduce_bytes:
+            allreduce_s = seconds("all_reduce", link_bytes["all_reduce"])
+            buckets = max(1.0, pattern.allreduce_bytes / max(pattern.allreduce_message_bytes, 1))
+            last_bucket = allreduce_s / buckets
+            backward_s = bwd_block_s * max(shape.layers, 1)
+            exposed += last_bucket + max(0.0, allreduce_s - last_bucket - backward_s)
+        exposed = min(exposed, network_s)
+        # gloo's own CPU time comes out of the cores the compute saturates: it never hides; the
+        # rest of the wait (the link's) hides as the model above says
+        if gloo_cpu_s:
+            exposed = gloo_cpu_s + (network_s - gloo_cpu_s) * exposed / network_s
+    step_s = compute_s + exposed
+    hidden = 1 - exposed / network_s if network_s else 1.0
+    return StepTimePlan(
+        world_size=world_size, nnodes=nnodes, micro_batches=micro_batches, tokens_per_rank=tokens,
+        model_flops_per_rank=model_ft * tokens, recompute_flops_per_rank=recompute_ft * tokens,
+        compute_s=compute_s, comm_bytes_by_kind=rank_bytes, link_bytes_by_kind=link_bytes,
+        message_bytes_by_kind=messages, efficiency_by_kind=efficiencies, network_s=network_s,
+        exposed_network_s=exposed, overlap=hidden, overlap_source=("given" if overlap is not None
+                        else "FSDP2 on CPU, measured: none hides" if s.strategy == "fsdp" else "modelled"),
+        step_s=step_s, tokens_per_s_per_rank=tokens / step_s, tokens_per_s=tokens * world_size / step_s,
+        mfu=model_ft * tokens / (step_s * peak_flops_per_s), network_share=exposed / step_s,
+        link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s,
+        whole_parameter_bytes=pattern.layers * pattern.block_gather_bytes + pattern.root_gather_bytes, source=source)

@@ -1,0 +1,149 @@
+"""What is checked before any work: no tokenizing, no model building, nothing written.
+
+A run folder that cannot be written, or a model whose config cannot train on this sequence
+length, would otherwise surface minutes later (after the data was tokenized) as a traceback.
+Here each ends as one line, in the process the user started, before any rank exists.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cputrain.run_folder.layout import RunFolder
+from cputrain.config import Config
+from cputrain.errors import ConfigError, RunFolderError, one_line
+
+
+def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
+    if probe_output_dir:  # one process probes (ranks that all did would remove each other's folders)
+        check_output_dir(cfg.output_dir)
+        check_cache_dir(cfg.data.cache_dir)
+    check_model_fits_seq_len(cfg)
+    check_model_weights(cfg)
+    check_report_to(cfg)
+    check_objective_fits(cfg)
+
+
+def check_objective_fits(cfg: Config) -> None:
+    """train.objective and data.shared_prompt read the data's kind (dpo, simpo and a shared prompt
+    pairs, lm everything else). A hub dataset under data.format=auto is not opened here (that can
+    take minutes): each rank checks it again once its format is decided."""
+    from cputrain.data.sources import HF_PREFIX, format_choice
+    from cputrain.errors import DataError
+    from cputrain.objectives.objective import check_objective, check_reference
+
+    check_reference(cfg.train, cfg.model.lora.enabled)
+    data = cfg.data
+    if data.format == "auto" and data.source.startswith(HF_PREFIX):
+        fmt = "preference" if cfg.train.objective != "lm" else "text"  # decided by the rank
+    else:
+        try:
+            fmt = format_choice(data)[0]
+        except DataError:
+            return  # a source that cannot be read is reported where the data is prepared
+    check_objective(cfg.train.objective, fmt)
+    from cputrain.data.preference.rows import shared_prompt_choice
+
+    shared_prompt_choice(data.shared_prompt, fmt)  # data.shared_prompt=true lays out pairs only
+
+
+def check_report_to(cfg: Config) -> None:
+    from cputrain.metrics.sinks import check_installed
+
+    check_installed(cfg)
+
+
+def check_output_dir(url: str) -> None:
+    """The run folder can be created and a file written in it; whatever this creates is removed."""
+    run = RunFolder(url)
+    local = run.local_path()
+    try:
+        if local is not None:
+            _probe_local(Path(local))
+        else:
+            probe = run.path(f".cputrain-write-test-{os.getpid()}")
+            run.fs.makedirs(run.root, exist_ok=True)
+            run.fs.pipe_file(probe, b"")
+            run.fs.rm(probe)
+    except RunFolderError:
+        raise
+    except Exception as exc:
+        where = getattr(exc, "filename", None)
+        reason = f"{exc.strerror}: '{where}'" if isinstance(exc, OSError) and exc.strerror and where else one_line(exc)
+        raise RunFolderError(f"output_dir '{url}' cannot be created or written ({reason}); "
+                             "choose an output_dir on a writable file system") from None
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    """data.cache_dir can be created and written: the tokenizer and the token streams go there
+    (a read-only mount, a path through a file). Whatever this creates is removed."""
+    try:
+        _probe_local(Path(cache_dir).expanduser())
+    except RunFolderError:
+        raise ConfigError(f"data.cache_dir '{cache_dir}' is a file, not a folder; choose another data.cache_dir") from None
+    except OSError as exc:
+        reason = f"{exc.strerror}: '{exc.filename}'" if exc.strerror and exc.filename else one_line(exc)
+        raise ConfigError(f"data.cache_dir '{cache_dir}' cannot be created or written ({reason}); choose a writable "
+                          "data.cache_dir (the tokenizer and the token cache are written there)") from None
+
+
+def _probe_local(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"output_dir '{folder}' is a file, not a folder; choose another output_dir")
+    created = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".cputrain-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    finally:
+        # A command refused later (bad data, a held lock) leaves no empty folder behind.
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:
+                break  # no longer empty (another run got there) or never made
+
+
+def check_model_fits_seq_len(cfg: Config) -> None:
+    """model.arch (or a local model folder's config.json) makes a valid config, and data.seq_len
+    fits its positions: RoPE extrapolates silently past max_position_embeddings instead of failing."""
+    from cputrain import model as models
+
+    if cfg.model.name_or_path is None:
+        # The vocabulary comes from the tokenizer later; no other key depends on it.
+        hf_config = models.config_from_arch(cfg.model.arch, cfg.model.tokenizer_vocab_size)
+        fix = f"raise model.arch.max_position_embeddings to {cfg.data.seq_len} or"
+    else:
+        folder = Path(cfg.model.name_or_path).expanduser()
+        if not (folder / "config.json").is_file():
+            return  # a hub id or a missing folder: reported where the model is fetched
+        hf_config = models.folder_config(cfg.model, folder)
+        fix = "the model was trained for no more positions;"
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.data.seq_len > limit:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) is longer than the model's max_position_embeddings "
+                          f"({limit}); {fix} set data.seq_len={limit} or less")
+
+
+def check_model_weights(cfg: Config) -> None:
+    """A local model folder holds safetensors weights for every parameter of its config, in the
+    config's shapes: read from the files' headers against the model built on the meta device
+    (no tensor is read, no memory is taken), so a .bin-only folder or one whose weights belong to
+    another config is refused before the data is tokenized, not after. The LoRA settings are
+    checked against the same skeleton."""
+    if cfg.model.name_or_path is None:
+        return
+    folder = Path(cfg.model.name_or_path).expanduser()
+    if not (folder / "config.json").is_file():
+        return  # a hub id or a missing folder: reported where the model is fetched
+    from cputrain import model as models
+
+    reader = models.SafetensorsReader(folder)  # no .safetensors, or a header that cannot be read
+    skeleton = models.build_skeleton(models.ModelSource(folder, models.folder_config(cfg.model, folder)), cfg.model)
+    models.matching_keys(skeleton, reader)
+    if cfg.model.lora.enabled:  # targets that name no layer, a rank as wide as a layer
+        from cputrain.lora.adapters import check_rank
+
+        check_rank(skeleton, cfg.model.lora)

@@ -1,0 +1,368 @@
+"""The training run: setup() in build order, train_step(), evaluate(), fit().
+
+One Trainer runs in every rank, on a config that is already decided and read-only. It never
+branches on the strategy (every one comes through the protocol in cputrain.parallel.base) nor on
+the kind of fine-tuning (full or LoRA come through the model converter, cputrain.model.converter).
+The run's figures are RunMetrics'; when to save is the checkpoint object's; what a bad step does
+is the step guard's (training.step_guard), the profiled step the profiling's
+(training.step_profiling), and summary.json at the end the ending's (metrics.ending).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from cputrain import model as models
+from cputrain.config.resolved import DecidedConfig
+from cputrain.data import order
+from cputrain.distributed import process_group as pg
+from cputrain.distributed.env import RankEnv
+from cputrain.distributed.stop_request import StopRequest
+from cputrain.errors import ConfigError, Stopped
+from cputrain.hardware import HardwareFacts
+from cputrain.kernels.chunked_head import install_chunked_loss
+from cputrain.lora.converter import converter_for
+from cputrain.metrics.ending import ending_summary, write_ended
+from cputrain.metrics.phases import PhaseRecorder
+from cputrain.metrics.run_metrics import RunMetrics
+from cputrain.metrics.step_profile import OPTIMIZER_REGION
+from cputrain.metrics.summary import read_summary, write_summary
+from cputrain.objectives.objective import check_objective, objective_for
+from cputrain.parallel import get_strategy
+from cputrain.parallel.base import Strategy, StrategyContext
+from cputrain.run_folder.checkpoints import Checkpoints
+from cputrain.run_folder.layout import RunFolder
+from cputrain.run_folder.run_config import RecordedConfig, check_compatible, write_run_config
+from cputrain.run_folder.run_lock import RunLock, take_run_lock
+from cputrain.training.step_guard import StepGuard
+from cputrain.training.step_outcome import StepOutcome
+from cputrain.training.step_profiling import StepProfiling, check_profile_step, profile_step_of_session
+
+log = logging.getLogger("cputrain")
+
+
+class Trainer:
+    def __init__(self, cfg: DecidedConfig, hw: HardwareFacts, ranks: RankEnv, reasons: list | None = None,
+                 take_over_lock: bool = False, recorded: RecordedConfig | None = None):
+        if not isinstance(cfg, DecidedConfig):  # a model is built from it: every part of the run must see one value
+            raise ConfigError("the config is not decided before training; training.choices.decide decides it first")
+        self.cfg, self.hw, self.ranks = cfg, hw, ranks
+        self.reasons = reasons or []
+        self.run = RunFolder(cfg.output_dir)
+        self.take_over_lock = take_over_lock
+        self.recorded = recorded  # the run folder's config.yaml as the run's choices read it (None: read at setup)
+        self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
+        check_objective(cfg.train.objective, cfg.data.format)
+        # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off),
+        # or for full weights computed once from the starting weights (setup, before the resume)
+        self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
+        self.phases = PhaseRecorder(ranks.rank)
+        self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
+        self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
+        self.exported = False  # model/ written by this session (the worker then plots and samples)
+        # Built by setup(), by its numbered parts:
+        self.lock: RunLock | None = None  # 1. rank 0's, until release_lock()
+        self.tokenizer = self.data = None  # 2. and the data the run's kind prepared (data.prepare: rows, describe())
+        self.train_rows = self.val_rows = None  # 2. what batches are cut from (every kind's rows: data.rows.Rows)
+        self.order: order.BatchOrder | None = None  # 2. which rows each rank takes at each step
+        self.hf_config = None  # 3. transformers PretrainedConfig
+        self.counts: dict[str, int] = {}  # 3. parameter counts (models.parameter_counts)
+        self.strategy: Strategy | None = None  # 4.
+        self.model: torch.nn.Module | None = None  # 4. the wrapped model
+        self.optimizer: torch.optim.Optimizer | None = None  # 5.
+        self.total_steps = 0  # 2. the run's (a session may stop earlier: train.stop_at_step)
+        self.schedule = None  # 5. training.lr_schedule.WarmupCosine
+        self.checkpoints: Checkpoints | None = None  # 6.
+        self.metrics: RunMetrics | None = None  # 6.
+        self.guard: StepGuard | None = None  # by fit(): this session's bad-step counters
+
+    # ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, ranks = self.cfg, self.ranks
+        check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
+        self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
+
+        # 1. The process group and this rank's threads are the worker's (the attention kernel was
+        #    timed on them). One writer per run folder: rank 0 locks it before anything is
+        #    written there (and before any tokenizing), and every rank stops if another run holds it.
+        self.phases.mark("process group")
+        self.lock = take_run_lock(self.run, ranks.is_main, self.take_over_lock)
+
+        # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
+        #    poll for its completion marker instead of waiting in a collective, so preparing a
+        #    10B-token corpus may take far longer than the process group's timeout.
+        from cputrain.data.prepare import prepare, rows_of
+
+        self.tokenizer, self.data = prepare(cfg)
+        self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
+        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
+        if ranks.is_main:
+            log.info("data: %s", self.data.describe())
+        self.total_steps = self._total_steps()  # known once the data is (train.epochs)
+        check_profile_step(cfg.train, self.total_steps, len(self.train_rows))
+
+        # 3. Model skeleton on the meta device: the structure, no memory.
+        source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
+        models.check_vocab(source.hf_config, self.tokenizer)
+        self.hf_config = source.hf_config
+        skeleton = models.build_skeleton(source, cfg.model)
+        self.converter.convert(skeleton, source)  # LoRA: adapters in, the base frozen
+        models.enable_activation_checkpointing(skeleton, cfg.model.activation_checkpointing)
+        self.counts = models.parameter_counts(skeleton)
+        if ranks.is_main:  # plan.json, and a warning now if this node cannot hold the plan
+            from cputrain.plan.memory.runtime import write_run_plan
+
+            write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
+        self.phases.mark("model skeleton")
+
+        # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
+        #    materializes only this rank's shard: an 8B model never exists whole in any rank.
+        ctx = StrategyContext(cfg, ranks.rank, ranks.world_size, cfg.hardware.dtype, self.converter.file_name_of,
+                              ranks_per_node=ranks.local_world_size)
+        self.strategy = get_strategy(cfg.parallel.strategy, ctx=ctx)
+        self.phases.tensors_held = self.strategy.tensors_held
+        self.model = self.strategy.wrap(skeleton)
+        self.strategy.load_weights(self.model, source.folder)
+        self.converter.fill(self.strategy.unwrap(self.model))
+        self.strategy.check_weights(self.model)
+        if cfg.model.chunked_loss:
+            install_chunked_loss(self.strategy.unwrap(self.model))
+        self.phases.mark("sharded weights", model=self.model)
+
+        # 5. Optimizer and learning-rate schedule.
+        self.optimizer = self.strategy.build_optimizer(self.model)
+        from cputrain.training.lr_schedule import build_schedule
+
+        self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
+        self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
+        # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
+        # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them;
+        # after the optimizer, because a sharding engine that gathers each module's partitioned
+        # weights around its forward may exist only from then on. They are kept in the token
+        # cache's entry, each rank its share.
+        reference = None
+        if cfg.train.objective == "dpo":
+            from cputrain.objectives.reference_store import ReferenceStore, reference_file
+
+            reference = ReferenceStore(reference_file(self.data.folder, source.folder, cfg), ranks.rank,
+                                       ranks.world_size, ranks.local_rank)
+        self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
+                               self.strategy.autocast, reference)
+
+        # 6. Resume from the newest complete checkpoint, if this run folder has one.
+        self.checkpoints = Checkpoints(self.run, cfg, ranks)
+        resumed = self.checkpoints.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
+        if resumed is not None:
+            self.step = resumed
+            log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
+        self.metrics = RunMetrics(cfg, self.hw, ranks, self.run, self.counts, self.hf_config, self.strategy.meter,
+                                  self.total_steps)
+        self.metrics.open_sinks(self.step, guard=self.lock.assert_held if self.lock else lambda: None)
+        if ranks.is_main:
+            write_run_config(self.run, cfg, self.reasons)
+            self.converter.record(self.run, source)  # LoRA: what the adapters are trained on, checked on resume
+
+        if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
+            from pathlib import Path
+
+            cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
+            models.compile_blocks(self.strategy.unwrap(self.model), cache)
+            if ranks.is_main:
+                log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
+
+    def _total_steps(self) -> int:
+        t = self.cfg.train
+        if t.max_steps is not None:
+            return t.max_steps
+        return max(1, math.ceil(t.epochs * len(self.train_rows) / t.global_batch_size))
+
+    # ------------------------------------------------------------------------------------
+    def train_step(self) -> StepOutcome:
+        """One optimizer step over this rank's share of the global batch."""
+        micro_batches = [self.train_rows.batch(indices) for indices in self.order.rank_micro_batches(
+            self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size)]
+        # The step's loss is the sum of the losses of every item of the global batch (trained
+        # target, or preference pair) ÷ their number, over all micro-batches and ranks: a mean of
+        # per-micro-batch means is wrong when micro-batches hold different numbers of them (chat
+        # data, packed pairs). Strategies average gradients over ranks, so each rank divides by the
+        # global count ÷ world size.
+        objective = self.objective
+        trained, tokens, items = (int(n) for n in pg.all_reduce_sum([
+            sum(b.trained_targets for b in micro_batches), sum(b.tokens for b in micro_batches),
+            sum(objective.items(b) for b in micro_batches)]))
+        divisor = max(items, 1) / self.ranks.world_size
+        self.model.train()
+        loss_sum = torch.zeros(())
+        figure_sums = torch.zeros(len(objective.names), dtype=torch.float64)
+        # One autocast region around all micro-batches: autocast caches the bf16 copy of each fp32
+        # weight until the region ends, so weights are cast once per optimizer step (they change
+        # only at the step), not once per micro-batch. Measured +3% tokens/s on a 97M Llama with
+        # 2 micro-batches on AMX (benchmarks/bf16_step.py); more with more accumulation.
+        with self.strategy.autocast():
+            for i, batch in enumerate(micro_batches):
+                with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
+                    loss, figures = objective.loss(self.model, batch, divisor)
+                    self.strategy.backward(loss)
+                loss_sum += loss.detach().float()
+                if figures is not None:
+                    figure_sums += figures.double()
+        loss = float(loss_sum)
+        # One small all-reduce a step (none on one rank): is any rank's loss not finite, was any rank
+        # asked to stop, is a timed checkpoint due by rank 0's clock? Every rank then skips or steps,
+        # stops or goes on, saves or not, at the same step. The objective's figures (preference:
+        # TRL's rewards/…) ride along, summed over the global batch's pairs.
+        time_due = self.ranks.is_main and self.checkpoints.time_due()
+        bad_losses, stops, save_due, *figure_totals = pg.all_reduce_sum([
+            0.0 if math.isfinite(loss) else 1.0, float(self.stop_request.requested), float(time_due),
+            *figure_sums.tolist()])
+        figures = {name: v / max(items, 1) for name, v in zip(objective.names, figure_totals)} or None
+        # A named region (microseconds when no profiler runs): train.profile_step counts what is in it.
+        with torch.profiler.record_function(OPTIMIZER_REGION):
+            grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
+                                                    loss_finite=bad_losses == 0)
+        # A finite loss and gradient norm can still leave inf or nan in the weights (a far too high
+        # lr): read once after the update (docs/benchmarks/step-time.md, block weights-check: the cost per step).
+        weights_finite = self.strategy.weights_finite_on_every_rank(self.model) if stepped else True
+        self.schedule.step()
+        self.step += 1
+        return StepOutcome(loss, grad_norm, trained, tokens, stepped,
+                           (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
+                           weights_finite, figures, items if objective.names else None)
+
+    def evaluate(self) -> tuple[float, dict]:
+        """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
+        micro-batch rows, split across ranks; and the objective's figures there (eval_rewards/…)."""
+        if len(self.val_rows) == 0:
+            return float("nan"), {}
+        self.model.eval()
+        mbs, world, rank = self.cfg.train.micro_batch_size, self.ranks.world_size, self.ranks.rank
+        n = min(len(self.val_rows), self.cfg.train.eval_batches * mbs * world)
+        n -= n % world  # every rank runs the same number of forwards (collectives must match)
+        if n == 0:
+            n = len(self.val_rows)
+        per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
+        sums, items = self.objective.summed(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
+        *sums, items = pg.all_reduce_sum([*sums.tolist(), items])
+        figures = {f"eval_{name}": v / max(items, 1) for name, v in zip(self.objective.names, sums[1:])}
+        return sums[0] / max(items, 1), figures
+
+    # ------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary.
+        However the steps end (finished, stopped, diverged, failed), rank 0 writes summary.json
+        with the ending's status, reason and exit code, for a pipeline to read."""
+        if self.step >= self.total_steps:
+            log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
+            self.metrics.end_progress(self.step, "finished")  # a TrainJob whose pods restarted after the end
+            return read_summary(self.run) or {}
+        try:
+            return self._fit()
+        except BaseException as err:
+            if self.ranks.is_main and self.metrics is not None:
+                write_ended(self.run, self.metrics, self.step, self.guard.skipped_steps if self.guard else 0, err)
+            raise
+
+    def _fit(self) -> dict:
+        self.guard = StepGuard(self.cfg.train, self.strategy, self.checkpoints, self.run, self.ranks.is_main)
+        self._warn_if_no_validation()
+        # stop_at_step ends this session early; the schedule still runs to total_steps.
+        stop_at = min(self.total_steps, self.cfg.train.stop_at_step or self.total_steps)
+        metrics = self.metrics
+        profiling = StepProfiling(self.run, metrics,
+                                  profile_step_of_session(self.cfg.train, self.ranks.is_main, self.step, stop_at))
+        metrics.start(self.step)
+        self.stop_request.install()
+        try:
+            while self.step < stop_at:
+                with metrics.step(), profiling.recording(self.step + 1):
+                    outcome = self.train_step()
+                if metrics.steps_this_session == 1:
+                    self.phases.mark("first step done", model=self.model, optimizer=self.optimizer)
+                row = metrics.record(self.step, outcome.loss, outcome.grad_norm, self.schedule.get_last_lr()[0],
+                                     self.order.epoch_of(self.step), outcome.trained, outcome.tokens,
+                                     outcome.figures, outcome.pairs)
+                if self._validation_due() and not outcome.stop_signal:
+                    row = metrics.with_validation(row, self.step, *self.evaluate())
+                metrics.publish(row)
+                profiling.step()
+                self.guard.judge(self.step, outcome)  # after the row: the step that stops the run is on record
+                saved = False
+                if (outcome.stop_signal or outcome.save_due
+                        or self.checkpoints.should_save(self.step, self.total_steps, stop_at)):
+                    saved = self._save_unless_in_a_bad_streak()
+                if outcome.stop_signal:
+                    newest = self.run.newest_complete()
+                    where = (f"checkpoint saved ({self.run.step_path(self.step)})" if saved else
+                             "no checkpoint written inside a streak of bad steps (newest: "
+                             f"{self.run.step_path(newest) if newest is not None else 'none'})")
+                    raise Stopped(f"stopped by {outcome.stop_signal} at step {self.step}/{self.total_steps}; {where}; "
+                                  "re-run the same command to resume")
+        finally:
+            self.stop_request.uninstall()
+        metrics.stop()
+        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
+                         rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
+        return self._finish()
+
+    def _save_unless_in_a_bad_streak(self) -> bool:
+        """Save the step, unless it is inside a streak of bad steps: its weights are then not known
+        to be healthy, and a save would rotate out a checkpoint that is."""
+        if self.guard.bad_steps_in_row:
+            if self.ranks.is_main:
+                log.warning("step %d: checkpoint not written: %d bad step(s) in a row; the newest checkpoint is kept",
+                            self.step, self.guard.bad_steps_in_row)
+            return False
+        self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+        self.metrics.exclude_pause()
+        return True
+
+    def _validation_due(self) -> bool:
+        every = self.cfg.train.eval_every
+        return len(self.val_rows) > 0 and (self.step % every == 0 or self.step == self.total_steps)
+
+    def _warn_if_no_validation(self) -> None:
+        if len(self.val_rows) == 0 and self.ranks.is_main:  # val_loss stays null in metrics.jsonl and summary.json
+            log.warning("the validation split has 0 sequences (%d training sequences; data.val_fraction=%s): "
+                        "validation is skipped and val_loss is null; raise data.val_fraction or "
+                        "data.max_documents to validate", len(self.train_rows), self.cfg.data.val_fraction)
+
+    def _finish(self) -> dict:
+        # The export (and a run counted as finished) holds finite weights only.
+        if not self.strategy.weights_finite_on_every_rank(self.model):
+            self.guard.diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is "
+                                "exported")
+        self.checkpoints.confirm()
+        summary = ending_summary(self.metrics, self.step, self.guard.skipped_steps, "finished", 0, None)
+        self.phases.write(self.run, self.ranks)
+        self.checkpoints.export(self.strategy, self._write_model)
+        self.exported = True
+        if self.ranks.is_main:
+            write_summary(self.run, summary)
+        self.metrics.end_progress(self.step, "finished")  # after the export: 100% says the model is there
+        return summary
+
+    def _write_model(self, folder: str, is_writer: bool) -> None:
+        self.converter.export(self.strategy, self.model, self.hf_config, self.tokenizer, folder, is_writer)
+
+    def held_out_prompt(self) -> list[int] | None:
+        """The prompt of the first validation example (of the first training one without a
+        validation split), for sample.txt; None for text, which is sampled from "The"."""
+        rows = self.val_rows if self.val_rows is not None and len(self.val_rows) else self.train_rows
+        return rows.prompt_ids(0)
+
+    def release_lock(self) -> None:
+        if self.metrics is not None:  # flushes the sinks' files, also on an error exit
+            self.metrics.close_sinks()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def close(self) -> None:
+        """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""
+        if self.strategy is not None:
+            self.strategy.close()
+        self.model = self.optimizer = self.schedule = self.checkpoints = self.strategy = None
