@@ -488,20 +488,36 @@ class ParallelConfig(Section):
     """fsdp: how parameters are sharded and how often they cross the network. full_shard: over every
     rank, gathered for each micro-batch's forward and again for its backward. node_reshard: the
     same, but after the forward each block keeps the node's share, so the backward gathers within
-    the node. gather_once: gathered once per optimizer step and kept (and gradients reduced once)
-    across its micro-batches. hybrid: sharded within a node, replicated across nodes (HSDP), the
-    gradients all-reduced across nodes once per step. Every layout keeps the root (embeddings,
-    final norm, head) gathered across a step's micro-batches. auto: the fastest layout whose
-    memory fits each rank, by the time plan."""
+    the node (2 or more nodes of 2 or more ranks). gather_once: gathered once per optimizer step
+    and kept (and gradients reduced once) across its micro-batches: every block's parameters and
+    the unsharded gradients held through the step. hybrid: sharded within a node, replicated
+    across nodes (HSDP, 2 or more nodes), the gradients all-reduced across nodes once per step;
+    each rank holds 1/(ranks per node) of the state. Every layout keeps the root (embeddings,
+    final norm, head) gathered across a step's micro-batches. auto: the fastest by the time plan
+    among the layouts whose memory plan fits each rank's share of the node; full_shard on one
+    node. Other strategies: leave it auto."""
 
     reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """fsdp: the dtype gradients are reduced in. bf16 halves the reduce traffic (the weights and
-    the optimizer stay fp32). auto: by the measured loss drift (docs/reference/auto.md)."""
+    the optimizer stay fp32). auto: bf16 where several nodes communicate and the compute is bf16,
+    else fp32 (the loss drift measured: docs/reference/auto.md). Other strategies: leave it auto
+    (zero3 reduces in the parameters' dtype)."""
 
     reduce_scatter: Literal["auto", "native", "all_to_all"] = "auto"
     """fsdp and zero3: how gradients are reduce-scattered. gloo has no reduce-scatter of its own: it runs
     an all-reduce and keeps a slice (twice the bytes). all_to_all: each rank sends every other
     rank its slice once and sums what it receives. auto: all_to_all on gloo, native on ccl."""
+
+    @model_validator(mode="after")
+    def _fsdp_keys_on_fsdp(self):
+        for key in ("layout", "reduce_dtype"):
+            value = getattr(self, key)
+            if value != "auto" and self.strategy != "fsdp":
+                which = ("auto, which resolves to single or ddp" if self.strategy == "auto"
+                         else self.strategy)
+                raise ValueError(f"parallel.{key}={value} needs parallel.strategy=fsdp (here {which}); set "
+                                 f"parallel.strategy=fsdp or leave parallel.{key}=auto")
+        return self
 
 
 class LaunchConfig(Section):

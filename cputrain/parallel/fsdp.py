@@ -44,9 +44,8 @@ class FSDPStrategy(Strategy):
         super().__init__(ctx)
         pin_mmap_threshold()  # before the init replica and the first step free anything
         parallel = ctx.cfg.parallel
-        # "auto" left here means the config was not decided for a layout: FSDP2's default
-        self.layout = Layout(parallel.layout if parallel.layout != "auto" else "full_shard", ctx.world_size,
-                             ctx.ranks_per_node)
+        # decided (cputrain.training.choices): "auto" cannot reach here, and check() refuses it if it does
+        self.layout = Layout(parallel.layout, ctx.world_size, ctx.ranks_per_node)
         self.layout.check()
         self.reduce_dtype = reduce_dtype_of(parallel.reduce_dtype)
         # gloo's own reduce-scatter is an all-reduce and a slice: twice the bytes (parallel.reduce_scatter)
