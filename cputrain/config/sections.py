@@ -508,17 +508,6 @@ class ParallelConfig(Section):
     an all-reduce and keeps a slice (twice the bytes). all_to_all: each rank sends every other
     rank its slice once and sums what it receives. auto: all_to_all on gloo, native on ccl."""
 
-    @model_validator(mode="after")
-    def _fsdp_keys_on_fsdp(self):
-        for key in ("layout", "reduce_dtype"):
-            value = getattr(self, key)
-            if value != "auto" and self.strategy != "fsdp":
-                which = ("auto, which resolves to single or ddp" if self.strategy == "auto"
-                         else self.strategy)
-                raise ValueError(f"parallel.{key}={value} needs parallel.strategy=fsdp (here {which}); set "
-                                 f"parallel.strategy=fsdp or leave parallel.{key}=auto")
-        return self
-
 
 class LaunchConfig(Section):
     nproc_per_node: int = Field(1, gt=0)
@@ -583,6 +572,18 @@ class Config(Section):
         if profile is not None and last is not None and profile > last:
             raise ValueError(f"train.profile_step ({profile}) is past train.max_steps ({last}): the run never "
                              f"reaches it; choose a step from 1 to {last}")
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_keys_on_fsdp(self):
+        parallel = self.parallel
+        for key in ("layout", "reduce_dtype"):
+            value = getattr(parallel, key)
+            if value != "auto" and parallel.strategy != "fsdp":
+                which = ("auto, which resolves to single or ddp" if parallel.strategy == "auto"
+                         else parallel.strategy)
+                raise ValueError(f"parallel.{key}={value} needs parallel.strategy=fsdp (here {which}); set "
+                                 f"parallel.strategy=fsdp or leave parallel.{key}=auto")
         return self
 
     @model_validator(mode="after")
