@@ -27,9 +27,9 @@ ALL = L * BLOCK + ROOT
 
 
 def rank(layout: str = "full_shard", world: int = W, reduce_dtype: str = "fp32", reduce_scatter: str = "native",
-         precision: str = "bf16", per_node: int | None = P):
+         precision: str = "bf16", per_node: int | None = P, accumulation: int = 2):
     inputs = plan_inputs("fsdp", precision, world, micro_batch=1, seq_len=4, layout=layout, reduce_dtype=reduce_dtype,
-                         reduce_scatter=reduce_scatter, ranks_per_node=per_node)
+                         reduce_scatter=reduce_scatter, ranks_per_node=per_node, accumulation=accumulation)
     return plan_rank(shape(), inputs)
 
 
@@ -51,6 +51,8 @@ def test_gather_once_holds_every_gathered_parameter_and_the_unsharded_gradients(
         # the whole model gathered (bf16) for the step, every gradient accumulated unsharded in the
         # reduce dtype, and the reduce-scatter's input of one block
         assert held == ALL * 2 + ALL * grad_bytes + BLOCK * grad_bytes
+    # one micro-batch a step: each block's gradients reduced after its backward, none accumulated
+    assert rank("gather_once", accumulation=1).comm_buffer_bytes == ALL * 2 + BLOCK * 4
     # more than full_shard holds, and its state is the same
     assert rank("gather_once").param_bytes == rank().param_bytes
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cputrain.config import Config
 from cputrain.config.reduction import reduce_scatter_in_use
+from cputrain.config.resolve import grad_accum_steps
 from cputrain.config.resolved import PlannedConfig, as_planned
 from cputrain.errors import ConfigError
 from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
@@ -33,7 +34,6 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
     if cfg.parallel.strategy != "zero3":
         return {}
     from cputrain.parallel.deepspeed_config import plan_for
-    from cputrain.config.resolve import grad_accum_steps
 
     zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
     return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
@@ -93,7 +93,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         eager_attention=cfg.model.attn_implementation == "eager",
         layout=parallel.layout if fsdp else "full_shard", reduce_dtype=parallel.reduce_dtype if fsdp else None,
         reduce_scatter=reduce_scatter_in_use(parallel.reduce_scatter, parallel.backend),
-        ranks_per_node=ranks_per_node,
+        ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         **_zero3_settings(cfg, world_size, shape),
     )
     notes = [f"{key}=auto → {value}: {why}" for key, value, why in reasons]

@@ -59,6 +59,7 @@ class PlanInputs:
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "all_to_all"  # fsdp and zero3: as it runs (native | all_to_all: config.reduction)
     ranks_per_node: int | None = None  # node_reshard and hybrid read it (None: not known)
+    accumulation: int = 1  # micro-batches per rank per step: gather_once accumulates unsharded gradients over them
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
         # reduce dtype, as the layout holds them (cputrain.plan.memory.fsdp_layouts).
         return fsdp_buffer_bytes(m, inp.layout, inp.world_size, inp.ranks_per_node, gathered_bytes,
                                  BF16_BYTES if inp.reduce_dtype == "bf16" else FP32_BYTES,
-                                 inp.reduce_scatter == "all_to_all")
+                                 inp.reduce_scatter == "all_to_all", inp.accumulation)
     if inp.strategy == "zero3":
         # Gathered parameters (see zero3_gathered_numel) and one block's full gradients before
         # they are reduced into the partitions.
