@@ -130,3 +130,12 @@ def test_the_all_to_all_takes_the_all_gathers_measured_share_and_says_it_is_assu
     native_rs = next(c for c in native.collectives if c.kind == "reduce_scatter")
     ring_bytes = GRADS * 4 * ring(W)
     assert native_rs.seconds == pytest.approx(ring_bytes * 8 / (1e-3 * 1e9 * 0.45))
+
+
+def test_measured_all_to_all_rows_replace_the_assumption():
+    table = parse_table({"machine": "test", "measured": "2026-01-01", "rows": [
+        {"collective": "all_gather", "link_gbit_s": 1e-3, "message_bytes": 1, "efficiency": 0.6},
+        {"collective": "all_to_all", "link_gbit_s": 1e-3, "message_bytes": 1, "efficiency": 0.8}]}, "test")
+    step = _step("gather_once", None, "all_to_all", table)
+    assert next(c.efficiency for c in step.collectives if c.kind == "reduce_scatter") == pytest.approx(0.8)
+    assert "assumed" not in step.source["efficiency"]

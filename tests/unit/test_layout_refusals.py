@@ -53,3 +53,11 @@ def test_a_layout_that_does_not_fit_this_node(tmp_path, monkeypatch):
     err = refused(tmp_path, "parallel.strategy=fsdp", "parallel.layout=gather_once", "--nproc-per-node", "2")
     assert "parallel.layout=gather_once does not fit this node" in err and "of the node's 0.5 GiB" in err
     assert "(full_shard:" in err and "parallel.layout=auto" in err
+
+
+def test_cputrain_plan_refuses_a_layout_its_nodes_do_not_admit():
+    for args, words in ((["--nnodes", "1", "--nproc-per-node", "2"], "parallel.layout=hybrid replicates across nodes"),
+                        (["--world-size", "4"], "parallel.layout=hybrid is planned per node")):
+        proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "parallel.layout=hybrid", *args)
+        assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1

@@ -96,6 +96,12 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         **_zero3_settings(cfg, world_size, shape),
     )
+    if fsdp and ranks_per_node:
+        from cputrain.parallel.fsdp_layouts import layout_error
+
+        error = layout_error(parallel.layout, world_size, ranks_per_node)
+        if error:
+            raise ConfigError(error)
     notes = [f"{key}=auto → {value}: {why}" for key, value, why in reasons]
     if config_json is None and known_hub_config(cfg.model.name_or_path) is not None:
         notes.append(f"{cfg.model.name_or_path}: its shape is built in (nothing fetched); --model-config "

@@ -175,17 +175,17 @@ def _exposed_sharded(p: CommPattern, t_gather: float, t_root_gather: float, t_re
 # measured it against the ring's (W−1)/W·N: per byte it sends, its share of the rate is twice the
 # table's (the time is the same either way).
 NATIVE_WIRE_PER_RING_BYTE = 2.0
-# The all-to-all reduce-scatter is not in the measured table yet: it takes the all-gather's share
-# (a collective that also sends each byte once), until benchmarks/gloo_link.py measures it.
+# The all-to-all reduce-scatter has rows of its own once benchmarks/gloo_link.py measures it; until
+# then it takes the all-gather's share (a collective that also sends each byte once), said "assumed".
 ALL_TO_ALL_AS = "all_gather"
 
 
-def table_row_of(c: Collective) -> tuple[str, float]:
+def table_row_of(c: Collective, table: EfficiencyTable | None = None) -> tuple[str, float]:
     """(the efficiency table's collective for `c`, the factor on its share) — see above."""
     if c.kind == "reduce_scatter" and c.via == "native":
         return "reduce_scatter", NATIVE_WIRE_PER_RING_BYTE
     if c.kind == "reduce_scatter" and c.via == "all_to_all":
-        return ALL_TO_ALL_AS, 1.0
+        return ("all_to_all" if table is not None and table.has_rows("all_to_all") else ALL_TO_ALL_AS), 1.0
     return c.kind, 1.0
 
 
@@ -263,8 +263,8 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         table = efficiency if efficiency is not None else load_table()
         fixed = 1.0
         source["efficiency"] = table.describe(gloo_cpu_capped) if table is not None else NOT_MEASURED
-        if table is not None and any(c.via == "all_to_all" and c.link_bytes(world_size, nnodes)
-                                     for c in pattern.collectives):
+        if table is not None and not table.has_rows("all_to_all") and any(
+                c.via == "all_to_all" and c.link_bytes(world_size, nnodes) for c in pattern.collectives):
             source["efficiency"] += ("; the all-to-all reduce-scatter's share assumed: the all-gather's "
                                      "(not measured yet)")
     network_used = nnodes > 1 and any(link_bytes.values())
@@ -285,7 +285,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     def efficiency_of(c: Collective) -> float:
         if table is None or not planned:
             return fixed
-        row, factor = table_row_of(c)
+        row, factor = table_row_of(c, table)
         return factor * table.efficiency(row, c.message_bytes, rate_of(c), gloo_cpu_capped)
 
     def seconds(c: Collective, nbytes: float) -> float:
@@ -297,7 +297,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         """The time gloo's transfers and reductions hold a core: the bytes at the unshaped rate."""
         if not (planned and gloo_cpu_capped and table) or nbytes <= 0:
             return 0.0
-        row, factor = table_row_of(c)
+        row, factor = table_row_of(c, table)
         cap = table.cpu_cap_gbit_s(row, c.message_bytes)
         return nbytes * 8 / (factor * cap * 1e9) if cap else 0.0
 
