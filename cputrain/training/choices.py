@@ -189,14 +189,6 @@ def _record_fsdp_choices(walk: _Walk, facts: _RunFacts | _PlanFacts, vocab: int 
         walk.record("parallel.layout", *facts.layout(walk.config, vocab))
 
 
-def _least_memory_checkpointing(cfg):
-    """`cfg` with model.activation_checkpointing=auto planned as every block checkpointed, the
-    least memory (decided after the layout, for it)."""
-    if cfg.model.activation_checkpointing != "auto":
-        return cfg
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"activation_checkpointing": True})})
-
-
 def _record_data_choices(walk: _Walk, recorded: RecordedConfig) -> None:
     from cputrain.data.examples.kind import train_on_choice
     from cputrain.data.preference.rows import shared_prompt_choice
@@ -296,33 +288,11 @@ class _RunFacts:
         """Rank 0's choice on its node, every rank's: a layout must be the same on every rank."""
         from cputrain.distributed import process_group as pg
 
-        mine = self._layout_here(cfg, vocab) if self.ranks.is_main else None
+        from cputrain.plan.time.layout_choice import layout_on_node
+
+        mine = (layout_on_node(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw, vocab)
+                if self.ranks.is_main else None)
         return tuple(pg.broadcast_from_main(mine))
-
-    def _layout_here(self, cfg, vocab: int | None) -> tuple[str, str]:
-        from cputrain.plan.memory.build import make_plan
-        from cputrain.plan.memory.fit import pod_memory_bytes
-        from cputrain.plan.time.layout_choice import (RUN_NETWORK, figures_here, layout_choice, plans_by_layout,
-                                                      with_layout)
-        from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
-
-        world, local = self.ranks.world_size, self.ranks.local_world_size
-        nnodes = self.nnodes(cfg, vocab)
-        memory_bytes = self.hw.memory_gib * 2**30
-        if nnodes <= 1:
-            return layout_choice([], nnodes, "", "")
-        where = f"this node's {self.hw.memory_gib:.1f} GiB with {local} rank(s) (the plan's pod rule: each × 1.1)"
-        base = make_plan(with_layout(_least_memory_checkpointing(cfg), "full_shard"), world, nproc_per_node=local,
-                         vocab_size=vocab)
-        precision = cfg.hardware.precision
-        peak = self.hw.peak_flops[precision] * min(1.0, cfg.hardware.threads / max(1, self.hw.physical_cores))
-        mfu = measured_mfu(precision, cpu_kind(self.hw.flags), cfg.model.lora.enabled)
-        figures = figures_here(plans_by_layout(base, local), cfg.train.global_batch_size, local,
-                               lambda peak_bytes: pod_memory_bytes(peak_bytes, local) <= memory_bytes, peak,
-                               mfu.row.executed_share_of_peak, mfu.describe())
-        how = (f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
-               "link rate, so the smallest built-in instance's, outside a placement group")
-        return layout_choice(figures, nnodes, where, how)
 
     def checkpointing(self, cfg, vocab: int | None) -> tuple[bool | int, str]:
         """By the plan on this node's memory: the same on every rank."""
@@ -349,57 +319,49 @@ class _PlanFacts:
         self._fit = None
 
     def _full_shard_fit(self, cfg, vocab: int | None):
-        """The cluster the plan sizes for full_shard (the least memory of the layouts; a reduce
-        dtype not decided yet planned as fp32, the more): its instance and ranks per node."""
+        """full_shard's plan and the cluster it fits, or None where no instance of the table holds
+        it (the plan, or the render, then says so in its own words)."""
         if self._fit is None:
+            from cputrain.errors import ConfigError
             from cputrain.plan.instances import builtin_instances
-            from cputrain.plan.memory.build import make_plan
-            from cputrain.plan.time.layout_choice import with_layout
+            from cputrain.plan.time.layout_choice import full_shard_fit
 
-            planned = with_layout(_least_memory_checkpointing(cfg), "full_shard")
-            if planned.parallel.reduce_dtype == "auto":
-                planned = planned.model_copy(update={"parallel": planned.parallel.model_copy(
-                    update={"reduce_dtype": "fp32"})})
-            self._fit = make_plan(planned, self.world_size, nproc_per_node=self.nproc_per_node,
-                                  instances=self.instances or builtin_instances(), config_json=self.config_json,
-                                  vocab_size=self.vocab_size)
-        return self._fit
+            try:
+                self._fit = full_shard_fit(cfg, self.world_size, self.nproc_per_node,
+                                           self.instances or builtin_instances(), config_json=self.config_json,
+                                           vocab_size=self.vocab_size)
+            except ConfigError:
+                self._fit = False
+        return self._fit or None
 
     def _ranks_per_node(self, cfg, vocab: int | None) -> int | None:
         if self.nproc_per_node is not None:
             return self.nproc_per_node
         if self.instances is None:
             return None
-        return self._full_shard_fit(cfg, vocab).fit.nproc_per_node
+        fitted = self._full_shard_fit(cfg, vocab)
+        return fitted.fit.nproc_per_node if fitted else None
 
     def nnodes(self, cfg, vocab: int | None) -> int | None:
         per_node = self._ranks_per_node(cfg, vocab)
         return None if per_node is None else self.world_size // per_node
 
     def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
-        from cputrain.plan.time.layout_choice import figures_on_instance, layout_choice, plans_by_layout
+        """On the instance the plan sizes for full_shard, or --instance-type's."""
+        from cputrain.plan.time.layout_choice import layout_on_instance
         from cputrain.plan.time.on_instance import Network
 
         per_node = self._ranks_per_node(cfg, vocab)
         if per_node is None:
             return "full_shard", ("the ranks per node are not known to this plan (none given, no instance table): "
                                   "full_shard, which any node count runs; --nproc-per-node plans the layouts")
+        fitted = self._full_shard_fit(cfg, vocab)
+        if fitted is None:
+            return "full_shard", ("no instance of the table holds full_shard's ranks, the least memory of the "
+                                  "layouts: full_shard")
         if self.nproc_per_node is None:
             self.fitted_ranks_per_node = per_node
-        nnodes = self.world_size // per_node
-        if nnodes <= 1:
-            return layout_choice([], nnodes, "", "")
-        base = self._full_shard_fit(cfg, vocab)
-        fit = base.fit
-        network = self.network or Network()
-        plans = plans_by_layout(base, per_node, reduce_dtype=cfg.parallel.reduce_dtype)
-        figures = figures_on_instance(plans, cfg.train.global_batch_size, fit.instance, per_node, network)
-        link = network.link_of(fit.instance)
-        where = f"a pod of {per_node} rank(s) on {fit.instance.name} ({fit.allocatable_gib:.1f} GiB allocatable)"
-        how = (f"{nnodes} × {fit.instance.name}, "
-               + (f"{link:g} Gbit/s links" if link else "no link rate known: no network time planned")
-               + (", in a cluster placement group" if network.placement_group else ""))
-        return layout_choice(figures, nnodes, where, how)
+        return layout_on_instance(cfg, fitted, self.network or Network())
 
     def data_choices(self, walk: _Walk) -> None:
         pass  # left to the run: no byte of the plan depends on them, and a plan reads no data

@@ -128,3 +128,68 @@ def layout_choice(figures: list[LayoutFigures], nnodes: int, where: str, how: st
               for f in figures if f is not best]
     return best.layout, (f"the fastest by the time plan ({how}) of the layouts that fit {where}: {_figure(best)}"
                          + (f"; {'; '.join(others)}" if others else ""))
+
+
+def least_memory_checkpointing(cfg):
+    """`cfg` with model.activation_checkpointing=auto planned as every block checkpointed, the
+    least memory (the walk decides it after the layout, for it)."""
+    if cfg.model.activation_checkpointing != "auto":
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"activation_checkpointing": True})})
+
+
+def full_shard_fit(cfg, world_size: int, ranks_per_node: int | None, instances: list[Instance], *,
+                   config_json: str | None = None, vocab_size: int | None = None):
+    """The memory plan of `cfg` under full_shard (the least memory of the layouts; a reduce dtype
+    not decided yet planned as fp32, the more) with the cluster it fits on `instances`: the
+    instance a plan's layout is chosen on, and its ranks per node where none are given."""
+    from cputrain.plan.memory.build import make_plan
+
+    planned = with_layout(least_memory_checkpointing(cfg), "full_shard")
+    if planned.parallel.reduce_dtype == "auto":
+        planned = planned.model_copy(update={"parallel": planned.parallel.model_copy(update={"reduce_dtype": "fp32"})})
+    return make_plan(planned, world_size, nproc_per_node=ranks_per_node, instances=instances,
+                     config_json=config_json, vocab_size=vocab_size)
+
+
+def layout_on_instance(cfg, base, network: Network) -> tuple[str, str]:
+    """parallel.layout for a plan: `base` is full_shard_fit's plan (its instance, ranks per node
+    and shape); each layout with `cfg`'s reduce dtype, on that instance's link."""
+    fit = base.fit
+    per_node, nnodes = fit.nproc_per_node, fit.nnodes
+    if nnodes <= 1:
+        return layout_choice([], nnodes, "", "")
+    plans = plans_by_layout(base, per_node, reduce_dtype=cfg.parallel.reduce_dtype)
+    figures = figures_on_instance(plans, cfg.train.global_batch_size, fit.instance, per_node, network)
+    link = network.link_of(fit.instance)
+    where = f"a pod of {per_node} rank(s) on {fit.instance.name} ({fit.allocatable_gib:.1f} GiB allocatable)"
+    how = (f"{nnodes} × {fit.instance.name}, "
+           + (f"{link:g} Gbit/s links" if link else "no link rate known: no network time planned")
+           + (", in a cluster placement group" if network.placement_group else ""))
+    return layout_choice(figures, nnodes, where, how)
+
+
+def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: int | None) -> tuple[str, str]:
+    """parallel.layout for a run: each layout's plan on this node (`hw`: its memory, cores and
+    peak), each rank's share fitting the node's memory by the plan's pod rule (× 1.1), on
+    RUN_NETWORK."""
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.memory.fit import pod_memory_bytes
+    from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
+
+    nnodes = world_size // max(ranks_per_node, 1)
+    if nnodes <= 1:
+        return layout_choice([], nnodes, "", "")
+    base = make_plan(with_layout(least_memory_checkpointing(cfg), "full_shard"), world_size,
+                     nproc_per_node=ranks_per_node, vocab_size=vocab_size)
+    precision = cfg.hardware.precision
+    peak = hw.peak_flops[precision] * min(1.0, cfg.hardware.threads / max(1, hw.physical_cores))
+    mfu = measured_mfu(precision, cpu_kind(hw.flags), cfg.model.lora.enabled)
+    memory_bytes = hw.memory_gib * GIB
+    figures = figures_here(plans_by_layout(base, ranks_per_node), cfg.train.global_batch_size, ranks_per_node,
+                           lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes, peak,
+                           mfu.row.executed_share_of_peak, mfu.describe())
+    where = f"this node's {hw.memory_gib:.1f} GiB with {ranks_per_node} rank(s) (the plan's pod rule: each × 1.1)"
+    how = (f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
+           "link rate, so the smallest built-in instance's, outside a placement group")
+    return layout_choice(figures, nnodes, where, how)
