@@ -46,6 +46,8 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("strategies", "network.md", "## Strategies: DDP, FSDP, ZeRO-3 and offload"),
     ("gloo_link", "network.md", "## gloo over a shaped link"),
     ("gloo_link-runs", "network.md", "## 2-node runs against the time plan"),
+    ("reduce_dtype_drift", "network.md", "## Gradients reduced in bf16"),
+    ("fsdp_layouts", "network.md", "## FSDP layouts over a shaped link"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
     ("sft", "sft-and-dpo.md", "## SFT against TRL"),

@@ -53,6 +53,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--instance-type", help="plan on this instance type (default: the smallest that fits)")
     p.add_argument("--link-gbit-s", type=float, help="each node's network link in Gbit/s for the time plan "
                    "(default: the instance type's published bandwidth)")
+    p.add_argument("--placement-group", action="store_true",
+                   help="the nodes are in one EC2 cluster placement group: one TCP flow gets up to 10 Gbit/s "
+                   "instead of 5 (default: not in one)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
     p.add_argument("--compare-lora", action="store_true",
                    help="plan the config twice, full fine-tuning and model.lora (the config's rank and targets), "
@@ -86,7 +89,8 @@ def run(args) -> int:
                       for on in ("false", "true"))
         print("\n".join(compare_lines(full, lora)))
         return 0
-    plan = decide_and_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, config_json=args.model_config)
+    plan = decide_and_plan(cfg, world_size, nproc_per_node=nproc, instances=instances, network=network_of(args),
+                           config_json=args.model_config)
     time_lines, time_doc = with_time_plan(args, cfg, plan)
     if args.json:
         print(json.dumps({**plan_document(plan), **time_doc}, indent=2))
@@ -107,6 +111,13 @@ def link_gbit_s_of(args) -> float | None:
     return value
 
 
+def network_of(args):
+    """What the plan assumes of the nodes' network: --link-gbit-s and --placement-group."""
+    from cputrain.plan.time.on_instance import Network
+
+    return Network(link_gbit_s_of(args), bool(getattr(args, "placement_group", False)))
+
+
 def instances_of(args):
     """The instance table, or only --instance-type's row of it."""
     from cputrain.plan.instances import find_instance, load_instances
@@ -116,12 +127,28 @@ def instances_of(args):
 
 
 def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
-    """The time plan's printed lines and plan.json section for a plan fitted on an instance."""
+    """The time plan's printed lines and plan.json section for a plan fitted on an instance, and
+    under fsdp every layout on every instance type of the table."""
     from cputrain.plan.instances import load_instances
+    from cputrain.plan.time.layout_table import layout_table, table_document, table_lines
     from cputrain.plan.time.report import time_document, time_lines, time_plan
 
     if plan.fit is None:
         return [], {}
+    network = network_of(args)
+    table = load_instances(args.instances_file)
     tp = time_plan(plan, cfg.train.global_batch_size, plan.fit.instance, plan.fit.nproc_per_node,
-                   link_gbit_s_of(args), candidates=load_instances(args.instances_file))
-    return time_lines(tp), {"time": time_document(tp)}
+                   network.link_gbit_s, candidates=table, placement_group=network.placement_group)
+    lines, doc = time_lines(tp), {"time": time_document(tp)}
+    if plan.inputs.strategy == "fsdp":
+        per_node = plan.fit.nproc_per_node
+        one_node = None
+        if plan.fit.nnodes > 1:  # the same config on one node, decided as a run there would decide it
+            from cputrain.training.choices import decide_and_plan
+
+            one_node = decide_and_plan(cfg, per_node, nproc_per_node=per_node, network=network,
+                                       config_json=args.model_config)
+        rows = layout_table(plan, cfg.train.global_batch_size, table, per_node, network, one_node)
+        lines += table_lines(rows, network)
+        doc["time"]["layouts"] = table_document(rows)
+    return lines, doc

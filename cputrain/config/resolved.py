@@ -101,21 +101,38 @@ class DecidedHardwareConfig(ResolvedHardwareConfig):
     allocator: Literal["tcmalloc", "jemalloc", "glibc-tuned", "system"]
 
 
+def _fsdp_keys_decided(parallel):
+    """fsdp's layout and reduce dtype are decided where the strategy is fsdp (they mean nothing
+    otherwise, and sections.ParallelConfig refuses them there)."""
+    if parallel.strategy == "fsdp" and "auto" in (parallel.layout, parallel.reduce_dtype):
+        raise ValueError("parallel.layout and parallel.reduce_dtype must be decided for an fsdp run")
+    return parallel
+
+
+class DecidedParallelConfig(ResolvedParallelConfig):
+    @model_validator(mode="after")
+    def _decided_where_fsdp(self):
+        return _fsdp_keys_decided(self)
+
+
 class DecidedConfig(ResolvedConfig):
     """A run's config once every "auto" is decided (cputrain.training.choices): what the Trainer gets."""
 
     model: DecidedModelConfig
     data: DecidedDataConfig
     hardware: DecidedHardwareConfig
+    parallel: DecidedParallelConfig
 
 
 # What a plan reads: the keys that change a rank's bytes, decided. cputrain.training.choices decides
 # them for `cputrain plan` and `cputrain k8s` with a plan's facts (decide_for_plan), and for a run
 # with its node's (decide): a run's DecidedConfig is a planned config too. Threads, tokenizing
 # processes, compile, the backend, the allocator and the data's format may still be "auto" here:
-# no byte of the plan depends on them.
-PLANNED_KEYS = ("hardware.precision", "parallel.strategy", "model.attn_implementation", "model.chunked_loss",
-                "model.activation_checkpointing", "model.lora.target_modules", "model.lora.base_dtype")
+# no byte of the plan depends on them. LoRA's keys count where LoRA is on, fsdp's where the
+# strategy is fsdp.
+PLANNED_KEYS = ("hardware.precision", "parallel.strategy", "parallel.layout", "parallel.reduce_dtype",
+                "model.attn_implementation", "model.chunked_loss", "model.activation_checkpointing",
+                "model.lora.target_modules", "model.lora.base_dtype")
 
 
 class PlannedHardwareConfig(HardwareConfig):
@@ -126,6 +143,10 @@ class PlannedHardwareConfig(HardwareConfig):
 class PlannedParallelConfig(ParallelConfig):
     model_config = _READ_ONLY
     strategy: Literal["single", "ddp", "fsdp", "zero3"]
+
+    @model_validator(mode="after")
+    def _decided_where_fsdp(self):
+        return _fsdp_keys_decided(self)
 
 
 class PlannedModelConfig(ModelConfig):
@@ -146,15 +167,22 @@ class PlannedConfig(Config):
 
 
 def undecided_for_plan(cfg: Config) -> list[str]:
-    """The keys of PLANNED_KEYS still "auto" in `cfg` (LoRA's only where LoRA is on)."""
+    """The keys of PLANNED_KEYS still "auto" in `cfg` (LoRA's only where LoRA is on, fsdp's only
+    under fsdp)."""
     def value(key: str):
         node = cfg
         for part in key.split("."):
             node = getattr(node, part)
         return node
 
-    return [key for key in PLANNED_KEYS
-            if value(key) == "auto" and (cfg.model.lora.enabled or not key.startswith("model.lora."))]
+    def counts(key: str) -> bool:
+        if key.startswith("model.lora."):
+            return cfg.model.lora.enabled
+        if key in ("parallel.layout", "parallel.reduce_dtype"):
+            return cfg.parallel.strategy == "fsdp"
+        return True
+
+    return [key for key in PLANNED_KEYS if value(key) == "auto" and counts(key)]
 
 
 def as_planned(cfg: Config) -> PlannedConfig:

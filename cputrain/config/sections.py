@@ -484,6 +484,30 @@ class ParallelConfig(Section):
     """Seconds a collective (all-reduce, barrier) may wait for the slowest rank before the run
     fails. Data preparation never waits in a collective, so it may take longer than this."""
 
+    layout: Literal["auto", "full_shard", "node_reshard", "gather_once", "hybrid"] = "auto"
+    """fsdp: how parameters are sharded and how often they cross the network. full_shard: over every
+    rank, gathered for each micro-batch's forward and again for its backward. node_reshard: the
+    same, but after the forward each block keeps the node's share, so the backward gathers within
+    the node (2 or more nodes of 2 or more ranks). gather_once: gathered once per optimizer step
+    and kept (and gradients reduced once) across its micro-batches: every block's parameters and
+    the unsharded gradients held through the step. hybrid: sharded within a node, replicated
+    across nodes (HSDP, 2 or more nodes), the gradients all-reduced across nodes once per step;
+    each rank holds 1/(ranks per node) of the state. Every layout keeps the root (embeddings,
+    final norm, head) gathered across a step's micro-batches. auto: the fastest by the time plan
+    among the layouts whose memory plan fits each rank's share of the node; full_shard on one
+    node. Other strategies: leave it auto."""
+
+    reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """fsdp: the dtype gradients are reduced in. bf16 halves the reduce traffic (the weights and
+    the optimizer stay fp32). auto: bf16 where several nodes communicate and the compute is bf16,
+    else fp32 (the loss drift measured: docs/reference/auto.md). Other strategies: leave it auto
+    (zero3 reduces in the parameters' dtype)."""
+
+    reduce_scatter: Literal["auto", "native", "all_to_all"] = "auto"
+    """fsdp and zero3: how gradients are reduce-scattered. gloo has no reduce-scatter of its own: it runs
+    an all-reduce and keeps a slice (twice the bytes). all_to_all: each rank sends every other
+    rank its slice once and sums what it receives. auto: all_to_all on gloo, native on ccl."""
+
 
 class LaunchConfig(Section):
     nproc_per_node: int = Field(1, gt=0)
@@ -548,6 +572,18 @@ class Config(Section):
         if profile is not None and last is not None and profile > last:
             raise ValueError(f"train.profile_step ({profile}) is past train.max_steps ({last}): the run never "
                              f"reaches it; choose a step from 1 to {last}")
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_keys_on_fsdp(self):
+        parallel = self.parallel
+        for key in ("layout", "reduce_dtype"):
+            value = getattr(parallel, key)
+            if value != "auto" and parallel.strategy != "fsdp":
+                which = ("auto, which resolves to single or ddp" if parallel.strategy == "auto"
+                         else parallel.strategy)
+                raise ValueError(f"parallel.{key}={value} needs parallel.strategy=fsdp (here {which}); set "
+                                 f"parallel.strategy=fsdp or leave parallel.{key}=auto")
         return self
 
     @model_validator(mode="after")

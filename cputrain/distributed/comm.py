@@ -5,8 +5,9 @@ The meter wraps the torch.distributed collectives that DDP (through its comm hoo
 the interval from issue to completion (the Work's future, for async calls), and turns the
 payload into bytes on the wire with the collective's ring cost, which is what gloo and oneCCL
 run for these sizes: an all-reduce of N bytes sends and receives 2·(W−1)/W·N per rank, an
-all-gather or reduce-scatter over N bytes (W−1)/W·N. tests/distributed check the totals
-against /proc/net/dev of a private loopback.
+all-gather, reduce-scatter or all-to-all over N bytes (W−1)/W·N (gloo's reduce-scatter is an
+all-reduce: 2·(W−1)/W·N). tests/distributed check the totals against /proc/net/dev of a
+private loopback.
 
 `comm_time_s` is the wall time during which at least one collective was in flight. Under
 DDP the all-reduce of one bucket overlaps the backward pass of the next, so this is an upper
@@ -30,7 +31,11 @@ _RING = {
     "reduce_scatter_single": ("input", lambda w: (w - 1) / w),
     "reduce_scatter_tensor": ("input", lambda w: (w - 1) / w),
     "broadcast": ("tensor", lambda w: (w - 1) / w),  # pipelined broadcast: each rank forwards once
+    "all_to_all_single": ("input", lambda w: (w - 1) / w),  # every slice but its own, once
 }
+# gloo has no reduce-scatter of its own: it all-reduces the whole tensor and keeps a slice, sending
+# what an all-reduce sends (measured on a private loopback, tests/distributed/test_comm_bytes.py).
+_GLOO_AS_ALL_REDUCE = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 
 def _nbytes(t) -> int:
@@ -88,7 +93,10 @@ class CommMeter:
             payload = args[position] if len(args) > position else kwargs.get(arg)
             group = kwargs.get("group")
             world = dist.get_world_size(group) if dist.is_initialized() else 1
-            wire = int(_nbytes(payload) * factor(world)) if world > 1 else 0
+            cost = factor
+            if name in _GLOO_AS_ALL_REDUCE and dist.is_initialized() and dist.get_backend(group) == "gloo":
+                cost = _RING["all_reduce"][1]
+            wire = int(_nbytes(payload) * cost(world)) if world > 1 else 0
             t0 = time.perf_counter()
             with self._lock:
                 self._open += 1

@@ -36,6 +36,18 @@ def check_name(value: str | None, field: str, max_len: int = 63) -> str:
     return value
 
 
+# EC2's placement group names: up to 255 ASCII characters (CreatePlacementGroup's GroupName); no
+# spaces here, so that the name reads the same in a shell and in the manifest.
+PLACEMENT_GROUP_NAME = re.compile(r"^[\x21-\x7e]{1,255}$")
+
+
+def check_placement_group(value: str, field: str) -> str:
+    if not PLACEMENT_GROUP_NAME.match(value):
+        raise ManifestError(f"{field} '{value}' is not an EC2 placement group name: 1 to 255 ASCII characters "
+                            "without spaces, as `aws ec2 create-placement-group --group-name` took it")
+    return value
+
+
 def quantity_value(value: str, field: str) -> Decimal:
     """The number a quantity stands for (bytes for memory, cores for CPU)."""
     m = QUANTITY.match(str(value).strip())

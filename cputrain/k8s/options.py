@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cputrain.k8s.checks import (ManifestError, check_count, check_env_name, check_image, check_name,
-                                 check_quantity, quantity_value)
+                                 check_placement_group, check_quantity, quantity_value)
 from cputrain.plan.time.stop_window import DEFAULT_STORAGE_WRITE_MIB_S
 
 GIB = 2**30
@@ -24,6 +24,7 @@ class ClusterOptions:
     instance_type: str | None = None  # None: the smallest instance the plan fits
     node_pool: str = "cputrain-amx"
     cluster_name: str = "cputrain"  # Karpenter discovery tag and node role of the EC2NodeClass
+    placement_group: str | None = None  # an EC2 cluster placement group the EC2NodeClass launches nodes into
     pvc: str | None = None  # an existing claim for the run folder; None renders `<name>-output`
     storage_class: str = "fsx-sc"
     storage: str = "1200Gi"  # FSx for Lustre's smallest file system
@@ -45,6 +46,8 @@ class ClusterOptions:
         check_name(self.namespace, "--namespace")
         check_name(self.node_pool, "--node-pool")
         check_name(self.cluster_name, "--cluster-name")
+        if self.placement_group is not None:
+            check_placement_group(self.placement_group, "--placement-group")
         if self.pvc is not None:
             check_name(self.pvc, "--pvc")
         check_name(self.storage_class, "--storage-class")

@@ -9,11 +9,12 @@ from cputrain.config import Config
 from cputrain.k8s import indexed_job, karpenter, storage, trainjob
 from cputrain.k8s.checks import quantity_value
 from cputrain.k8s.options import ClusterOptions, pod_resources
-from cputrain.plan.memory.build import Plan
+from cputrain.plan.memory.build import Plan, make_plan
 from cputrain.plan.memory.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
 from cputrain.plan.instances import Instance, find_instance
+from cputrain.plan.time.on_instance import Network
 from cputrain.plan.time.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
-from cputrain.training.choices import decide_and_plan
+from cputrain.training.choices import decide_for_plan
 
 log = logging.getLogger("cputrain")
 
@@ -35,9 +36,10 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     # The plan of `cfg` with its keys decided as `cputrain plan` decides them; the ConfigMap keeps
     # `cfg` as written, so each pod decides its "auto"s on its own node. No instance fit in the
     # plan: the render fits the whole pod (its ranks and /dev/shm) below.
-    plan = plan or decide_and_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node, config_json=config_json)
-    rank_peak = max(r.total_bytes for r in plan.ranks)
     given = bool(opts.instance_type)
+    plan = plan or _plan(cfg, opts, [find_instance(instances, opts.instance_type)] if given else instances,
+                         config_json)
+    rank_peak = max(r.total_bytes for r in plan.ranks)
     if given:
         inst = find_instance(instances, opts.instance_type)
     else:
@@ -62,6 +64,16 @@ def render(cfg: Config, opts: ClusterOptions, instances: list[Instance], kind: s
     else:
         objects += [indexed_job.service(opts), indexed_job.indexed_job(opts, res)]
     return Rendered(objects, plan, opts)
+
+
+def _plan(cfg: Config, opts: ClusterOptions, instances: list[Instance], config_json: str | None) -> Plan:
+    """`cfg`'s keys decided as `cputrain plan` decides them, parallel.layout on the instance types
+    the pods may get (and their placement group), then the memory plan without a fit: the render
+    fits the whole pod."""
+    res = decide_for_plan(cfg, opts.world_size, nproc_per_node=opts.nproc_per_node, instances=instances,
+                          network=Network(placement_group=opts.placement_group is not None), config_json=config_json)
+    return make_plan(res.config, opts.world_size, nproc_per_node=opts.nproc_per_node, config_json=config_json,
+                     reasons=res.reasons)
 
 
 def _with_stop_window(cfg: Config, opts: ClusterOptions, plan: Plan, inst: Instance) -> ClusterOptions:

@@ -64,6 +64,7 @@ class StrategyContext:
     compute_dtype: torch.dtype
     # The model converter's map from a parameter to its name in the base's files (None: not there).
     file_name_of: Callable[[str], str | None] = lambda name: name
+    ranks_per_node: int = 1  # ranks on each node (a layout that keeps traffic inside a node reads it)
 
 
 class Strategy:

@@ -24,13 +24,13 @@ from cputrain.native.allocator import pin_mmap_threshold
 from cputrain.model import copy_full_into, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.parallel.file_reads import PlainReads
+from cputrain.parallel.fsdp_layouts import Layout, reduce_dtype_of, shard_of_rows
 
 
 def owned_rows(param: DTensor) -> slice:
     """Rows of dim 0 this rank holds under FSDP2's Shard(0): torch.chunk's split, last ones may be empty."""
     rows = param.shape[0]
-    world = param.device_mesh.size()
-    rank = param.device_mesh.get_local_rank()
+    rank, world = shard_of_rows(param)
     per = -(-rows // world)
     start = min(rows, rank * per)
     return slice(start, min(rows, start + per))
@@ -43,16 +43,38 @@ class FSDPStrategy(Strategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         pin_mmap_threshold()  # before the init replica and the first step free anything
+        parallel = ctx.cfg.parallel
+        # decided (cputrain.training.choices): "auto" cannot reach here, and check() refuses it if it does
+        self.layout = Layout(parallel.layout, ctx.world_size, ctx.ranks_per_node)
+        self.layout.check()
+        self.reduce_dtype = reduce_dtype_of(parallel.reduce_dtype)
+        # gloo's own reduce-scatter is an all-reduce and a slice: twice the bytes (parallel.reduce_scatter)
+        self.all_to_all = parallel.reduce_scatter == "all_to_all" or (
+            parallel.reduce_scatter == "auto" and parallel.backend == "gloo")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        kwargs = {}
-        if self.ctx.compute_dtype == torch.bfloat16:
-            # bf16 compute, fp32 master weights and fp32 gradient reduction (bf16 sums lose bits).
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in decoder_blocks(model):
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        # bf16 compute gathers bf16 copies of the fp32 master weights; gradients are reduced in
+        # parallel.reduce_dtype (fp32 unless bf16 is asked for: bf16 sums lose bits).
+        param_dtype = torch.bfloat16 if self.ctx.compute_dtype == torch.bfloat16 else None
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)}
+        mesh = self.layout.mesh()
+        if mesh is not None:
+            kwargs["mesh"] = mesh
+        with self.layout.wrap_context():
+            for block in decoder_blocks(model):
+                fully_shard(block, reshard_after_forward=self.layout.block_reshard_after_forward(), **kwargs)
+            fully_shard(model, **kwargs)
+        if self.all_to_all:
+            from cputrain.parallel.reduce_scatter import AllToAllReduceScatter
+
+            for module in model.modules():
+                if hasattr(module, "set_custom_reduce_scatter"):
+                    module.set_custom_reduce_scatter(AllToAllReduceScatter())
         return model
+
+    def accumulation(self, model: nn.Module, last_micro_batch: bool):
+        self.layout.before_micro_batch(model, last_micro_batch)
+        return contextlib.nullcontext()
 
     def load_weights(self, model: nn.Module, folder: Path | None) -> None:
         materialize(model)  # allocates only this rank's shard of every parameter

@@ -101,6 +101,7 @@ class Zero3Strategy(Strategy):
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
         self._ensure_process_group()
+        self._plug_reduce_scatter()
         hf_config = skeleton.config
         # Bucket sizes follow the hidden size; the plan is final (and reported) before any weight.
         self.plan = plan_for(self.ctx.cfg, self.ctx.world_size, grad_accum_steps(self.ctx.cfg, self.ctx.world_size),
@@ -251,9 +252,35 @@ class Zero3Strategy(Strategy):
     def unwrap(self, model: Zero3Model) -> nn.Module:
         return model.module
 
+    def _plug_reduce_scatter(self) -> None:
+        """ZeRO-3 reduce-scatters each bucket of gradients through one module-level function of
+        DeepSpeed's (coalesced_collectives._torch_reduce_scatter_fn: the gradients pre-divided,
+        then summed): on gloo (parallel.reduce_scatter) the all-to-all one takes its place, for
+        half the bytes of gloo's own."""
+        parallel = self.ctx.cfg.parallel
+        if not (parallel.reduce_scatter == "all_to_all" or (
+                parallel.reduce_scatter == "auto" and dist.get_backend() == "gloo")):
+            return
+        from deepspeed.runtime.comm import coalesced_collectives
+
+        from cputrain.parallel.reduce_scatter import AllToAllReduceScatter
+
+        reduce_scatter = AllToAllReduceScatter()
+
+        def all_to_all_fn(input_tensor, output_tensor, group=None, async_op=False, prof=False):
+            reduce_scatter(output_tensor, input_tensor, group or dist.group.WORLD, dist.ReduceOp.SUM)
+
+        self._deepspeed_reduce_scatter = coalesced_collectives._torch_reduce_scatter_fn
+        coalesced_collectives._torch_reduce_scatter_fn = all_to_all_fn
+
     def close(self) -> None:
         super().close()
         self.engine = None
+        original = getattr(self, "_deepspeed_reduce_scatter", None)
+        if original is not None:
+            from deepspeed.runtime.comm import coalesced_collectives
+
+            coalesced_collectives._torch_reduce_scatter_fn = original
 
 
 class DeepSpeedState:

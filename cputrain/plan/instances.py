@@ -6,6 +6,11 @@ c7i at 2 GiB per vCPU, m7i at 4 and r7i at 8, each in 8xlarge (32 vCPUs), 16xlar
 Linux price in us-east-1 (list prices as of this table's writing: check them before budgeting).
 A user table is a YAML or JSON list of {name, vcpus, memory_gib, amx} rows, optionally with
 network_gbit_s and price_per_hour (`--instances-file`).
+
+One TCP flow does not get a whole link on EC2: AWS publishes a limit of 5 Gbit/s per flow between
+instances that are not in the same cluster placement group, and 10 Gbit/s within one ("Amazon EC2
+instance network bandwidth", EC2 User Guide). The time plan caps each collective's flows so
+(cputrain.plan.time.step_time), for every row of the table: the plan is of EC2 nodes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ PRICE_PER_HOUR = {
     "m7i": {"8xlarge": 1.6128, "16xlarge": 3.2256, "24xlarge": 4.8384, "48xlarge": 9.6768},
     "r7i": {"8xlarge": 2.1168, "16xlarge": 4.2336, "24xlarge": 6.3504, "48xlarge": 12.7008},
 }
+# AWS's single-flow limit between instances, Gbit/s: outside / inside a cluster placement group.
+FLOW_GBIT_S = 5.0
+FLOW_GBIT_S_IN_PLACEMENT_GROUP = 10.0
 FIELDS = ("name", "vcpus", "memory_gib", "amx", "network_gbit_s", "price_per_hour")
 
 
@@ -53,6 +61,15 @@ class Instance:
     @property
     def physical_cores(self) -> int:
         return max(1, self.vcpus // 2)  # two hyper-threads per core on these families
+
+
+def flow_cap(placement_group: bool) -> tuple[float, str]:
+    """(Gbit/s one TCP flow gets at most, and what that figure is) for nodes in a cluster placement
+    group or not."""
+    if placement_group:
+        return FLOW_GBIT_S_IN_PLACEMENT_GROUP, "EC2's per-flow limit in a cluster placement group"
+    return FLOW_GBIT_S, ("EC2's per-flow limit outside a cluster placement group; in one it is "
+                         f"{FLOW_GBIT_S_IN_PLACEMENT_GROUP:g}: --placement-group")
 
 
 def builtin_instances() -> list[Instance]:

@@ -10,20 +10,30 @@ processes, strategy, backend). What is left needs the data, the model or the pro
     4. model.lora.base_dtype       from the compute dtype and the weight files (lora.base_storage)
     5. model.attn_implementation   timed on rank 0 on the run's shape          (kernels.attention_choice)
     6. model.chunked_loss          from the precision and the head's size      (config.resolve)
-    7. model.activation_checkpointing  from the plan on this node's memory     (plan.memory.checkpointing)
-    8. hardware.allocator          what this process was started with          (native.allocator)
+    7. parallel.reduce_dtype       fsdp: from the precision and the node count (config.reduction)
+    8. parallel.layout             fsdp: the fastest by the time plan of those
+                                   whose memory plan fits                      (plan.time.layout_choice)
+    9. model.activation_checkpointing  from the plan on this node's memory     (plan.memory.checkpointing)
+   10. hardware.allocator          what this process was started with          (native.allocator)
 
 Each rule lives with its domain and returns (value, why); this module only calls them and records
 each answer (_Walk.record) as it walks, so the run's config.yaml holds every key's value with
 its reason, and nothing downstream decides again. The config is validated once, at the walk's end,
 into the type that admits no "auto" there. Every rank decides alike (the attention kernel is rank
-0's, broadcast). A resumed run's recorded values come from its config.yaml, read once per rank
+0's, broadcast, and so is the layout: a node a little short of memory must not shard otherwise).
+A resumed run's recorded values come from its config.yaml, read once per rank
 (run_folder.run_config.read_recorded) and handed to the rules that keep them.
+
+The layout comes before checkpointing: where both are auto, each layout is planned with every
+block checkpointed (the least memory), and checkpointing then keeps what the chosen layout leaves
+room for.
 
 `cputrain plan` and `cputrain k8s` walk the same list (decide_for_plan) before any run exists,
 with a plan's facts instead of a running rank's: the precision and strategy as resolve_for_plan
 resolves them for the planned instance, the model's config as the plan reads it (a built-in shape
-for a known hub id, --model-config), no process group and no node yet. What a plan's facts cannot
+for a known hub id, --model-config), no process group and no node yet: the layout is planned on
+the instance the plan sizes (the smallest that holds full_shard, the least memory, or the one
+given), with its link. What a plan's facts cannot
 decide as a run would is decided for the most memory a run may take, and says so: sdpa (a run
 times both kernels and mostly keeps sdpa), every block checkpointed (a run checkpoints fewer
 where its node holds more). The data's format and what is trained, and the allocator, are left to
@@ -49,6 +59,7 @@ from cputrain.run_folder.run_config import RecordedConfig
 if TYPE_CHECKING:
     from cputrain.plan.instances import Instance
     from cputrain.plan.memory.build import Plan
+    from cputrain.plan.time.on_instance import Network
 
 # A plan's answers where a run's need its node or its process group.
 PLANNED_ATTENTION = ("sdpa", ("planned with sdpa's flash kernel, which keeps no attention matrix: a run times both "
@@ -67,11 +78,19 @@ def decide(res: Resolution, hw: HardwareFacts, ranks: RankEnv, recorded: Recorde
     return Resolution(DecidedConfig.model_validate(walk.config.model_dump()), walk.reasons)
 
 
-def decide_for_plan(cfg: Config, world_size: int, *, config_json: str | None = None,
-                    vocab_size: int | None = None) -> Resolution:
+def decide_for_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
+                    instances: list[Instance] | None = None, network: Network | None = None,
+                    config_json: str | None = None, vocab_size: int | None = None) -> Resolution:
     """The keys a plan reads, decided along the list above with a plan's facts, each with its
-    reason. `config_json` and `vocab_size` as make_plan takes them (the model the plan is for)."""
-    facts = _PlanFacts(config_json, vocab_size)
+    reason. `config_json` and `vocab_size` as make_plan takes them (the model the plan is for);
+    `nproc_per_node` (None: the plan's fit chooses), `instances` (None: the built-in table) and
+    `network` (None: each instance's published link, no placement group) where parallel.layout is
+    planned."""
+    return _decide_for_plan(cfg, world_size, _PlanFacts(world_size, nproc_per_node, instances, network,
+                                                        config_json, vocab_size))
+
+
+def _decide_for_plan(cfg: Config, world_size: int, facts: _PlanFacts) -> Resolution:
     walk = _walk(resolve_for_plan(cfg, world_size), facts)
     # No key a plan reads is "auto" any more, by type.
     return Resolution(PlannedConfig.model_validate(walk.config.model_dump()), walk.reasons)
@@ -90,15 +109,17 @@ def decide_data(res: Resolution) -> Resolution:
 
 
 def decide_and_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,
-                    instances: list[Instance] | None = None, config_json: str | None = None,
-                    vocab_size: int | None = None) -> Plan:
+                    instances: list[Instance] | None = None, network: Network | None = None,
+                    config_json: str | None = None, vocab_size: int | None = None) -> Plan:
     """The plan `cputrain plan` and `cputrain k8s` print and size pods by: `cfg`'s keys decided
-    (decide_for_plan), then cputrain.plan.memory.build.make_plan, the decisions' reasons as its notes."""
+    (decide_for_plan), then cputrain.plan.memory.build.make_plan, the decisions' reasons as its notes.
+    Where parallel.layout=auto chose the ranks per node (none given), the plan keeps them."""
     from cputrain.plan.memory.build import make_plan
 
-    res = decide_for_plan(cfg, world_size, config_json=config_json, vocab_size=vocab_size)
-    return make_plan(res.config, world_size, nproc_per_node=nproc_per_node, instances=instances,
-                     config_json=config_json, vocab_size=vocab_size, reasons=res.reasons)
+    facts = _PlanFacts(world_size, nproc_per_node, instances, network, config_json, vocab_size)
+    res = _decide_for_plan(cfg, world_size, facts)
+    return make_plan(res.config, world_size, nproc_per_node=nproc_per_node or facts.fitted_ranks_per_node,
+                     instances=instances, config_json=config_json, vocab_size=vocab_size, reasons=res.reasons)
 
 
 class _Walk:
@@ -127,8 +148,9 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
     facts.data_choices(walk)
     cfg = walk.config
     source = None
-    if cfg.model.lora.enabled or "auto" in (cfg.model.chunked_loss, cfg.model.activation_checkpointing,
-                                            cfg.model.attn_implementation):
+    layout_auto = cfg.parallel.strategy == "fsdp" and cfg.parallel.layout == "auto"
+    if cfg.model.lora.enabled or layout_auto or "auto" in (cfg.model.chunked_loss, cfg.model.activation_checkpointing,
+                                                           cfg.model.attn_implementation):
         source = facts.model_source(cfg)
     if cfg.model.lora.enabled:
         _record_lora_choices(walk, source, facts)
@@ -139,6 +161,8 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
     if now.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
         walk.record("model.chunked_loss", *chunked_loss_choice(
             "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab))
+    if walk.config.parallel.strategy == "fsdp":
+        _record_fsdp_choices(walk, facts, vocab)
     if walk.config.model.activation_checkpointing == "auto":
         walk.record("model.activation_checkpointing", *facts.checkpointing(walk.config, vocab))
     if walk.config.hardware.allocator == "auto":
@@ -146,6 +170,23 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
         if allocator is not None:
             walk.record("hardware.allocator", *allocator)
     return walk
+
+
+def _record_fsdp_choices(walk: _Walk, facts: _RunFacts | _PlanFacts, vocab: int | None) -> None:
+    """fsdp's reduce dtype (by the precision and the node count), then its layout (by the time
+    plan, with the reduce dtype decided)."""
+    from cputrain.config.reduction import reduce_dtype_choice
+
+    parallel = walk.config.parallel
+    if parallel.reduce_dtype == "auto":
+        nnodes = facts.nnodes(walk.config, vocab)
+        if nnodes is None:
+            walk.record("parallel.reduce_dtype", "fp32", "the nodes are not known to this plan (no ranks per node "
+                        "given, no instance table): fp32, as on one node; --nproc-per-node plans bf16 across nodes")
+        else:
+            walk.record("parallel.reduce_dtype", *reduce_dtype_choice("auto", walk.config.hardware.precision, nnodes))
+    if walk.config.parallel.layout == "auto":
+        walk.record("parallel.layout", *facts.layout(walk.config, vocab))
 
 
 def _record_data_choices(walk: _Walk, recorded: RecordedConfig) -> None:
@@ -240,6 +281,19 @@ class _RunFacts:
         choice = pg.broadcast_from_main(mine)
         return choice.implementation, choice.reason
 
+    def nnodes(self, cfg, vocab: int | None) -> int:
+        return self.ranks.world_size // max(self.ranks.local_world_size, 1)
+
+    def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
+        """Rank 0's choice on its node, every rank's: a layout must be the same on every rank."""
+        from cputrain.distributed import process_group as pg
+
+        from cputrain.plan.time.layout_choice import layout_on_node
+
+        mine = (layout_on_node(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw, vocab)
+                if self.ranks.is_main else None)
+        return tuple(pg.broadcast_from_main(mine))
+
     def checkpointing(self, cfg, vocab: int | None) -> tuple[bool | int, str]:
         """By the plan on this node's memory: the same on every rank."""
         from cputrain.plan.memory.checkpointing import checkpointing_choice
@@ -253,10 +307,61 @@ class _RunFacts:
 
 
 class _PlanFacts:
-    """A plan's: the model as the plan reads it (nothing fetched for a known hub id), no node yet."""
+    """A plan's: the model as the plan reads it (nothing fetched for a known hub id), no node yet;
+    the layout planned on the instance the plan sizes."""
 
-    def __init__(self, config_json: str | None, vocab_size: int | None):
+    def __init__(self, world_size: int, nproc_per_node: int | None, instances: list[Instance] | None,
+                 network: Network | None, config_json: str | None, vocab_size: int | None):
+        self.world_size, self.nproc_per_node = world_size, nproc_per_node
+        self.instances, self.network = instances, network
         self.config_json, self.vocab_size = config_json, vocab_size
+        self.fitted_ranks_per_node: int | None = None  # where the layout's fit chose them
+        self._fit = None
+
+    def _full_shard_fit(self, cfg, vocab: int | None):
+        """full_shard's plan and the cluster it fits, or None where no instance of the table holds
+        it (the plan, or the render, then says so in its own words)."""
+        if self._fit is None:
+            from cputrain.errors import ConfigError
+            from cputrain.plan.instances import builtin_instances
+            from cputrain.plan.time.layout_choice import full_shard_fit
+
+            try:
+                self._fit = full_shard_fit(cfg, self.world_size, self.nproc_per_node,
+                                           self.instances or builtin_instances(), config_json=self.config_json,
+                                           vocab_size=self.vocab_size)
+            except ConfigError:
+                self._fit = False
+        return self._fit or None
+
+    def _ranks_per_node(self, cfg, vocab: int | None) -> int | None:
+        if self.nproc_per_node is not None:
+            return self.nproc_per_node
+        if self.instances is None:
+            return None
+        fitted = self._full_shard_fit(cfg, vocab)
+        return fitted.fit.nproc_per_node if fitted else None
+
+    def nnodes(self, cfg, vocab: int | None) -> int | None:
+        per_node = self._ranks_per_node(cfg, vocab)
+        return None if per_node is None else self.world_size // per_node
+
+    def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
+        """On the instance the plan sizes for full_shard, or --instance-type's."""
+        from cputrain.plan.time.layout_choice import layout_on_instance
+        from cputrain.plan.time.on_instance import Network
+
+        per_node = self._ranks_per_node(cfg, vocab)
+        if per_node is None:
+            return "full_shard", ("the ranks per node are not known to this plan (none given, no instance table): "
+                                  "full_shard, which any node count runs; --nproc-per-node plans the layouts")
+        fitted = self._full_shard_fit(cfg, vocab)
+        if fitted is None:
+            return "full_shard", ("no instance of the table holds full_shard's ranks, the least memory of the "
+                                  "layouts: full_shard")
+        if self.nproc_per_node is None:
+            self.fitted_ranks_per_node = per_node
+        return layout_on_instance(cfg, fitted, self.network or Network())
 
     def data_choices(self, walk: _Walk) -> None:
         pass  # left to the run: no byte of the plan depends on them, and a plan reads no data

@@ -23,6 +23,70 @@ def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
     check_model_weights(cfg)
     check_report_to(cfg)
     check_objective_fits(cfg)
+    check_fsdp_layout(cfg)
+
+
+def world_and_node(cfg: Config) -> tuple[int, int]:
+    """(ranks in the run, ranks on each node): a launcher's variables where one started this
+    process, else --nnodes × --nproc-per-node."""
+    from cputrain.distributed.env import normalize, started_by_launcher
+
+    if started_by_launcher():
+        ranks = normalize(dict(os.environ))
+        return ranks.world_size, ranks.local_world_size
+    return cfg.launch.nnodes * cfg.launch.nproc_per_node, cfg.launch.nproc_per_node
+
+
+def check_fsdp_layout(cfg: Config) -> None:
+    """parallel.layout set to a layout: the run's nodes admit it (the ranks divide into equal nodes,
+    and node_reshard and hybrid have several nodes to work across), and, where the model's shape
+    can be read here without fetching anything, its memory plan holds on this node by the rule
+    parallel.layout=auto chooses by (cputrain.plan.time.layout_choice). parallel.layout and
+    parallel.reduce_dtype on another strategy are refused with the config (config.sections)."""
+    if cfg.parallel.strategy != "fsdp" or cfg.parallel.layout == "auto":
+        return
+    from cputrain.parallel.fsdp_layouts import layout_error
+
+    world, per_node = world_and_node(cfg)
+    error = layout_error(cfg.parallel.layout, world, per_node)
+    if error:
+        raise ConfigError(error)
+    if cfg.parallel.layout != "full_shard" and _shape_readable_here(cfg):
+        _check_layout_memory(cfg, world, per_node)
+
+
+def _shape_readable_here(cfg: Config) -> bool:
+    from cputrain.plan.model_shape import known_hub_config
+
+    name = cfg.model.name_or_path
+    return (name is None or (Path(name).expanduser() / "config.json").is_file()
+            or known_hub_config(name) is not None)
+
+
+def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
+    """The layout's memory plan for this node's ranks (its precision, every block checkpointed
+    where checkpointing is auto: the least memory) within the node's memory, each rank × 1.1."""
+    from cputrain.config.resolve import precision_choice
+    from cputrain.hardware import detect
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.memory.fit import pod_memory_bytes
+    from cputrain.plan.time.layout_choice import plans_by_layout
+    from cputrain.training.choices import decide_for_plan
+
+    hw = detect()
+    here = cfg.model_copy(deep=True)
+    here.hardware.precision = precision_choice(cfg.hardware.precision, hw)[0]
+    decided = decide_for_plan(here, world, nproc_per_node=per_node).config
+    plan = make_plan(decided, world, nproc_per_node=per_node)
+    need = pod_memory_bytes(plan.peak_rank.total_bytes, per_node)
+    if need <= hw.memory_gib * 2**30:
+        return
+    full = plans_by_layout(plan, per_node, ["full_shard"])["full_shard"]
+    full_gib = pod_memory_bytes(full.peak_rank.total_bytes, per_node) / 2**30
+    raise ConfigError(f"parallel.layout={cfg.parallel.layout} does not fit this node: its memory plan needs "
+                      f"{need / 2**30:.1f} GiB for {per_node} rank(s) (each × 1.1) of the node's "
+                      f"{hw.memory_gib:.1f} GiB (full_shard: {full_gib:.1f} GiB); use parallel.layout=auto or "
+                      "full_shard, or nodes with more memory (`cputrain plan` shows each layout's)")
 
 
 def check_objective_fits(cfg: Config) -> None:

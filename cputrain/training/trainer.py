@@ -121,7 +121,8 @@ class Trainer:
 
         # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
         #    materializes only this rank's shard: an 8B model never exists whole in any rank.
-        ctx = StrategyContext(cfg, ranks.rank, ranks.world_size, cfg.hardware.dtype, self.converter.file_name_of)
+        ctx = StrategyContext(cfg, ranks.rank, ranks.world_size, cfg.hardware.dtype, self.converter.file_name_of,
+                              ranks_per_node=ranks.local_world_size)
         self.strategy = get_strategy(cfg.parallel.strategy, ctx=ctx)
         self.phases.tensors_held = self.strategy.tensors_held
         self.model = self.strategy.wrap(skeleton)

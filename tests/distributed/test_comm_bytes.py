@@ -4,8 +4,9 @@ A 2-rank DDP run inside a fresh network namespace: its loopback carries the run'
 nothing else, so the tx bytes of `lo` in /proc/net/dev (read in that namespace before and
 after) are everything the ranks, the agent and the rendezvous store sent. The sum over ranks
 of `comm_sent_bytes` (ring all-reduce: each rank sends the same, so twice rank 0's logged
-figure) must account for most of it and must not exceed it. The time plan's DDP volume (one
-all-reduce of the trained gradients a step, cputrain.plan.time.comm_volume) must match what a step logged.
+figure) must account for most of it and must not exceed it. The time plan's volume
+(cputrain.plan.time.comm_volume: DDP's one all-reduce of the trained gradients a step, FSDP's
+gathers and reduce-scatters in the layout the run decided) must match what a step logged.
 
 Tolerance: the kernel count may exceed the metered bytes by 15% (TCP/IP headers, about 1%
 on loopback's 64 KiB segments, and gloo's own framing) plus a fixed 4 MiB for what the meter
@@ -24,6 +25,7 @@ import sys
 import uuid
 
 import pytest
+import yaml
 
 from harness.cli_env import cli_env
 from harness.repo import REPO
@@ -64,13 +66,9 @@ def loopback_tx_bytes(ns: str) -> int:
     raise AssertionError(f"no lo in /proc/net/dev of {ns}:\n{text}")
 
 
-def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
-    out = tmp_path / "run"
-    # hidden 128: ~1.4 MB of gradients all-reduced per step, well above the store's chatter
-    overrides = tiny_overrides(out, cache_dir, **{
-        "model.arch.hidden_size": 128, "model.arch.intermediate_size": 256, "parallel.strategy": "ddp",
-        "train.max_steps": 10, "train.micro_batch_size": 2, "train.eval_every": 100,
-        "train.checkpoint_every": 100})
+def metered_and_kernel_bytes(namespace: str, out, overrides: list[str]) -> tuple[int, int, list[dict]]:
+    """Run `overrides` on 2 ranks inside `namespace`: (bytes the ranks' meters counted, bytes the
+    kernel counted on its loopback, the rows of metrics.jsonl)."""
     before = loopback_tx_bytes(namespace)
     proc = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-m", "cputrain", "train", *overrides,
                            "--nproc-per-node", str(WORLD)], cwd=REPO, env=cli_env(), capture_output=True,
@@ -92,6 +90,17 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
     report = f"metered {metered / 2**20:.2f} MiB, loopback tx {kernel / 2**20:.2f} MiB"
     assert metered <= kernel, f"the meter counts more than went over the wire: {report}"
     assert kernel <= limit, f"traffic the meter does not see: {report} (limit {limit / 2**20:.2f} MiB)"
+    return metered, kernel, rows
+
+
+def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
+    out = tmp_path / "run"
+    # hidden 128: ~1.4 MB of gradients all-reduced per step, well above the store's chatter
+    overrides = tiny_overrides(out, cache_dir, **{
+        "model.arch.hidden_size": 128, "model.arch.intermediate_size": 256, "parallel.strategy": "ddp",
+        "train.max_steps": 10, "train.micro_batch_size": 2, "train.eval_every": 100,
+        "train.checkpoint_every": 100})
+    _, _, rows = metered_and_kernel_bytes(namespace, out, overrides)
 
     # The time plan's figure for the same run: the shape the run planned (plan.json: its real
     # vocabulary), one all-reduce of the trained gradients a step whatever the accumulation (2 here).
@@ -105,3 +114,35 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
     planned = comm_pattern(shape, "ddp", "fp32", WORLD, micro_batches=2).rank_bytes(WORLD)["all_reduce"]
     logged = statistics.median(r["comm_sent_bytes"] for r in rows if "comm_sent_bytes" in r and "loss" in r)
     assert abs(logged - planned) <= PLAN_TOLERANCE * planned, f"a step logged {logged:,} bytes, the plan {planned:,.0f}"
+
+
+def test_fsdp_reduce_scatters_counted_and_halved(namespace, tmp_path, cache_dir):
+    """FSDP over gloo: the meter counts what crossed the loopback with either reduce-scatter
+    (gloo's own sends an all-reduce's bytes), and the all-to-all one sends fewer. Each step logged
+    what the time plan plans for the layout the run decided (one node: full_shard, fp32 reduction)."""
+    from cputrain.config.file import load_config
+    from cputrain.plan.time.comm_volume import comm_pattern
+    from cputrain.plan.model_shape import model_shape
+
+    kernel = {}
+    for reduce_scatter in ("native", "all_to_all"):
+        out = tmp_path / reduce_scatter
+        overrides = tiny_overrides(out, cache_dir, **{
+            "model.arch.hidden_size": 128, "model.arch.intermediate_size": 256, "parallel.strategy": "fsdp",
+            "parallel.reduce_scatter": reduce_scatter, "train.max_steps": 6, "train.micro_batch_size": 2,
+            "train.eval_every": 100, "train.checkpoint_every": 100})
+        _, kernel[reduce_scatter], rows = metered_and_kernel_bytes(namespace, out, overrides)
+
+        decided = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
+        assert (decided["layout"], decided["reduce_dtype"]) == ("full_shard", "fp32")
+        doc = json.loads((out / "plan.json").read_text())
+        shape = model_shape(load_config(None, overrides).model, vocab_size=doc["model"]["vocab_size"])
+        # 8 sequences a step, 2 a micro-batch, 2 ranks: 2 micro-batches per rank
+        planned = sum(comm_pattern(shape, "fsdp", "fp32", WORLD, micro_batches=2, layout="full_shard",
+                                   reduce_dtype="fp32", reduce_scatter=reduce_scatter).rank_bytes(WORLD).values())
+        logged = statistics.median(r["comm_sent_bytes"] for r in rows if "comm_sent_bytes" in r and "loss" in r)
+        assert abs(logged - planned) <= PLAN_TOLERANCE * planned, \
+            f"{reduce_scatter}: a step logged {logged:,} bytes, the plan {planned:,.0f}"
+    # the gradients are about half of what FSDP sends (the rest: parameters gathered twice a
+    # micro-batch); halving their bytes saves about a quarter
+    assert kernel["all_to_all"] < 0.85 * kernel["native"], kernel

@@ -3,7 +3,10 @@
 Two model sizes (a tiny Llama and one of about 100M parameters), 1 and 2 ranks, every
 strategy available here; 2 short steps each. Each layout runs once: the one-rank shards at the
 tiny size (where the runtime's own memory dominates), every layout of 2 ranks at ~100M (where the
-state does). plan.json (written by `cputrain train` at start)
+state does), and there FSDP's gather_once too (every block gathered and, over two micro-batches,
+every gradient unsharded through the step: the FSDP layout one node runs whose buffers differ
+most). plan.json (written by
+`cputrain train` at start)
 is compared with the "training step peak" phase of memory.json, and also checked against
 what `cputrain plan --json` prints for the same config before any run. LoRA runs the same
 way on a pretrained base (a model folder): single, ddp and fsdp, the base frozen in bf16 (and
@@ -35,11 +38,13 @@ COMMON = ["data.seq_len=32", "data.max_documents=600", "train.max_steps=2", "tra
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 # One rank runs as `single` (or as a one-rank shard for fsdp/zero3); ddp is for 2 and more.
-# (strategy, ranks, optimizer offload): zero3's offload is planned and measured on its own.
+# (strategy, ranks, optimizer offload): zero3's offload is planned and measured on its own;
+# "fsdp:gather_once" is fsdp with parallel.layout=gather_once (elsewhere the layout is auto:
+# full_shard on one node).
 # `single` runs at both sizes: the plan's fixed runtime memory and its state are checked apart.
 LAYOUTS = {"tiny": [("single", 1, False), ("fsdp", 1, False), ("zero3", 1, False)],
-           "100m": [("single", 1, False), ("ddp", 2, False), ("fsdp", 2, False), ("zero3", 2, False),
-                    ("zero3", 2, True)]}
+           "100m": [("single", 1, False), ("ddp", 2, False), ("fsdp", 2, False), ("fsdp:gather_once", 2, False),
+                    ("zero3", 2, False), ("zero3", 2, True)]}
 CASES = [(s, st, n, off) for s in SIZES for st, n, off in LAYOUTS[s]]
 
 
@@ -61,12 +66,15 @@ def _train_and_compare(overrides: list[str], ranks: int, run_dir, timeout: int) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size, strategy, ranks, offload", CASES,
-                         ids=[f"{s}-{st}-{n}{'-offload' if off else ''}" for s, st, n, off in CASES])
+                         ids=[f"{s}-{st.replace(':', '-')}-{n}{'-offload' if off else ''}" for s, st, n, off in CASES])
 def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cache_dir):
     if strategy == "zero3" and not HAVE_DEEPSPEED:
         pytest.skip("strategy zero3 needs the deepspeed extra (scripts/install.sh dev,deepspeed)")
+    strategy, _, layout = strategy.partition(":")
     overrides = SIZES[size] + COMMON + [f"parallel.strategy={strategy}", f"output_dir={tmp_path / 'run'}",
                                         f"data.cache_dir={cache_dir}", f"parallel.offload_optimizer={offload}"]
+    if layout:  # two micro-batches a step: gather_once accumulates every gradient unsharded between them
+        overrides += [f"parallel.layout={layout}", "train.global_batch_size=8"]
     rows, table = _train_and_compare(overrides, ranks, tmp_path / "run", timeout=600)
 
     # `cputrain plan` on the same config, before any run, plans the same bytes (the vocabulary
@@ -82,6 +90,7 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
 
     off = [r for r in rows if abs(r["rss_error"]) > RSS_TOLERANCE]
     assert not off, f"peak RSS off by {off[0]['rss_error']:+.1%}\n{table}"
+    print(f"\n{table}")
 
 
 # --- LoRA: a pretrained base (a Llama saved as a model folder), adapters on every projection --

@@ -25,7 +25,7 @@ CASES = {
     "trainjob-fsdp-2x2": (
         ARCH + ["parallel.strategy=fsdp", "hardware.precision=bf16"],
         dict(name="llama-100m", image="registry.example.com/cputrain:0.1.0", nnodes=2, nproc_per_node=2,
-             hf_token_secret="hf-token"),
+             hf_token_secret="hf-token", placement_group="llama-100m-pg"),
         "trainjob",
     ),
     "job-ddp-4x1": (

@@ -30,6 +30,8 @@ from .rendering import ARCH, render_case
     (dict(memory="4000Gi", instance_type=None), "--memory 4000Gi is more than"),  # --instance-type not given: not blamed
     (dict(grace_period_s=0), "--grace-period-s"),
     (dict(storage_write_mib_s=0.0), "--storage-write-mib-s"),
+    (dict(placement_group="my group"), "--placement-group"),
+    (dict(placement_group=""), "--placement-group"),
 ])
 def test_refused_with_the_field_named(changes, field):
     with pytest.raises(UserError) as err:

@@ -125,3 +125,17 @@ def test_trainjob_leaves_the_progress_endpoint_to_the_controller():
     assert not any(path.startswith("/var/run/secrets/kubeflow") for path in mounts)
     ours = {e["name"] for e in tj["spec"]["trainer"]["env"]}
     assert not ours & {trainjob_progress.ENV_URL, trainjob_progress.ENV_CA_CERT, trainjob_progress.ENV_TOKEN}
+
+
+def test_a_placement_group_only_where_asked_and_the_plan_counts_it():
+    """--placement-group puts the EC2NodeClass's nodes in that cluster placement group, and the plan
+    that sized the pods counts EC2's per-flow cap in one (10 Gbit/s, not 5)."""
+    def node_class(out):
+        return next(o for o in out.objects if o["kind"] == "EC2NodeClass")
+
+    asked = render_case("trainjob-fsdp-2x2")
+    assert node_class(asked)["spec"]["placementGroupSelector"] == {"name": "llama-100m-pg"}
+    assert "in a cluster placement group" in next(n for n in asked.plan.notes if n.startswith("parallel.layout="))
+    without = render_case("trainjob-fsdp-2x2", placement_group=None)
+    assert "placementGroupSelector" not in node_class(without)["spec"]
+    assert "placement group" not in next(n for n in without.plan.notes if n.startswith("parallel.layout="))

@@ -517,9 +517,9 @@ def test_a_plan_reads_decided_values_and_decides_none_itself(tmp_path):
     with pytest.raises(ValueError, match="model.lora.target_modules and model.lora.base_dtype are read decided"):
         model_shape(lora.model)
     assert undecided_for_plan(cfg) and undecided_for_plan(_decided(cfg)) == []
-    assert undecided_for_plan(_decided(lora)) == [] and len(PLANNED_KEYS) == 7
+    assert undecided_for_plan(_decided(lora)) == [] and len(PLANNED_KEYS) == 9
     rules = {"precision_choice", "strategy_choice", "chunked_loss_choice", "base_dtype_choice", "target_modules_choice",
-             "files_are_bf16", "attention_choice"}
+             "files_are_bf16", "attention_choice", "reduce_dtype_choice"}
     called = set()
     for path in (Path(__file__).resolve().parents[2] / "cputrain" / "plan").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cputrain.config import Config
+from cputrain.config.reduction import reduce_scatter_in_use
+from cputrain.config.resolve import grad_accum_steps
 from cputrain.config.resolved import PlannedConfig, as_planned
 from cputrain.errors import ConfigError
 from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
@@ -32,7 +34,6 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
     if cfg.parallel.strategy != "zero3":
         return {}
     from cputrain.parallel.deepspeed_config import plan_for
-    from cputrain.config.resolve import grad_accum_steps
 
     zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
     return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
@@ -55,13 +56,14 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
         compute_dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
         shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
                             seed=cfg.seed)
-    return _plan(cfg, world_size, shape, nproc_per_node, instances, config_json, reasons)
+    return _plan(cfg, world_size, shape, nproc_per_node, instances, config_json, reasons, nproc_per_node)
 
 
-def plan_of_built(cfg: Config, world_size: int, shape: ModelShape) -> Plan:
+def plan_of_built(cfg: Config, world_size: int, shape: ModelShape, ranks_per_node: int | None = None) -> Plan:
     """The plan of a running rank's model, as built (the trainer's skeleton: adapters and dtypes
-    included), for its plan.json: nothing is built here."""
-    return _plan(_planned(cfg, world_size), world_size, shape, None, None, None, ())
+    included), for its plan.json: nothing is built here. `ranks_per_node`: the node's ranks (the
+    layouts that keep a node's share read it)."""
+    return _plan(_planned(cfg, world_size), world_size, shape, None, None, None, (), ranks_per_node)
 
 
 def _planned(cfg: Config, world_size: int) -> PlannedConfig:
@@ -75,8 +77,11 @@ def _planned(cfg: Config, world_size: int) -> PlannedConfig:
 
 
 def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node: int | None,
-          instances: list[Instance] | None, config_json: str | None, reasons: Sequence[tuple[str, str, str]]) -> Plan:
+          instances: list[Instance] | None, config_json: str | None, reasons: Sequence[tuple[str, str, str]],
+          ranks_per_node: int | None) -> Plan:
     shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
+    parallel = cfg.parallel
+    fsdp = parallel.strategy == "fsdp"
     inputs = plan_inputs(
         cfg.parallel.strategy, cfg.hardware.precision, world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
@@ -86,8 +91,17 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
         chunked_loss=cfg.model.chunked_loss,
         eager_attention=cfg.model.attn_implementation == "eager",
+        layout=parallel.layout if fsdp else "full_shard", reduce_dtype=parallel.reduce_dtype if fsdp else None,
+        reduce_scatter=reduce_scatter_in_use(parallel.reduce_scatter, parallel.backend),
+        ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         **_zero3_settings(cfg, world_size, shape),
     )
+    if fsdp and ranks_per_node:
+        from cputrain.parallel.fsdp_layouts import layout_error
+
+        error = layout_error(parallel.layout, world_size, ranks_per_node)
+        if error:
+            raise ConfigError(error)
     notes = [f"{key}=auto → {value}: {why}" for key, value, why in reasons]
     if config_json is None and known_hub_config(cfg.model.name_or_path) is not None:
         notes.append(f"{cfg.model.name_or_path}: its shape is built in (nothing fetched); --model-config "

@@ -39,13 +39,16 @@ def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, me
     budget_gib = memory_gib * memory_fraction / local_world_size
     where = f"{budget_gib:.1f} GiB per rank ({memory_fraction:.0%} of this node's {memory_gib:.1f} GiB ÷ " \
             f"{local_world_size} rank(s))"
-    shape = make_plan(_with_blocks(cfg, False), world_size, vocab_size=vocab_size).shape  # built once
+    # the node's ranks: the FSDP layouts that keep a node's share read them
+    shape = make_plan(_with_blocks(cfg, False), world_size, nproc_per_node=local_world_size,
+                      vocab_size=vocab_size).shape  # built once
     peaks: dict[tuple[int, int], float] = {}  # GiB per rank by (whole, selective) blocks
 
     def peak_gib(blocks: bool | int | str) -> float:
         split = checkpointing_split(blocks, shape.layers)
         if split not in peaks:
-            peaks[split] = make_plan(_with_blocks(cfg, blocks), world_size, shape=shape).peak_rank.total_bytes / GIB
+            peaks[split] = make_plan(_with_blocks(cfg, blocks), world_size, nproc_per_node=local_world_size,
+                                     shape=shape).peak_rank.total_bytes / GIB
         return peaks[split]
 
     layers = shape.layers

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 from cputrain.errors import ConfigError
 from cputrain.lora.adapters import is_adapter_parameter
-from cputrain.plan.memory.accounting import FP32_BYTES, SHARDED, local_numel, state_bytes
+from cputrain.plan.memory.accounting import BF16_BYTES, FP32_BYTES, SHARDED, local_numel, state_bytes
+from cputrain.plan.memory.fsdp_layouts import fsdp_buffer_bytes, shard_world
 from cputrain.plan.memory.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
 
@@ -54,6 +55,11 @@ class PlanInputs:
     lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
     chunked_loss: bool = False  # model.chunked_loss as resolved (resolve.chunked_loss_choice)
     eager_attention: bool = False  # model.attn_implementation=eager: each block keeps its attention matrix
+    layout: str = "full_shard"  # fsdp: parallel.layout, decided (cputrain.plan.memory.fsdp_layouts)
+    reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
+    reduce_scatter: str = "all_to_all"  # fsdp and zero3: as it runs (native | all_to_all: config.reduction)
+    ranks_per_node: int | None = None  # node_reshard and hybrid read it (None: not known)
+    accumulation: int = 1  # micro-batches per rank per step: gather_once accumulates unsharded gradients over them
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,9 @@ def plan_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInp
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"parallel.strategy=single runs one rank, but the world size is {world_size}; "
                           "choose ddp, fsdp or zero3")
+    if strategy == "fsdp" and kw.get("layout") in ("node_reshard", "hybrid") and not kw.get("ranks_per_node"):
+        raise ConfigError(f"parallel.layout={kw['layout']} is planned per node: give the ranks per node "
+                          "(--nproc-per-node)")
     return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
 
 
@@ -125,20 +134,16 @@ def zero3_gathered_numel(m: ModelShape, max_reuse_distance: int) -> int:
 
 
 def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int:
-    units = m.unit_params()
-    blocks = [n for u, n in units.items() if u != "root"] or [0]
-    root = units.get("root", 0)
-    trained_blocks = [n for u, n in m.unit_params(trainable_only=True).items() if u != "root"] or [0]
+    blocks = [n for u, n in m.unit_params().items() if u != "root"] or [0]
     gathered_bytes = 2 if inp.precision == "bf16" else 4
     if inp.strategy == "ddp":
         return 0 if DDP_GRAD_AS_BUCKET_VIEW else m.trainable_params * FP32_BYTES
     if inp.strategy == "fsdp":
-        # Unsharded (all-gathered) parameters in the compute dtype: the root unit (embeddings,
-        # final norm, head) stays gathered through the step, plus the current block and the one
-        # prefetched; the backward adds one block's unsharded gradients before the reduce-scatter
-        # (of its trained parameters: a frozen one gets none). Gradients are reduced in fp32
-        # (cputrain.parallel.fsdp's MixedPrecisionPolicy).
-        return (root + 2 * max(blocks)) * gathered_bytes + max(trained_blocks) * FP32_BYTES
+        # Unsharded (all-gathered) parameters in the compute dtype and unsharded gradients in the
+        # reduce dtype, as the layout holds them (cputrain.plan.memory.fsdp_layouts).
+        return fsdp_buffer_bytes(m, inp.layout, inp.world_size, inp.ranks_per_node, gathered_bytes,
+                                 BF16_BYTES if inp.reduce_dtype == "bf16" else FP32_BYTES,
+                                 inp.reduce_scatter == "all_to_all", inp.accumulation)
     if inp.strategy == "zero3":
         # Gathered parameters (see zero3_gathered_numel) and one block's full gradients before
         # they are reduced into the partitions.
@@ -175,7 +180,8 @@ def _read_buffer_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
     if inp.strategy in ("single", "ddp"):
         read = [p.numel * p.file_bytes for p in m.params if p.file_bytes and p.file_bytes != p.stored_bytes]
     elif inp.strategy == "fsdp":
-        read = [local_numel(p.shape, "fsdp", inp.world_size, rank, padded=False) * p.file_bytes
+        shards, index = _fsdp_shard(inp, rank)
+        read = [local_numel(p.shape, "fsdp", shards, index, padded=False) * p.file_bytes
                 for p in m.params if p.file_bytes and p.file_bytes != p.stored_bytes]
     else:
         return 0
@@ -193,8 +199,16 @@ def _strategy_load_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
     return 0
 
 
+def _fsdp_shard(inp: PlanInputs, rank: int) -> tuple[int, int]:
+    """(ranks a parameter is split over, this rank's index among them): hybrid's are its node's
+    (ranks are numbered node by node)."""
+    shards = shard_world(inp.layout, inp.world_size, inp.ranks_per_node) if inp.strategy == "fsdp" else inp.world_size
+    return shards, rank % shards
+
+
 def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
-    state = state_bytes(m, inp.strategy, inp.precision, inp.world_size, rank, inp.persistence_threshold,
+    shards, index = _fsdp_shard(inp, rank)
+    state = state_bytes(m, inp.strategy, inp.precision, shards, index, inp.persistence_threshold,
                         inp.offload_optimizer and inp.strategy == "zero3")
     # Autocast keeps bf16 copies of the fp32 weights it casts (a frozen base already stored in
     # bf16 is used as it is); sharded strategies gather (and cast) one unit at a time, which the

@@ -15,7 +15,7 @@ GIB = 2**30
 
 def write_run_plan(run, cfg, skeleton, world_size: int, local_world_size: int, machine_memory_gib: float):
     """Plan from the model skeleton (exact shapes, the real vocabulary); returns the Plan."""
-    plan = plan_of_built(cfg, world_size, shape_of(skeleton))
+    plan = plan_of_built(cfg, world_size, shape_of(skeleton), ranks_per_node=local_world_size)
     run.write_text(plan_json(plan), "plan.json")
     node_gib = local_world_size * plan.peak_rank.total_bytes / GIB
     if node_gib > machine_memory_gib:

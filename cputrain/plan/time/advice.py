@@ -1,14 +1,15 @@
 """What would change a step that waits on the network, each figure re-planned by
-cputrain.plan.time.step_time with one setting changed: a larger micro-batch (more tokens per gather),
-parameters kept gathered across a step's micro-batches, no resharding after the forward, a hybrid
-layout (shard within a node, replicate across nodes), and fewer, bigger nodes. Layouts cputrain
-cannot run yet are said so, with their figure, so the next one to build is chosen by a number.
+cputrain.plan.time.step_time with one setting changed: a larger micro-batch (more tokens per gather)
+and fewer, bigger nodes. The FSDP layouts (parallel.layout) are not remedies here: `cputrain plan`
+prints every layout on every instance type beside the plan (cputrain.plan.time.layout_table), and
+parallel.layout=auto takes the fastest that fits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cputrain.parallel.fsdp_layouts import layout_error
 from cputrain.plan.memory.fit import fits, pod_memory_bytes
 from cputrain.plan.instances import Instance
 from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
@@ -20,14 +21,12 @@ NETWORK_SHARE_ADVICE = 0.25
 @dataclass(frozen=True)
 class Remedy:
     setting: str  # what to change, as a user would write it
-    built: bool  # False: cputrain cannot run it yet
     plan: StepTimePlan
     note: str = ""
 
     def line(self, now: StepTimePlan) -> str:
         speedup = self.plan.tokens_per_s / now.tokens_per_s
-        state = "" if self.built else "not built yet: "
-        return (f"{state}{self.setting}: {self.plan.tokens_per_s:,.0f} tokens/s ({speedup:.2f}×), network "
+        return (f"{self.setting}: {self.plan.tokens_per_s:,.0f} tokens/s ({speedup:.2f}×), network "
                 f"{self.plan.network_share:.0%} of the step{'; ' + self.note if self.note else ''}")
 
 
@@ -59,24 +58,9 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
     # more tokens per gather: the same global batch in fewer, larger micro-batches
     if now.micro_batches > 1:
         bigger = replace(settings, micro_batch=settings.micro_batch * 2)
-        out.append(Remedy(f"train.micro_batch_size={bigger.micro_batch}", True, again(bigger),
+        out.append(Remedy(f"train.micro_batch_size={bigger.micro_batch}", again(bigger),
                           fit_note({"micro_batch": bigger.micro_batch})))
-    sharded = settings.strategy in ("fsdp", "zero3")
-    gathered = now.whole_parameter_bytes  # every block's parameters as gathered, held at once
-    if sharded and now.micro_batches > 1:
-        out.append(Remedy("parameters kept gathered across a step's micro-batches (one gather and one "
-                          "reduce-scatter a step)", False, again(gather_once_per_step=True),
-                          fit_note({}, gathered, "every rank holds the whole gathered parameters through the step")))
-    if sharded:
-        out.append(Remedy("no resharding after the forward (FSDP2's reshard_after_forward=False)", False,
-                          again(reshard_after_forward=False),
-                          fit_note({}, gathered, "every block's gathered parameters kept from its forward to its backward")))
     nnodes = world_size // nproc_per_node
-    if sharded and nnodes > 1:
-        note = fit_note({"world_size": nproc_per_node}, 0, f"each rank holds 1/{nproc_per_node} of the state, "
-                        f"not 1/{world_size}")
-        out.append(Remedy(f"hybrid layout: shard within a node ({nproc_per_node} ranks), replicate across the "
-                          f"{nnodes} nodes (HSDP)", False, again(hybrid=True), note))
     if instance is not None and nnodes > 1 and rank_peak_bytes is not None:
         # fewer, bigger nodes: half the nodes, twice the ranks on each, the same family
         fewer = nnodes // 2
@@ -88,9 +72,12 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
                       and i.vcpus >= instance.vcpus and fits(i, rank_peak_bytes, ranks)]
             if bigger:
                 node = min(bigger, key=lambda i: i.vcpus)
-                plan = again(nproc=ranks, link=node.network_gbit_s if fewer > 1 else link_gbit_s,
+                # the same layout where the fewer nodes admit it, else FSDP2's default
+                s = settings if layout_error(settings.layout, world_size, ranks) is None else replace(
+                    settings, layout="full_shard")
+                plan = again(s, nproc=ranks, link=node.network_gbit_s if fewer > 1 else link_gbit_s,
                              peak=peak_of(node, ranks))
                 cost = (f"{fewer * node.price_per_hour / 3600 / plan.tokens_per_s * 1e6:,.2f} USD per million tokens"
                         if node.price_per_hour else "")
-                out.append(Remedy(f"--nnodes {fewer} --nproc-per-node {ranks} on {node.name}", True, plan, cost))
+                out.append(Remedy(f"--nnodes {fewer} --nproc-per-node {ranks} on {node.name}", plan, cost))
     return out

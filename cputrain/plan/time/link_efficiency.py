@@ -5,7 +5,7 @@ all-reduce between two network namespaces joined by a veth pair, shaped by tc to
 unshaped, and writes cputrain/plan/time/gloo_link_efficiency.json:
 
     {"machine": str, "measured": "YYYY-MM-DD",
-     "rows": [{"collective": "all_gather" | "reduce_scatter" | "all_reduce",
+     "rows": [{"collective": "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all",
                "link_gbit_s": float, "message_bytes": int, "efficiency": float}],
      "cpu_cap_rows": [{"collective": ..., "message_bytes": int, "gbit_s": float}]}   (optional)
 
@@ -31,7 +31,9 @@ from pathlib import Path
 from cputrain.errors import ConfigError
 
 TABLE_FILE = Path(__file__).with_name("gloo_link_efficiency.json")
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+# all_to_all: the all-to-all reduce-scatter (parallel.reduce_scatter); until the table has its rows,
+# the time plan takes the all-gather's and says so (cputrain.plan.time.step_time.table_row_of)
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 NOT_MEASURED = "gloo's efficiency not measured: the line rate is assumed"
 
 
@@ -79,10 +81,15 @@ class EfficiencyTable:
         if cpu_capped:
             return f"{where}: the link's share, capped by what gloo reached there unshaped"
         largest = max(c.message_bytes for c in self.cpu_caps)
-        caps = "/".join(f"{c.gbit_s:.1f}" for c in sorted(self.cpu_caps, key=lambda c: COLLECTIVES.index(c.collective))
-                        if c.message_bytes == largest)
+        largest_caps = sorted((c for c in self.cpu_caps if c.message_bytes == largest),
+                              key=lambda c: COLLECTIVES.index(c.collective))
+        caps = "/".join(f"{c.gbit_s:.1f}" for c in largest_caps)
+        names = "/".join(c.collective.replace("_", "-") for c in largest_caps)
         return (f"{where}: the link's share; gloo's CPU limit on a node not measured (one {machine} core per rank: "
-                f"{caps} Gbit/s all-gather/reduce-scatter/all-reduce)")
+                f"{caps} Gbit/s {names})")
+
+    def has_rows(self, collective: str) -> bool:
+        return any(r.collective == collective for r in self.rows)
 
     def cpu_cap_gbit_s(self, collective: str, message_bytes: float) -> float | None:
         points = sorted((c.message_bytes, c.gbit_s) for c in self.cpu_caps if c.collective == collective)

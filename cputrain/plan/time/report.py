@@ -6,19 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cputrain.plan.instances import Instance
-from cputrain.plan.time.measured_mfu import MfuChoice, measured_mfu
-from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
+from cputrain.plan.instances import Instance, flow_cap
 from cputrain.plan.time.advice import NETWORK_SHARE_ADVICE, Remedy, remedies
+from cputrain.plan.time.measured_mfu import MfuChoice
+from cputrain.plan.time.on_instance import Network, instance_rank_peak, step_on_instance
+from cputrain.plan.time.step_time import CollectiveTime, StepSettings, StepTimePlan
 
 GB = 1e9
-
-
-def instance_rank_peak(instance: Instance, precision: str, ranks_per_node: int) -> float:
-    """One rank's share of the instance's theoretical peak (its cores split evenly)."""
-    from cputrain.plan.time.stop_window import instance_peak_flops
-
-    return instance_peak_flops(instance, precision) / ranks_per_node
 
 
 def rank_peak_bytes(plan, **changes) -> int:
@@ -46,25 +40,23 @@ class TimePlan:
 
 
 def time_plan(plan, global_batch: int, instance: Instance | None, nproc_per_node: int,
-              link_gbit_s: float | None, candidates: list[Instance] | None = None) -> TimePlan | None:
+              link_gbit_s: float | None, candidates: list[Instance] | None = None,
+              placement_group: bool = False) -> TimePlan | None:
     """The time plan of a memory plan on `instance` (None: no instance, nothing planned), its link
-    `link_gbit_s` or else the instance's published bandwidth; `candidates`: the instance table the
-    advice may take bigger nodes from."""
+    `link_gbit_s` or else the instance's published bandwidth, in a cluster placement group or not
+    (EC2's per-flow cap); `candidates`: the instance table the advice may take bigger nodes from."""
     if instance is None:
         return None
+    network = Network(link_gbit_s, placement_group)
+    step, choice = step_on_instance(plan, global_batch, instance, nproc_per_node, network)
     settings = StepSettings.of_plan(plan, global_batch)
-    choice = measured_mfu(settings.precision, "amx" if instance.amx else "avx512", plan.shape.lora)
-    link = link_gbit_s if link_gbit_s is not None else instance.network_gbit_s
-    world = plan.inputs.world_size
-    rate = choice.row.executed_share_of_peak
-    peak = instance_rank_peak(instance, settings.precision, nproc_per_node)
-    step = plan_step_time(settings, world, nproc_per_node, plan.shape, link_gbit_s=link, peak_flops_per_s=peak,
-                          mfu=rate, mfu_source=choice.describe())
-    advice = remedies(settings, plan.shape, world, nproc_per_node, step, instance=instance,
-                      rank_peak_bytes=plan.peak_rank.total_bytes, link_gbit_s=link, mfu=rate,
+    cap, cap_source = flow_cap(placement_group)
+    advice = remedies(settings, plan.shape, plan.inputs.world_size, nproc_per_node, step, instance=instance,
+                      rank_peak_bytes=plan.peak_rank.total_bytes, link_gbit_s=network.link_of(instance),
+                      mfu=choice.row.executed_share_of_peak,
                       peak_of=lambda inst, ranks: instance_rank_peak(inst, settings.precision, ranks),
                       memory_of=lambda **changes: rank_peak_bytes(plan, **changes), candidates=candidates,
-                      mfu_source=choice.describe())
+                      mfu_source=choice.describe(), flow_cap_gbit_s=cap, flow_cap_source=cap_source)
     return TimePlan(step, choice, instance, advice)
 
 
@@ -76,6 +68,18 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:,.2f} GB"
 
 
+_VIA = {"native": "gloo's own (an all-reduce, then a slice)", "all_to_all": "all-to-all", "": ""}
+
+
+def _collective(c: CollectiveTime) -> str:
+    how = f"{_VIA[c.via].split(' (')[0]}, " if c.kind == "reduce_scatter" else ""
+    where = (f"{_gb(c.link_bytes)} through each node's link in {c.flows} flow{'s' if c.flows != 1 else ''}"
+             + (f" at {c.rate_gbit_s:g} Gbit/s, efficiency {c.efficiency:.2f}, {_s(c.seconds).strip()}"
+                if c.seconds else "")) if c.link_bytes else "none through a link"
+    return (f"{c.kind.replace('_', '-'):<16} {_gb(c.rank_bytes):>12} per rank, {how}{where}; messages of "
+            f"{c.message_bytes / 2**20:,.1f} MiB: {c.what}")
+
+
 def time_lines(tp: TimePlan) -> list[str]:
     s = tp.step
     heading = (f"time per optimizer step ({s.nnodes} × {tp.instance.name}, {s.world_size} rank(s), "
@@ -85,12 +89,12 @@ def time_lines(tp: TimePlan) -> list[str]:
                  f"TFLOP per rank ({s.recompute_flops_per_rank / 1e12:,.1f} of them recomputed blocks) at "
                  f"{s.peak_flops_per_s / 1e12:,.1f} TFLOP/s peak per rank")
     lines.append(f"  MFU assumed      {tp.mfu.describe()}")
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        if s.comm_bytes_by_kind[kind]:
-            lines.append(f"  {kind.replace('_', '-'):<16} {_gb(s.comm_bytes_by_kind[kind]):>12} per rank, "
-                         f"{_gb(s.link_bytes_by_kind[kind])} through each node's link, messages of "
-                         f"{s.message_bytes_by_kind[kind] / 2**20:,.1f} MiB, efficiency {s.efficiency_by_kind[kind]:.2f}")
-    if not any(s.comm_bytes_by_kind.values()):
+    if s.layout:
+        lines.append(f"  layout           parallel.layout={s.layout}, gradients reduced in {s.reduce_dtype}, "
+                     f"reduce-scatter {_VIA[s.reduce_scatter]}")
+    for c in s.collectives:
+        lines.append(f"  {_collective(c)}")
+    if not s.collectives:
         lines.append("  communication    none")
     if s.network_s > 0:
         lines.append(f"  network          {_s(s.network_s)}   ({s.source['link']}; {s.source['efficiency']})")
@@ -124,7 +128,7 @@ def time_document(tp: TimePlan) -> dict:
     doc = {k: v for k, v in s.as_dict().items()}
     doc["instance_type"] = tp.instance.name
     doc["usd_per_million_tokens"] = tp.usd_per_million_tokens
-    doc["advice"] = [{"setting": r.setting, "built": r.built, "tokens_per_s": r.plan.tokens_per_s,
+    doc["advice"] = [{"setting": r.setting, "tokens_per_s": r.plan.tokens_per_s,
                       "step_s": r.plan.step_s, "network_share": r.plan.network_share, "note": r.note}
                      for r in tp.advice]
     return doc

@@ -3,8 +3,12 @@
     compute   (model FLOPs the trainer's MFU counts + the forward of each checkpointed block
               again) × tokens per rank per step ÷ (the rank's peak FLOP/s × the share of it the
               cores reach, measured: cputrain.plan.time.measured_mfu)
-    network   bytes through a node's link (cputrain.plan.time.comm_volume) ÷ (link rate × gloo's
-              efficiency for that collective and message size: cputrain.plan.time.link_efficiency)
+    network   bytes through a node's link (cputrain.plan.time.comm_volume) ÷ (the rate those
+              bytes get × gloo's efficiency for that collective and message size:
+              cputrain.plan.time.link_efficiency), collective by collective. The rate is the
+              node's link, or less where the collective's TCP flows are capped: a flow gets at most
+              flow_cap_gbit_s (EC2's: cputrain.plan.instances), so a node's link carries
+              min(link, flows × cap)
     exposed   the part of the network time no compute hides (below); step = compute + exposed
 
 Overlap. FSDP2 on CPU hides none of it: measured over a shaped link (block gloo_link-runs of
@@ -23,11 +27,11 @@ comes out of the cores the compute keeps busy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from cputrain.config import Config, checkpointed_blocks
 from cputrain.errors import ConfigError
-from cputrain.plan.time.comm_volume import KINDS, CommPattern, comm_pattern, ring_factor
+from cputrain.plan.time.comm_volume import KINDS, Collective, CommPattern, comm_pattern
 from cputrain.plan.time.link_efficiency import NOT_MEASURED, EfficiencyTable, load_table
 from cputrain.plan.model_shape import ModelShape
 
@@ -44,21 +48,46 @@ class StepSettings:
     activation_checkpointing: bool | int | str
     persistence_threshold: int | None = None  # zero3: DeepSpeed's stage3_param_persistence_threshold (None: 10 × hidden)
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance
+    layout: str = "full_shard"  # fsdp: parallel.layout, decided
+    reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
+    reduce_scatter: str = "auto"  # fsdp and zero3: parallel.reduce_scatter (auto: the all-to-all, as on gloo)
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
         """From a config whose keys are decided (cputrain.training.choices.decide_for_plan)."""
+        from cputrain.config.reduction import reduce_scatter_in_use
         from cputrain.config.resolved import as_planned
 
         cfg = as_planned(cfg)
-        return cls(cfg.parallel.strategy, cfg.hardware.precision, cfg.train.micro_batch_size, cfg.data.seq_len,
-                   cfg.train.global_batch_size, cfg.model.activation_checkpointing)
+        p = cfg.parallel
+        fsdp = p.strategy == "fsdp"
+        return cls(p.strategy, cfg.hardware.precision, cfg.train.micro_batch_size, cfg.data.seq_len,
+                   cfg.train.global_batch_size, cfg.model.activation_checkpointing,
+                   layout=p.layout if fsdp else "full_shard", reduce_dtype=p.reduce_dtype if fsdp else None,
+                   reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend))
 
     @classmethod
     def of_plan(cls, plan, global_batch: int) -> StepSettings:
         i = plan.inputs
         return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
-                   i.persistence_threshold, i.max_reuse_distance)
+                   i.persistence_threshold, i.max_reuse_distance, i.layout, i.reduce_dtype, i.reduce_scatter)
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    """One collective of the step (cputrain.plan.time.comm_volume.Collective) on the planned link."""
+
+    kind: str
+    what: str
+    via: str  # ring; a reduce-scatter: native (gloo's all-reduce) or all_to_all
+    span: str  # world | node | across
+    rank_bytes: float  # what one rank sends per step
+    link_bytes: float  # through one node's link per step, each way
+    message_bytes: int
+    flows: int  # TCP flows through a node's link
+    rate_gbit_s: float  # what those flows get of the link: min(link, flows × per-flow cap)
+    efficiency: float  # gloo's share of that rate
+    seconds: float
 
 
 @dataclass
@@ -87,9 +116,16 @@ class StepTimePlan:
     peak_flops_per_s: float  # one rank's
     whole_parameter_bytes: int  # FSDP/ZeRO-3: every block's and the root's parameters as gathered
     source: dict[str, str] = field(default_factory=dict)  # what the MFU, efficiency and link figures are
+    layout: str = ""  # fsdp's parallel.layout
+    reduce_dtype: str = ""  # fsdp and zero3: the dtype gradients are reduced in
+    reduce_scatter: str = ""  # fsdp and zero3: native (gloo's all-reduce) or all_to_all
+    flow_cap_gbit_s: float | None = None  # what one TCP flow gets at most (None: no cap)
+    collectives: list[CollectiveTime] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        out = {k: v for k, v in self.__dict__.items() if k != "collectives"}
+        out["collectives"] = [asdict(c) for c in self.collectives]
+        return out
 
 
 def rank_peak_flops_here(precision: str, threads: int) -> float:
@@ -135,11 +171,35 @@ def _exposed_sharded(p: CommPattern, t_gather: float, t_root_gather: float, t_re
     return exposed
 
 
+# gloo's native reduce-scatter sends an all-reduce's bytes, 2(W−1)/W·N, where the efficiency table
+# measured it against the ring's (W−1)/W·N: per byte it sends, its share of the rate is twice the
+# table's (the time is the same either way).
+NATIVE_WIRE_PER_RING_BYTE = 2.0
+# The all-to-all reduce-scatter has rows of its own once benchmarks/gloo_link.py measures it; until
+# then it takes the all-gather's share (a collective that also sends each byte once), said "assumed".
+ALL_TO_ALL_AS = "all_gather"
+
+
+def table_row_of(c: Collective, table: EfficiencyTable | None = None) -> tuple[str, float]:
+    """(the efficiency table's collective for `c`, the factor on its share) — see above."""
+    if c.kind == "reduce_scatter" and c.via == "native":
+        return "reduce_scatter", NATIVE_WIRE_PER_RING_BYTE
+    if c.kind == "reduce_scatter" and c.via == "all_to_all":
+        return ("all_to_all" if table is not None and table.has_rows("all_to_all") else ALL_TO_ALL_AS), 1.0
+    return c.kind, 1.0
+
+
+def node_link_gbit_s(link_gbit_s: float, flows: int, flow_cap_gbit_s: float | None) -> float:
+    """What a collective's `flows` TCP flows get of a node's link: each flow at most the cap."""
+    if flow_cap_gbit_s is None or flows <= 0:
+        return link_gbit_s
+    return min(link_gbit_s, flows * flow_cap_gbit_s)
+
+
 def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: int, shape: ModelShape, *,
                    link_gbit_s: float | None, peak_flops_per_s: float, mfu: float,
                    efficiency: float | EfficiencyTable | None = None, overlap: float | None = None,
-                   mfu_source: str = "given", reshard_after_forward: bool = True,
-                   gather_once_per_step: bool = False, hybrid: bool = False,
+                   mfu_source: str = "given", flow_cap_gbit_s: float | None = None, flow_cap_source: str = "",
                    gloo_cpu_capped: bool = False) -> StepTimePlan:
     """One optimizer step of `cfg` (a decided config, or StepSettings) on `world_size` ranks,
     `nproc_per_node` to a node.
@@ -151,9 +211,9 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     time (one node needs none). `efficiency`: gloo's share of the line rate, a number for every
     collective or a measured table; None reads cputrain/plan/time/gloo_link_efficiency.json, or
     assumes 1.0 without it. `overlap`: the share of network time hidden behind compute, 0 to 1
-    (None: the model in this module's docstring). The last three keywords plan layouts cputrain
-    does not build yet (FSDP/ZeRO-3): no resharding after the forward, parameters kept gathered
-    across the micro-batches of a step, a hybrid layout (shard in a node, replicate across nodes).
+    (None: the model in this module's docstring). `flow_cap_gbit_s`: what one TCP flow gets at
+    most (EC2's per-flow limit, cputrain.plan.instances; None: no cap, as on the measuring
+    machine's veth), `flow_cap_source` what it is, for the plan's words.
     `gloo_cpu_capped`: the ranks run on the CPU the efficiency table was measured on (one core per
     rank), so gloo's collectives are also limited by what that CPU pushed through unshaped, and
     that CPU time, taken from the cores the compute runs on, is never hidden."""
@@ -166,6 +226,8 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         raise ConfigError(f"MFU must be in (0, 1] (got {mfu})")
     if link_gbit_s is not None and not link_gbit_s > 0:
         raise ConfigError(f"--link-gbit-s must be a positive number of Gbit/s (got {link_gbit_s})")
+    if flow_cap_gbit_s is not None and not flow_cap_gbit_s > 0:
+        raise ConfigError(f"the per-flow cap must be a positive number of Gbit/s (got {flow_cap_gbit_s})")
     if overlap is not None and not 0 <= overlap <= 1:
         raise ConfigError(f"overlap must be in [0, 1] (got {overlap})")
     if s.global_batch % (s.micro_batch * world_size):
@@ -187,13 +249,10 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     pattern = comm_pattern(shape, s.strategy, s.precision, world_size, micro_batches, nnodes=nnodes,
                            persistence_threshold=(10 * shape.hidden if s.persistence_threshold is None
                                                   else s.persistence_threshold),
-                           max_reuse_distance=s.max_reuse_distance,
-                           reshard_after_forward=reshard_after_forward,
-                           gather_once_per_step=gather_once_per_step, hybrid=hybrid)
+                           max_reuse_distance=s.max_reuse_distance, layout=s.layout,
+                           reduce_dtype=s.reduce_dtype, reduce_scatter=s.reduce_scatter)
     rank_bytes = pattern.rank_bytes(world_size)
     link_bytes = pattern.link_bytes(world_size, nnodes)
-    messages = {"all_gather": pattern.gather_message_bytes, "reduce_scatter": pattern.reduce_message_bytes,
-                "all_reduce": pattern.allreduce_message_bytes}
     source: dict[str, str] = {"mfu": mfu_source}
     if isinstance(efficiency, (int, float)):
         if not 0 < efficiency <= 1.5:
@@ -204,6 +263,10 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         table = efficiency if efficiency is not None else load_table()
         fixed = 1.0
         source["efficiency"] = table.describe(gloo_cpu_capped) if table is not None else NOT_MEASURED
+        if table is not None and not table.has_rows("all_to_all") and any(
+                c.via == "all_to_all" and c.link_bytes(world_size, nnodes) for c in pattern.collectives):
+            source["efficiency"] += ("; the all-to-all reduce-scatter's share assumed: the all-gather's "
+                                     "(not measured yet)")
     network_used = nnodes > 1 and any(link_bytes.values())
     if network_used and link_gbit_s is None:
         source["link"] = "no link given: network time not planned"
@@ -212,24 +275,45 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
                           else "one node: collectives stay in memory, not network-bound")
     else:
         source["link"] = f"{link_gbit_s:g} Gbit/s per node"
+        if flow_cap_gbit_s is not None:
+            source["link"] += f", one TCP flow at most {flow_cap_gbit_s:g} ({flow_cap_source or 'given'})"
     planned = network_used and link_gbit_s is not None
-    link_bytes_per_s = (link_gbit_s or 0) * 1e9 / 8
 
-    efficiencies = {kind: (table.efficiency(kind, messages[kind], link_gbit_s, gloo_cpu_capped)
-                           if table is not None and planned else fixed) for kind in KINDS}
+    def rate_of(c: Collective) -> float:
+        return node_link_gbit_s(link_gbit_s, c.flows(world_size, nnodes), flow_cap_gbit_s) if planned else 0.0
 
-    def seconds(kind: str, nbytes: float) -> float:
+    def efficiency_of(c: Collective) -> float:
+        if table is None or not planned:
+            return fixed
+        row, factor = table_row_of(c, table)
+        return factor * table.efficiency(row, c.message_bytes, rate_of(c), gloo_cpu_capped)
+
+    def seconds(c: Collective, nbytes: float) -> float:
         if not planned or nbytes <= 0:
             return 0.0
-        return nbytes / (link_bytes_per_s * efficiencies[kind])
+        return nbytes * 8 / (rate_of(c) * 1e9 * efficiency_of(c))
 
-    def cpu_seconds(kind: str, nbytes: float) -> float:
+    def cpu_seconds(c: Collective, nbytes: float) -> float:
         """The time gloo's transfers and reductions hold a core: the bytes at the unshaped rate."""
-        cap = table.cpu_cap_gbit_s(kind, messages[kind]) if planned and gloo_cpu_capped and table else None
-        return nbytes * 8 / (cap * 1e9) if cap and nbytes > 0 else 0.0
+        if not (planned and gloo_cpu_capped and table) or nbytes <= 0:
+            return 0.0
+        row, factor = table_row_of(c, table)
+        cap = table.cpu_cap_gbit_s(row, c.message_bytes)
+        return nbytes * 8 / (factor * cap * 1e9) if cap else 0.0
 
-    network_s = sum(seconds(kind, link_bytes[kind]) for kind in KINDS)
-    gloo_cpu_s = sum(cpu_seconds(kind, link_bytes[kind]) for kind in KINDS)
+    timed = [CollectiveTime(c.kind, c.what, c.via, c.span, c.rank_bytes(world_size, pattern.ranks_per_node),
+                            c.link_bytes(world_size, nnodes), c.message_bytes, c.flows(world_size, nnodes),
+                            rate_of(c), efficiency_of(c), seconds(c, c.link_bytes(world_size, nnodes)))
+             for c in pattern.collectives]
+    network_s = sum(t.seconds for t in timed)
+    gloo_cpu_s = sum(cpu_seconds(c, t.link_bytes) for c, t in zip(pattern.collectives, timed))
+    # by kind, as plan.json had them: the message and efficiency of the kind's largest flow through the link
+    messages, efficiencies = {}, {}
+    for kind in KINDS:
+        of_kind = [t for t in timed if t.kind == kind]
+        largest = max(of_kind, key=lambda t: (t.link_bytes, t.rank_bytes), default=None)
+        messages[kind] = largest.message_bytes if largest else 0
+        efficiencies[kind] = largest.efficiency if largest else fixed
     if not planned or network_s == 0:
         exposed = 0.0
     elif overlap is not None:
@@ -240,9 +324,11 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         exposed = network_s
     else:
         exposed = 0.0
-        if pattern.gathering_micro_batches and not pattern.hybrid_ranks_per_node:
+        if pattern.gathering_micro_batches:
             def per_call(kind: str, whole: int) -> float:  # one collective across the nodes
-                return seconds(kind, whole * ring_factor(kind, world_size))
+                one = Collective(kind, "", whole, whole, via=pattern.reduce_scatter if kind == "reduce_scatter"
+                                 else "ring")
+                return seconds(one, one.link_bytes(world_size, nnodes))
 
             one = _exposed_sharded(pattern, per_call("all_gather", pattern.block_gather_bytes),
                                    per_call("all_gather", pattern.root_gather_bytes),
@@ -250,7 +336,7 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
                                    per_call("reduce_scatter", pattern.root_reduce_bytes), fwd_block_s, bwd_block_s)
             exposed += one * pattern.gathering_micro_batches
         if pattern.allreduce_bytes:
-            allreduce_s = seconds("all_reduce", link_bytes["all_reduce"])
+            allreduce_s = sum(t.seconds for t in timed if t.kind == "all_reduce")
             buckets = max(1.0, pattern.allreduce_bytes / max(pattern.allreduce_message_bytes, 1))
             last_bucket = allreduce_s / buckets
             backward_s = bwd_block_s * max(shape.layers, 1)
@@ -272,4 +358,6 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         step_s=step_s, tokens_per_s_per_rank=tokens / step_s, tokens_per_s=tokens * world_size / step_s,
         mfu=model_ft * tokens / (step_s * peak_flops_per_s), network_share=exposed / step_s,
         link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s,
-        whole_parameter_bytes=pattern.layers * pattern.block_gather_bytes + pattern.root_gather_bytes, source=source)
+        whole_parameter_bytes=pattern.whole_parameter_bytes, source=source,
+        layout=pattern.layout, reduce_dtype=pattern.reduce_dtype, reduce_scatter=pattern.reduce_scatter,
+        flow_cap_gbit_s=flow_cap_gbit_s, collectives=timed)

@@ -1,0 +1,63 @@
+"""parallel.layout and parallel.reduce_dtype refused in one line before any work, through the
+command in this process: on a strategy other than fsdp, a layout the nodes do not admit, ranks
+that do not divide into nodes, a layout whose memory plan does not fit this node."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from conftest import run_cli_here, tiny_overrides
+
+
+def refused(tmp_path, *args, env: dict | None = None) -> str:
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache"), *args, env=env)
+    assert proc.returncode != 0, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "auto"])
+def test_a_layout_on_another_strategy(tmp_path, strategy):
+    err = refused(tmp_path, f"parallel.strategy={strategy}", "parallel.layout=hybrid")
+    assert "parallel.layout=hybrid needs parallel.strategy=fsdp" in err and "leave parallel.layout=auto" in err
+
+
+def test_a_reduce_dtype_on_a_strategy_that_cannot_take_it(tmp_path):
+    err = refused(tmp_path, "parallel.strategy=zero3", "parallel.reduce_dtype=bf16")
+    assert "parallel.reduce_dtype=bf16 needs parallel.strategy=fsdp (here zero3)" in err
+
+
+def test_node_layouts_on_one_node(tmp_path):
+    err = refused(tmp_path, "parallel.strategy=fsdp", "parallel.layout=hybrid", "--nproc-per-node", "2")
+    assert "parallel.layout=hybrid replicates across nodes" in err
+    err = refused(tmp_path, "parallel.strategy=fsdp", "parallel.layout=node_reshard", "--nnodes", "2",
+                  "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:29400")
+    assert "2 or more nodes of 2 or more ranks (here 2 node(s) of 1)" in err
+
+
+def test_ranks_that_do_not_divide_into_nodes(tmp_path):
+    env = {"TORCHELASTIC_RUN_ID": "layouts", "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    err = refused(tmp_path, "parallel.strategy=fsdp", "parallel.layout=gather_once", env=env)
+    assert "3 ranks do not divide into nodes of 2" in err
+
+
+def test_a_layout_that_does_not_fit_this_node(tmp_path, monkeypatch):
+    import cputrain.hardware
+
+    here = cputrain.hardware.detect()
+    monkeypatch.setattr(cputrain.hardware, "detect", lambda *a, **k: replace(here, memory_gib=0.5))
+    err = refused(tmp_path, "parallel.strategy=fsdp", "parallel.layout=gather_once", "--nproc-per-node", "2")
+    assert "parallel.layout=gather_once does not fit this node" in err and "of the node's 0.5 GiB" in err
+    assert "(full_shard:" in err and "parallel.layout=auto" in err
+
+
+def test_cputrain_plan_refuses_a_layout_its_nodes_do_not_admit():
+    for args, words in ((["--nnodes", "1", "--nproc-per-node", "2"], "parallel.layout=hybrid replicates across nodes"),
+                        (["--world-size", "4"], "parallel.layout=hybrid is planned per node")):
+        proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "parallel.layout=hybrid", *args)
+        assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
