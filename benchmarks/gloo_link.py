@@ -47,9 +47,9 @@ MTU = 9000
 MIB = 2**20
 RATES_GBIT_S = (1.0, 10.0, 25.0)
 SIZES_MIB = (1, 4, 16, 64, 256)
-# reduce_scatter: gloo's own (an all-reduce and a slice); reduce_scatter_all_to_all: cputrain's
+# reduce_scatter: gloo's own (an all-reduce and a slice); all_to_all: cputrain's reduce-scatter
 # (cputrain.parallel.reduce_scatter), what FSDP2 and ZeRO-3 run on gloo
-KINDS = ("all_gather", "reduce_scatter", "reduce_scatter_all_to_all", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 WORLD = 2
 
 
@@ -136,7 +136,7 @@ def worker(rank: int, port: int, sizes_mib: list[int], reps: int, out: Path | No
                     dist.all_gather_into_tensor(full, shard)
                 elif kind == "reduce_scatter":
                     dist.reduce_scatter_tensor(shard, full)
-                elif kind == "reduce_scatter_all_to_all":
+                elif kind == "all_to_all":
                     all_to_all(shard, full, dist.group.WORLD, dist.ReduceOp.SUM)
                 else:
                     dist.all_reduce(full)
