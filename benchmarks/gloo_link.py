@@ -47,7 +47,9 @@ MTU = 9000
 MIB = 2**20
 RATES_GBIT_S = (1.0, 10.0, 25.0)
 SIZES_MIB = (1, 4, 16, 64, 256)
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# reduce_scatter: gloo's own (an all-reduce and a slice); all_to_all: cputrain's reduce-scatter
+# (cputrain.parallel.reduce_scatter), what FSDP2 and ZeRO-3 run on gloo
+KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 WORLD = 2
 
 
@@ -116,6 +118,9 @@ def worker(rank: int, port: int, sizes_mib: list[int], reps: int, out: Path | No
     import torch
     import torch.distributed as dist
 
+    from cputrain.parallel.reduce_scatter import AllToAllReduceScatter
+
+    all_to_all = AllToAllReduceScatter()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{ADDRS[0]}:{port}", rank=rank, world_size=WORLD)
     times: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
@@ -131,6 +136,8 @@ def worker(rank: int, port: int, sizes_mib: list[int], reps: int, out: Path | No
                     dist.all_gather_into_tensor(full, shard)
                 elif kind == "reduce_scatter":
                     dist.reduce_scatter_tensor(shard, full)
+                elif kind == "all_to_all":
+                    all_to_all(shard, full, dist.group.WORLD, dist.ReduceOp.SUM)
                 else:
                     dist.all_reduce(full)
 
@@ -306,7 +313,8 @@ def write_collectives(rows: list[dict], sizes_mib: list[int], reps: int) -> None
              f"median of {reps} calls after a warm-up. Efficiency = the ring's bytes per rank (all-reduce "
              "2·(W−1)/W·N, all-gather and reduce-scatter (W−1)/W·N, W = 2) ÷ time ÷ line rate; \"no limit\" "
              "gives the Gbit/s the CPUs reach unshaped. All-gather in bf16 (FSDP2's parameters), reduce-scatter "
-             "and all-reduce in fp32 (FSDP2's gradient reduction, DDP's buckets). `python benchmarks/gloo_link.py "
+             "(gloo's own, an all-reduce and a slice; and cputrain's all-to-all one) and all-reduce in fp32 "
+             "(FSDP2's gradient reduction, DDP's buckets). `python benchmarks/gloo_link.py "
              "--part collectives`; the shaped rows are also cputrain/plan/time/gloo_link_efficiency.json, which "
              "`cputrain plan` reads.", "",
              "| collective | message | " + " | ".join(f"{r:g} Gbit/s" if r else "no limit" for r in rates) + " |",
