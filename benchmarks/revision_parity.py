@@ -8,7 +8,8 @@ worktree and run from there (its own code and configs, this venv), alternated:
 - the demo (`cputrain train`, configs/demo.yaml's defaults) 3 times each: loss per logged step
   and the median tokens/s of steps 10 on;
 - the SFT demo (configs/demo-sft.yaml) on that revision's own demo model;
-- a LoRA run: the SFT demo with model.lora.enabled=true.
+- a LoRA run: the SFT demo with model.lora.enabled=true;
+- the DPO demo (configs/demo-dpo.yaml: LoRA DPO on pydoc's pairs) on that revision's SFT model.
 
 With the same tokenizer and kernels: the demo's tokenizer is trained once (by BEFORE) and given
 to every run, and the attention kernel is fixed (sdpa), since `auto` times both kernels at start
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.report import machine_line, write_block  # noqa: E402
 
 DEMO_RUNS = 3
+DPO_STEPS = 20  # of the DPO demo's 40
 SFT_STEPS = 60  # of the SFT demo's 150: the losses either agree from the start or they do not
 
 
@@ -96,7 +98,7 @@ def main() -> None:
                 for side, (tree, _) in trees.items():
                     demo[side].append(_train(tree, root / f"{side}-demo-{i}", root / f"{side}-cache", *fixed))
                     print(f"demo {side} {i}: {_tokens_per_s(demo[side][-1]):,.0f} tokens/s", flush=True)
-            sft, lora = {}, {}
+            sft, lora, dpo = {}, {}, {}
             for side, (tree, _) in trees.items():
                 base = root / f"{side}-demo-0" / "model"
                 common = ["configs/demo-sft.yaml", f"model.name_or_path={base}", f"train.max_steps={SFT_STEPS}",
@@ -105,6 +107,10 @@ def main() -> None:
                 sft[side] = _train(tree, root / f"{side}-sft", root / f"{side}-cache", *common)
                 lora[side] = _train(tree, root / f"{side}-lora", root / f"{side}-cache", *common,
                                     "model.lora.enabled=true", "train.lr=1e-2")
+                dpo[side] = _train(tree, root / f"{side}-dpo", root / f"{side}-cache", "configs/demo-dpo.yaml",
+                                   f"model.name_or_path={root / f'{side}-sft' / 'model'}",
+                                   f"train.max_steps={DPO_STEPS}", f"train.checkpoint_every={DPO_STEPS}",
+                                   "model.attn_implementation=sdpa")
         finally:
             for tree, _ in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
@@ -117,6 +123,8 @@ def main() -> None:
          len(_losses(sft["after"]))),
         (f"LoRA SFT, {SFT_STEPS} steps", _worst(_losses(lora["before"]), _losses(lora["after"])),
          len(_losses(lora["after"]))),
+        (f"DPO demo (LoRA), {DPO_STEPS} steps", _worst(_losses(dpo["before"]), _losses(dpo["after"])),
+         len(_losses(dpo["after"]))),
     ]
     table = [f"| {name} | {steps} | {worst:.2e} | {'yes' if worst < 5e-5 else 'NO'} |" for name, worst, steps in rows]
     print("\n".join(table))

@@ -17,7 +17,10 @@ import sys
 
 import pytest
 
-from conftest import REPO, cli_env, run_cli, tiny_overrides
+from harness.cli_env import cli_env
+from harness.repo import REPO
+from harness.run_cli import run_cli
+from harness.tiny_run import tiny_overrides
 from dist_helpers import assert_no_survivors, free_port
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import run_cli_here, tiny_overrides
+from harness.run_cli_here import run_cli_here
+from harness.tiny_run import tiny_overrides
 
 
 def refused(tmp_path, *args, env: dict | None = None) -> str:
