@@ -37,9 +37,9 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, trained_run):
+def straight(hosts, tmp_path_factory, trained_run):
     """The same run never interrupted: 2 ranks on one host compute the very losses of 1 rank on each
-    of two (the same 2-rank all-reduce)."""
+    of two (the same 2-rank all-reduce). After `hosts`, so nothing trains where the cases skip."""
     out = tmp_path_factory.mktemp("straight") / "run"
     trained_run(out, nproc_per_node=2, **RUN)
     return out
