@@ -69,12 +69,15 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
 
 
 def _lost_peer(err: RuntimeError):
-    """A rank under the agent whose collective failed on a vanished peer: a PeerLost, else None."""
+    """A rank under the agent whose collective failed on a vanished or silent peer: a PeerLost, else None."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
+    from cputrain.distributed import group_nodes
     from cputrain.distributed.lost_peer import lost_peer_error
 
-    return lost_peer_error(err, int(os.environ.get("RANK", "0")))
+    made, allowed = (os.environ.get(k, "") for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
+    restarts = (int(made), int(allowed)) if made.isdigit() and allowed.isdigit() else None
+    return lost_peer_error(err, int(os.environ.get("RANK", "0")), group_nodes.known(), restarts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ what to start, and whether to start the agent at all, is cputrain.training.launc
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import logging
 import os
@@ -20,6 +21,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from cputrain.config import Config
+from cputrain.distributed.addresses import route_address
+from cputrain.distributed.host_watch import HostWatch
+from cputrain.distributed.lost_peer import lost_node_named
 from cputrain.native.allocator import AllocatorChoice, preload_env
 from cputrain.errors import ConfigError, Diverged, PeerLost, Stopped, UserError
 from cputrain.config.resolve import AGENT_SETTINGS_VAR
@@ -147,23 +151,11 @@ def torchrun_args(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> list
         f"--max-restarts={cfg.launch.max_restarts}",
         # After a SIGTERM the agent forwards it and waits this long for the ranks to save.
         f"--shutdown-timeout={cfg.launch.stop_timeout_s}",
-        *([f"--local-addr={_route_address(plan.endpoint)}"] if plan.nnodes > 1 else []),
+        # The address the agent advertises to the other nodes: the one on the route to node 0.
+        *([f"--local-addr={route_address(*split_endpoint(plan.endpoint))}"] if plan.nnodes > 1 else []),
         "--monitor-interval=0.5",
         "-m", "cputrain", "train", *worker_args,
     ]
-
-
-def _route_address(endpoint: str) -> str:
-    """This node's address on the route to the rendezvous host (a UDP connect sends nothing).
-    The agent advertises it to the other nodes; the host name may resolve to an address they
-    cannot reach (containers, several interfaces)."""
-    host, port = split_endpoint(endpoint)
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
 
 
 def _recorded(failure) -> str:
@@ -220,8 +212,41 @@ def _failure_message(err) -> LaunchError:
             message += (" (killed from outside: the kernel's OOM killer sends it when memory runs out; `dmesg` says "
                         "which, and `cputrain plan` what a rank needs)")
     exit_code = next((c for c in (2, Diverged.exit_code) if c in exit_codes), 1)
-    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank} first: {message.splitlines()[0]}",
+    after = ""
+    if _recorded(first).startswith(f"{PeerLost.__name__}: ") and lost_node_named(message):
+        # Only peers lost, on another node: nothing here to fix, the node is to be brought back.
+        after = ("; run the same command on every node to resume from the newest checkpoint (with "
+                 "launch.max_restarts > 0 the nodes left wait launch.rdzv_timeout_s for it instead)")
+    return LaunchError(f"{len(failures)} rank(s) failed; rank {rank} first: {message.splitlines()[0]}{after}",
                        exit_code=exit_code)
+
+
+def _lost_before(log_dir: str) -> str | None:
+    """The newest PeerLost line a rank of this agent recorded (torchrun keeps each rank's error
+    file under its log folder, one folder per restart), or None."""
+    newest: tuple[str, str] | None = None
+    for path in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
+        try:
+            with open(path) as f:
+                recorded = json.load(f).get("message", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        message = recorded.get("message", "") if isinstance(recorded, dict) else ""
+        stamp = str(recorded.get("extraInfo", {}).get("timestamp", "")) if isinstance(recorded, dict) else ""
+        if message.startswith(f"{PeerLost.__name__}: ") and (newest is None or stamp >= newest[0]):
+            newest = (stamp, message.removeprefix(f"{PeerLost.__name__}: "))
+    return newest[1] if newest else None
+
+
+def _not_back(lost: str, cfg: Config) -> LaunchError:
+    """The restart's rendezvous timed out: the node the ranks lost did not come back."""
+    named = lost_node_named(lost)
+    who, again = (named[1], f"on it (or on a replacement with --node-rank {named[0]})") if named else (
+        "a rank of another node", "on every node")
+    first = lost.split(": ", 1)[0]  # "rank 0 stopped"
+    return LaunchError(f"{who} was lost ({first}) and did not rejoin within {cfg.launch.rdzv_timeout_s}s "
+                       f"(launch.rdzv_timeout_s) of the restart; run the same `cputrain train` {again} and here: "
+                       "the run resumes from the newest checkpoint")
 
 
 def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
@@ -246,6 +271,8 @@ def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
     config, cmd, cmd_args = config_from_args(args)
     log.info("starting %d rank(s) on this node through the torchrun agent (rendezvous %s, max restarts %d)",
              plan.nproc_per_node, plan.endpoint, cfg.launch.max_restarts)
+    if not plan.is_host:  # node 0 hosts the rendezvous: only the other nodes can lose it
+        HostWatch(*split_endpoint(plan.endpoint), patience_s=cfg.launch.rdzv_timeout_s).start()
     try:
         return elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as err:
@@ -258,6 +285,9 @@ def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
                           "checkpoint; re-run the same command to resume", exit_code=Stopped.exit_code,
                           label=Stopped.label) from None
     except RendezvousTimeoutError:
+        lost = _lost_before(config.logs_specs.root_log_dir)
+        if lost is not None:  # the rendezvous of a restart, waiting for a node that did not come back
+            raise _not_back(lost, cfg) from None
         raise LaunchError(f"rendezvous at {plan.endpoint} timed out after {cfg.launch.rdzv_timeout_s}s: not all "
                           f"{plan.nnodes} nodes joined; start `cputrain train --nnodes {plan.nnodes}` on every node "
                           "or raise launch.rdzv_timeout_s") from None

@@ -39,6 +39,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         log.warning("OMP_NUM_THREADS=%s is set in the environment: cputrain sets each rank's threads from "
                     "hardware.threads (%s here) instead; set hardware.threads=%s to use %s", user_threads,
                     res.config.hardware.threads, user_threads, user_threads)
+    from cputrain.distributed import group_nodes
     from cputrain.distributed import process_group as pg
     from cputrain.distributed.placement import cpus_for_rank
     from cputrain.training.trainer import Trainer
@@ -55,6 +56,9 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     pg.set_threads(res.config.hardware.threads, cpus)
     if ranks.distributed or needs_process_group(res.config.parallel.strategy):
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
+    if ranks.distributed and res.config.launch.nnodes > 1:
+        # Which node each rank runs on, so a collective failed by a lost node names it.
+        group_nodes.learn(res.config.launch.node_rank, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     # Every "auto" that needs the data, the model or the process group, in one fixed order.
     res = choices.decide(res, hw, ranks, recorded)
     if ranks.is_main:

@@ -1,4 +1,5 @@
-"""What the distributed tests share: free ports, run figures, and a check that no rank outlives its test."""
+"""What the distributed tests share: free ports, run figures, a check that no rank outlives its test,
+and two hosts on this machine (network namespaces) with a node of a run on each."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.cli_env import cli_env
+from harness.repo import REPO
 from harness.warm_client import with_forked_ranks
 
 
@@ -85,3 +91,73 @@ def two_hosts():
     finally:
         for ns in names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def netns_pids(ns: str) -> list[int]:
+    """Every process inside network namespace `ns`: a node's agent and its ranks."""
+    listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in listed]
+
+
+def kill_netns(ns: str) -> list[int]:
+    """SIGKILL every process of the node in `ns` at once, as when its machine is lost."""
+    pids = netns_pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def set_link(ns: str, up: bool) -> None:
+    """The node's end of the link between the hosts, up or down (its cable pulled or put back)."""
+    _ip("-n", ns, "link", "set", HOST_LINK, "up" if up else "down")
+
+
+class Node:
+    """One node's `cputrain train --nnodes N --node-rank I` in its namespace (a fresh interpreter,
+    as on a host of its own); its output (stdout and stderr together) read as it comes, each line
+    with the time it arrived."""
+
+    def __init__(self, ns: str, node_rank: int, nnodes: int, endpoint: str, overrides: list[str]):
+        # GLOO_SOCKET_IFNAME: gloo's ranks talk over the link between the hosts.
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "cputrain", "train", *overrides,
+               "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", "1",
+               "--rdzv-endpoint", endpoint]
+        self.ns, self.node_rank = ns, node_rank
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(GLOO_SOCKET_IFNAME=HOST_LINK), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[tuple[float, str]] = []
+        self.ended_at: float | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        self.proc.wait()
+        self.ended_at = time.monotonic()
+
+    def line(self, text: str, since: float = 0.0) -> tuple[float, str] | None:
+        """The first line containing `text` that arrived at or after `since`, with its time."""
+        return next(((t, line) for t, line in list(self.lines) if t >= since and text in line), None)
+
+    def wait_for_line(self, text: str, timeout_s: float, since: float = 0.0) -> tuple[float, str] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = self.line(text, since)
+            if found or self.ended_at is not None:
+                return found or self.line(text, since)
+            time.sleep(0.02)
+        return None
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code, or None if the node still runs after `timeout_s`."""
+        self._reader.join(timeout_s)
+        return self.proc.returncode if self.ended_at is not None else None
+
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def last_line(self) -> str:
+        """The last line cputrain itself printed (torch's own log lines start otherwise)."""
+        return next((line for _, line in reversed(self.lines) if line.startswith("cputrain:")), "")
