@@ -86,6 +86,30 @@ def test_eval_of_a_lora_run_scores_held_out_pairs_against_the_base(straight):
     assert _evaluated_like_the_run(straight)["reference"] == "the LoRA base, adapters off"
 
 
+def test_the_adapter_folder_and_its_merge_generate_in_a_transformers_pipeline(straight, base, tmp_path):
+    """model/ of a LoRA run names its base, which transformers' pipeline loads the adapters onto;
+    `cputrain export --merge` (in this process) writes a folder that names its class and ends a
+    generation at EOS and at the end of a chat turn. Greedy, both write the same tokens."""
+    from transformers import pipeline
+
+    from cputrain.model.folder_description import generation_end_ids
+
+    adapters, merged = straight / "model", tmp_path / "merged"
+    assert json.loads((adapters / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    run_cli_here("export", straight, "--merge", "--out", merged, check=True)
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    written = {}
+    for folder in (adapters, merged):
+        pipe = pipeline("text-generation", model=str(folder))
+        ends = set(generation_end_ids(pipe.tokenizer))
+        # the adapter folder's own generation_config.json says it too, for whoever loads it with peft
+        eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+        assert ends <= set(eos if isinstance(eos, list) else [eos]), (folder.name, eos)
+        written[folder.name] = pipe("What is", max_new_tokens=6, do_sample=False, return_tensors=True)
+    assert written["model"] == written["merged"]
+    assert len(written["merged"][0]["generated_token_ids"]) > 2
+
+
 def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path, cache_dir, base, straight):
     one_step = {"model.name_or_path": base, **DPO, "train.max_steps": 1}
     one_by_one, two_ranks = tmp_path / "micro1", tmp_path / "ranks2"
