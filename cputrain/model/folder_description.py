@@ -15,7 +15,8 @@ tools a folder is taken to load it as they load a published model.
     generation_config.json
         eos_token_id            where a generation ends (`generation_end_ids`: EOS, and the token
                                 that ends a chat turn where the tokenizer has one; what `cputrain
-                                generate` stops at), and any end the starting model listed
+                                generate` stops at), and any end the starting model's file
+                                chose (not ids transformers copied there from its config.json)
         bos/pad_token_id        the tokenizer's
         the rest                the starting model's generation_config.json (its sampling
                                 defaults), where it had one
@@ -81,6 +82,8 @@ def _one_or_list(ids: list[int]) -> int | list[int]:
 def generation_settings(tokenizer, started_from: Path | None = None) -> dict:
     """generation_config.json's fields: the starting model's, with the tokenizer's ids."""
     start = _read(started_from / GENERATION_NAME) if started_from is not None else {}
+    if start.get("_from_model_config"):  # transformers copied config.json's ids there: nobody chose them
+        start = {k: v for k, v in start.items() if k not in TOKEN_IDS}
     # not settings: the version that wrote the file, and transformers' own markers (_from_model_config)
     settings = {k: v for k, v in start.items() if k != "transformers_version" and not k.startswith("_")}
     settings["eos_token_id"] = _one_or_list(sorted(set(_ids(start.get("eos_token_id"))) |

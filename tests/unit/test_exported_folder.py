@@ -112,6 +112,26 @@ def test_export_completes_a_folder_an_earlier_version_wrote_and_touches_no_weigh
     assert "nothing to add" in again.stdout, again.stdout
 
 
+def test_export_completes_an_adapter_folder_of_an_earlier_version(tmp_path, tiny_model_dir):
+    """An adapter folder names its base; what it lacked is where its run's tokenizer ends a generation."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "run" / "model"
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model_dir / name).is_file():
+            shutil.copy(tiny_model_dir / name, folder / name)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM",
+                                                            "base_model_name_or_path": str(tiny_model_dir)}))
+    proc = run_cli_here("export", folder.parent, check=True)
+    assert "added generation_config.json" in proc.stdout and "--merge writes them folded" in proc.stdout, proc.stdout
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ends = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)}
+    assert ends <= set(_json(folder / "generation_config.json")["eos_token_id"])  # with the base's own
+    assert "nothing to add (it names its base" in run_cli_here("export", folder.parent, check=True).stdout
+    assert run_cli_here("export", folder.parent, "--out", tmp_path / "x").returncode == 2  # --out is --merge's
+
+
 def test_merge_of_a_plain_folder_is_still_refused(tmp_path, tiny_model_dir):
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
