@@ -38,9 +38,9 @@ def check_batch_fits(train: TrainConfig, rows: int, world_size: int, pairs: int 
         micro = min(micro, rows // world_size)
         fits = rows // (micro * world_size) * micro * world_size
         fix = f"set {key}={fits}" + (f" and train.micro_batch_size={micro}" if micro != train.micro_batch_size else "")
-        if pairs is not None and train.global_batch_pairs is None and pairs != rows:
-            fix += (f", or set the batch in pairs, one a row, as TRL counts it: train.global_batch_pairs="
-                    f"{min(batch, pairs)} with data.packing=false")
+    if pairs is not None and train.global_batch_pairs is None and pairs != rows:  # unpacked, the pairs are rows
+        fix += (f", or set the batch in pairs, one a row, as TRL counts it: train.global_batch_pairs="
+                f"{min(batch, pairs)} with data.packing=false")
     raise ConfigError(f"{key} ({batch}) is more than the training set: {rows} row{'s' * (rows != 1)}{held}; a step "
                       f"would train the same rows several times over; {fix}")
 
