@@ -233,7 +233,7 @@ def test_a_batch_of_more_rows_than_the_data_made_is_refused_saying_what_fits():
         order.check_batch_fits(train, rows=6, world_size=2)
     with pytest.raises(ConfigError, match=r"train on at most 1 rank\(s\), or on more data$"):
         order.check_batch_fits(train, rows=1, world_size=2)
-    with pytest.raises(ConfigError, match=r"on more data, or set the batch in pairs, .* global_batch_pairs=8 with"):
+    with pytest.raises(ConfigError, match=r"on more data, or set the batch in pairs, .*: train.global_batch_pairs=8 with"):
         order.check_batch_fits(train, rows=1, world_size=2, pairs=8)  # unpacked, 8 rows: 4 a rank
     # set in pairs, the same rule speaks of pairs
     pairs = TrainConfig(global_batch_pairs=8, micro_batch_size=2, objective="dpo")
