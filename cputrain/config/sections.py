@@ -44,14 +44,20 @@ def _positive_or_auto(section: Section, dotted: str):
     return section
 
 
+def batch_key(train: "TrainConfig") -> str:
+    """The key the batch was set with: in pairs, or in rows."""
+    return "train.global_batch_pairs" if train.global_batch_pairs is not None else "train.global_batch_size"
+
+
 def batch_error(train: "TrainConfig", world_size: int = 1) -> str | None:
     """The one batch-divisibility rule: whole micro-batches per step, and per rank once the
     world size is known (config validation asks with one rank, cputrain.config.resolve with all)."""
+    key = batch_key(train)
     if train.global_batch_size % train.micro_batch_size:
-        return (f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+        return (f"{key} ({train.global_batch_size}) must be a multiple of "
                 f"train.micro_batch_size ({train.micro_batch_size})")
     if train.global_batch_size % (train.micro_batch_size * world_size):
-        return (f"train.global_batch_size ({train.global_batch_size}) is not divisible by "
+        return (f"{key} ({train.global_batch_size}) is not divisible by "
                 f"micro_batch_size × world size ({train.micro_batch_size} × {world_size}); "
                 "change one of them so each rank gets whole micro-batches")
     return None
@@ -330,11 +336,23 @@ class TrainConfig(Section):
     """Passes over the training data; used only when `max_steps` is empty."""
 
     global_batch_size: int = Field(8, gt=0)
-    """Sequences per optimizer step, summed over all ranks and accumulation steps. Fixed across
-    world sizes, so a run resumed on another number of ranks trains the same way."""
+    """Rows per optimizer step, summed over all ranks and accumulation steps: a row is a
+    sequence of data.seq_len tokens, or (data.packing=false) one example or one preference pair.
+    Fixed across world sizes, so a run resumed on another number of ranks trains the same way.
+    At most the training rows: a step takes each row once, and a larger batch is refused (the
+    run says how many rows, and pairs, the data made) rather than trained with rows repeated
+    inside a step. Packed preference data holds several pairs a row, a varying number: each
+    step logs its pairs (pairs_per_step), and train.global_batch_pairs sets the batch in pairs."""
+
+    global_batch_pairs: int | None = Field(None, gt=0)
+    """Preference pairs per optimizer step, the batch as TRL counts it (per_device_train_batch_size
+    × gradient_accumulation_steps × processes), for train.objective dpo or simpo. Each row then
+    holds one pair, so data.packing=false is required (packing puts a varying number of pairs in
+    each row, and a step's pairs would vary with it); train.global_batch_size takes this value and
+    train.micro_batch_size counts pairs. Empty: the batch is train.global_batch_size rows."""
 
     micro_batch_size: int = Field(4, gt=0)
-    """Sequences per forward pass on one rank. Accumulation = global ÷ (micro × world size)."""
+    """Rows per forward pass on one rank. Accumulation = global ÷ (micro × world size)."""
 
     lr: float = Field(3e-3, gt=0)
     """Peak learning rate of AdamW."""
@@ -558,12 +576,31 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _batch_fits(self):
+        self._batch_in_pairs()
         error = batch_error(self.train)
         if error:
             raise ValueError(error)
         if self.train.max_steps is None and self.train.epochs is None:
             raise ValueError("set train.max_steps or train.epochs")
         return self
+
+    def _batch_in_pairs(self) -> None:
+        """train.global_batch_pairs is the batch in rows of one pair each: global_batch_size takes it."""
+        train, pairs = self.train, self.train.global_batch_pairs
+        if pairs is None:
+            return
+        if "global_batch_size" in train.model_fields_set and train.global_batch_size != pairs:
+            raise ValueError(f"train.global_batch_pairs ({pairs}) and train.global_batch_size "
+                             f"({train.global_batch_size}) both set the batch; set one of them")
+        if train.objective == "lm":
+            raise ValueError("train.global_batch_pairs counts preference pairs (train.objective dpo or simpo); "
+                             "train.objective=lm trains no pairs: set the batch with train.global_batch_size")
+        if self.data.packing:
+            raise ValueError("train.global_batch_pairs lays one pair in each row: set data.packing=false "
+                             "(packing puts a varying number of pairs in a row), or set the batch in rows "
+                             "with train.global_batch_size")
+        if train.global_batch_size != pairs:
+            train.global_batch_size = pairs
 
     @model_validator(mode="after")
     def _profile_step_reached(self):

@@ -106,14 +106,6 @@ def template_variables(tokenizer) -> dict[str, str]:
     return {name: str(getattr(tokenizer, name)) for name in names if getattr(tokenizer, name, None) is not None}
 
 
-def end_of_turn_ids(tokenizer) -> list[int]:
-    """Token ids at which a chat answer ends: EOS, and the template's end-of-turn tokens the
-    tokenizer knows (ChatML's, Llama-3's)."""
-    vocab = tokenizer.get_vocab()
-    ids = [tokenizer.eos_token_id] + [vocab[t] for t in (IM_END, "<|eot_id|>", "<|end|>") if t in vocab]
-    return sorted({i for i in ids if i is not None})
-
-
 def render(template: str, messages: list[dict], variables: dict, add_generation_prompt: bool = False) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 

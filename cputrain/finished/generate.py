@@ -15,7 +15,8 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature:
     """The prompt and what the model writes after it. `chat`: the prompt is a user's message,
     rendered with the model's chat template and a generation prompt; the reply ends at the end of
     the turn and is returned alone. `prompt_ids`: token ids to continue instead of `prompt`."""
-    from cputrain.data.chat_template import end_of_turn_ids, render, template_variables
+    from cputrain.data.chat_template import render, template_variables
+    from cputrain.model.folder_description import generation_end_ids
 
     model, tokenizer = load_for_inference(path)
     # Sampling from NaN logits fails deep inside torch.multinomial; say what is wrong instead.
@@ -24,7 +25,9 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature:
         raise ModelError(f"the model in '{model_folder(path)}' has non-finite weights (NaN or inf) in {len(damaged)} "
                          f"tensor(s), e.g. {damaged[0]}: it diverged in training; retrain with a lower train.lr")
     torch.manual_seed(seed)
-    stop = end_of_turn_ids(tokenizer)  # EOS, and the end of a chat turn where the tokenizer has one
+    # EOS, and the end of a chat turn where the tokenizer has one: where the exported
+    # generation_config.json ends a generation too
+    stop = generation_end_ids(tokenizer)
     if chat:
         template = getattr(tokenizer, "chat_template", None)
         if not template:

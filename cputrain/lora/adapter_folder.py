@@ -1,11 +1,14 @@
 """The adapter folder a LoRA run exports as model/, and the two ways to use it.
 
     model/  adapter_config.json, adapter_model.safetensors (peft's format and key names, so
-            peft.PeftModel.from_pretrained loads it onto the base), the tokenizer's files
+            peft.PeftModel.from_pretrained loads it onto the base, and transformers' Auto classes
+            and pipeline load it through the base it names), the tokenizer's files (the run's
+            chat template), generation_config.json (where the run's tokenizer ends a generation)
 
 load_adapted puts it on its base for generate and eval; merge_into_base writes a plain Hugging
 Face model with the adapters folded into the weights (`cputrain export RUN --merge`); merged_model
-is that model in memory (`cputrain export RUN --gguf TYPE` writes it as GGUF).
+is that model in memory (`cputrain export RUN --gguf TYPE` writes it as GGUF). The merged folder
+says what it holds as a run's model/ does (cputrain.model.folder_description).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from cputrain.errors import ModelError, one_line
 from cputrain.lora.adapters import ADAPTER
+from cputrain.model.folder_description import describe_model_folder, write_generation_config
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -51,7 +55,18 @@ def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], model, tok
     save_file({PEFT_PREFIX + k: v for k, v in adapter_sd.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     model.peft_config[ADAPTER].save_pretrained(str(tmp))
     tokenizer.save_pretrained(tmp)
+    base = model.peft_config[ADAPTER].base_model_name_or_path
+    write_generation_config(tmp, tokenizer, started_from=Path(base) if base else None)
     swap_in(tmp, out)
+
+
+def complete_adapter_folder(folder: Path) -> list[str]:
+    """The generation_config.json an adapter folder of an earlier version lacks (what was written)."""
+    from cputrain.data.tokenizer import load_tokenizer
+
+    base = json.loads((folder / CONFIG_NAME).read_text()).get("base_model_name_or_path")
+    return write_generation_config(folder, load_tokenizer(str(folder)),
+                                   started_from=Path(base) if base and Path(base).is_dir() else None)
 
 
 def base_of(folder: Path) -> str:
@@ -97,6 +112,8 @@ def merge_into_base(folder: Path, out: Path) -> Path:
     merged = merged_model(folder)
     tmp = fresh_staging(out)
     merged.save_pretrained(str(tmp), safe_serialization=True)
-    load_tokenizer(str(folder)).save_pretrained(str(tmp))
+    tokenizer = load_tokenizer(str(folder))  # the run's: its chat template and where a turn ends
+    tokenizer.save_pretrained(str(tmp))
+    describe_model_folder(tmp, tokenizer, started_from=Path(base_of(folder)))
     swap_in(tmp, out)
     return out

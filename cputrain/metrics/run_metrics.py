@@ -136,7 +136,10 @@ class RunMetrics:
             "grad_norm": grad_norm,
             "tokens_per_s": tps,
             "trained_tokens_per_s": self._window_trained / elapsed_s,
-            **({"pairs_per_s": self._window_pairs / elapsed_s} if pairs is not None else {}),
+            # the pairs of a step's global batch (TRL's batch), a mean over the window's steps: packed
+            # rows hold a varying number of pairs
+            **({"pairs_per_s": self._window_pairs / elapsed_s, "pairs_per_step": self._window_pairs /
+                self._window_steps} if pairs is not None else {}),
             "mfu": mfu,
             "mfu_of_measured_peak": flops.mfu(tps, self.flops_per_token, self.measured_peak_flops),
             "step_time_s": elapsed_s / self._window_steps,
@@ -148,8 +151,9 @@ class RunMetrics:
         row.update(self.meter.window())
         self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}")
         if self.ranks.is_main and not self._live:
-            pairs = (f"  {row['pairs_per_s']:.1f} pairs/s  reward acc {row['rewards/accuracies']:.2f} "
-                     f"margin {row['rewards/margins']:.4f}" if "rewards/accuracies" in row else "")
+            pairs = (f"  {row['pairs_per_step']:.4g} pairs/step  {row['pairs_per_s']:.1f} pairs/s  reward acc "
+                     f"{row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}"
+                     if "rewards/accuracies" in row else "")
             log.info("step %d/%d  loss %.4f  lr %.2e  %s tok/s  MFU %.1f%%%s", step, self.total_steps,
                      row["loss"], row["lr"], f"{tps:,.0f}", 100 * mfu, pairs)
         self._window_t0, self._window_steps = time.perf_counter(), 0
@@ -235,6 +239,9 @@ class RunMetrics:
         summary.update(_preference_figures(rows, cfg.train.objective))
         if cfg.train.objective != "lm":
             summary["pairs_per_s"] = steady_median("pairs_per_s")
+            # every logged step's, not only the steady ones: a count, not a speed
+            per_step = [r["pairs_per_step"] for r in train_rows if "pairs_per_step" in r]
+            summary["pairs_per_step"] = float(np.mean(per_step)) if per_step else None
         return summary
 
 

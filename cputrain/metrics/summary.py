@@ -40,6 +40,7 @@ def summary_table(s: dict) -> list[str]:
     ]
     if "pairs_per_s" in s:  # a preference run
         rows.insert(6, ("preference pairs/s", fmt(s.get("pairs_per_s"), ",.1f")))
+        rows.insert(7, ("preference pairs per step", fmt(s.get("pairs_per_step"), ",.4g")))
     if "comm_fraction" in s:
         rows.append(("time in communication", fmt(s.get("comm_fraction"), ".1%")))
     width = max(len(k) for k, _ in rows)

@@ -1,4 +1,6 @@
-"""The final `model/` folder: a plain Hugging Face model that needs nothing from cputrain.
+"""The final `model/` folder: a plain Hugging Face model that needs nothing from cputrain, and says
+what it holds as a published model does (cputrain.model.folder_description: its class, the dtype
+of its weights, where a generation ends).
 
 Tensors arrive one at a time (under FSDP each is gathered just before it is written) and are
 flushed to a new safetensors shard every `max_shard_bytes`, so at most one shard of gathered
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from cputrain.model.folder_description import describe_model_folder
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -70,7 +74,15 @@ def export_hf(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    describe_model_folder(tmp, tokenizer, started_from=starting_folder(hf_config))
     swap_in(tmp, out)
+
+
+def starting_folder(hf_config) -> Path | None:
+    """The folder of the model a run started from (transformers records it in the config it
+    read), None for a model built from model.arch."""
+    name = getattr(hf_config, "name_or_path", "") or ""
+    return Path(name) if name and Path(name).is_dir() else None
 
 
 def fresh_staging(out: Path) -> Path:

@@ -99,9 +99,14 @@ class Trainer:
 
         self.tokenizer, self.data = prepare(cfg)
         self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
-        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
         if ranks.is_main:
             log.info("data: %s", self.data.describe())
+        # before the model is built: a batch of more rows than the data made would repeat rows in a step
+        pairs = self.data.stats.get("train_pairs")  # preference data counts its pairs
+        order.check_batch_fits(cfg.train, len(self.train_rows), ranks.world_size, pairs)
+        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
+        if ranks.is_main and pairs is not None:
+            log.info("batch: %s", order.pairs_per_step(cfg.train, len(self.train_rows), pairs))
         self.total_steps = self._total_steps()  # known once the data is (train.epochs)
         check_profile_step(cfg.train, self.total_steps, len(self.train_rows))
 

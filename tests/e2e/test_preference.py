@@ -2,13 +2,15 @@
 ln 2 (the policy is its reference), logs TRL's figures per step and at validation and puts them
 in summary.json; the first step's loss does not depend on the micro-batch size; a stopped and
 resumed run equals a straight one; full-weight DPO (its reference computed before training) starts
-at ln 2 too; SimPO trains full weights."""
+at ln 2 too; SimPO trains full weights; each step logs the pairs it held, and a batch of more rows
+than the pairs made is refused; the adapter folder and its merge generate in transformers' pipeline."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 
@@ -82,8 +84,62 @@ def _evaluated_like_the_run(run) -> dict:
     return result
 
 
+def test_each_step_logs_the_pairs_it_held_and_the_summary_their_mean(straight):
+    """Packed rows hold a varying number of pairs: a step of 8 rows says how many pairs it trained
+    (TRL's batch counts pairs), and summary.json their mean over the logged steps."""
+    rows = [r for r in _rows(straight) if "loss" in r]
+    per_step = [r["pairs_per_step"] for r in rows]
+    assert all(p >= 8 and p == int(p) for p in per_step), per_step  # log_every=1: each step's own count
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["pairs_per_step"] == pytest.approx(sum(per_step) / len(per_step))
+
+
+def test_a_batch_of_more_rows_than_the_pairs_made_is_refused_before_the_model_is_built(tmp_path, cache_dir, base,
+                                                                                      straight):
+    """A batch of more rows than the packed pairs made (8 pairs packed into 1 row with a batch of 8
+    trained that row 8 times a step, epoch 8.0 after step 1) is refused in one line that says what
+    the data made and what fits, before the model, the reference or a checkpoint exists. On the
+    straight run's data: its token cache is built already."""
+    out = tmp_path / "run"
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **DPO,
+                                                              "train.global_batch_size": 128}))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    refusal = re.search(r"train.global_batch_size \(128\) is more than the training set: (\d+) rows holding (\d+) "
+                        r"preference pairs; a step would train the same rows several times over; set "
+                        r"train.global_batch_size=(\d+), or set the batch in pairs, one a row, as TRL counts it: "
+                        r"train.global_batch_pairs=(\d+) with data.packing=false", proc.stderr)
+    assert refusal, proc.stderr[-2000:]
+    rows, pairs, fits, in_pairs = map(int, refusal.groups())
+    assert rows < pairs and fits == rows - rows % 4 and in_pairs == min(128, pairs)
+    assert "DPO reference" not in proc.stderr and not (out / "checkpoints").exists()
+
+
 def test_eval_of_a_lora_run_scores_held_out_pairs_against_the_base(straight):
     assert _evaluated_like_the_run(straight)["reference"] == "the LoRA base, adapters off"
+
+
+def test_the_adapter_folder_and_its_merge_generate_in_a_transformers_pipeline(straight, base, tmp_path):
+    """model/ of a LoRA run names its base, which transformers' pipeline loads the adapters onto;
+    `cputrain export --merge` (in this process) writes a folder that names its class and ends a
+    generation at EOS and at the end of a chat turn. Greedy, both write the same tokens."""
+    from transformers import pipeline
+
+    from cputrain.model.folder_description import generation_end_ids
+
+    adapters, merged = straight / "model", tmp_path / "merged"
+    assert json.loads((adapters / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    run_cli_here("export", straight, "--merge", "--out", merged, check=True)
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    written = {}
+    for folder in (adapters, merged):
+        pipe = pipeline("text-generation", model=str(folder))
+        ends = set(generation_end_ids(pipe.tokenizer))
+        # the adapter folder's own generation_config.json says it too, for whoever loads it with peft
+        eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+        assert ends <= set(eos if isinstance(eos, list) else [eos]), (folder.name, eos)
+        written[folder.name] = pipe("What is", max_new_tokens=6, do_sample=False, return_tensors=True)
+    assert written["model"] == written["merged"]
+    assert len(written["merged"][0]["generated_token_ids"]) > 2
 
 
 def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path, cache_dir, base, straight):

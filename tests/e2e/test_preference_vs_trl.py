@@ -1,7 +1,7 @@
 """Full-weight DPO against TRL's DPOTrainer after one optimizer update: the same tiny model, pairs,
 β and optimizer settings (fp32, AdamW, no warm-up, no weight decay, clipping at 1), every pair in
-each step's batch on both sides (one pair per row here, so cputrain's global batch of 8 rows is
-TRL's batch of 8 pairs). The first step's loss is ln 2 on any implementation (policy = reference);
+each step's batch on both sides (TRL's batch of 8 pairs set as such, train.global_batch_pairs: one
+pair a row, 8 rows a step, and each step logs its 8 pairs). The first step's loss is ln 2 on any implementation (policy = reference);
 the second step's loss, rewards and margins show the gradients and the update are TRL's too.
 The first step's summed log-probabilities agree to 1e-4, the second step's figures to 1e-3.
 
@@ -68,10 +68,10 @@ def test_second_step_equals_trls(tmp_path, cache_dir, tiny_model):
     data = tmp_path / "pairs.jsonl"
     _pairs(data)
     out = tmp_path / "run"
-    run_cli("train", *tiny_overrides(out, cache_dir, **{
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{
         "model.name_or_path": base, "data.source": data, "data.format": "preference", "data.packing": "false",
         "data.seq_len": 256, "data.val_fraction": 0, "data.max_documents": "null", "train.objective": "dpo",
-        "train.dpo_beta": BETA, "train.max_steps": 2, "train.global_batch_size": PAIRS,
+        "train.dpo_beta": BETA, "train.max_steps": 2, "train.global_batch_pairs": PAIRS,
         "train.micro_batch_size": PAIRS // 2, "train.lr": LR, "train.warmup_steps": 0, "train.weight_decay": 0,
         "train.beta1": 0.9, "train.beta2": 0.95, "train.grad_clip": 1.0, "train.eval_every": 100,
         "train.checkpoint_every": 100}), check=True)
@@ -79,6 +79,8 @@ def test_second_step_equals_trls(tmp_path, cache_dir, tiny_model):
     ours = [r for r in ours if "loss" in r]
     theirs = _trl_second_step(base, data, tmp_path)
     assert [r["step"] for r in ours] == [1, 2]
+    assert [r["pairs_per_step"] for r in ours] == [PAIRS, PAIRS] and f" {PAIRS} pairs/step " in proc.stderr
+    assert f"batch: {PAIRS} preference pairs a step, one a row" in proc.stderr
     table = "\n".join(f"{k}: cputrain {[r[k] for r in ours]} TRL {[r[k] for r in theirs]}" for k in FIGURES)
     print(f"\n{table}")
     # step 1: the policy is its reference on both sides; the answers' summed log-probabilities agree

@@ -1,6 +1,7 @@
 """Supervised fine-tuning through the real command: the loss of a step is the sum over trained
 targets ÷ their number in the global batch (the same first step for 1 × 8, 8 × 1 and 2 ranks),
-packing changes no loss, a stopped run resumes exactly, --chat answers, bad records are one line."""
+packing changes no loss, a stopped run resumes exactly, --chat answers, the exported model/ chats in
+transformers' pipeline and TRL's DPOTrainer takes it by its path, bad records are one line."""
 
 from __future__ import annotations
 
@@ -47,13 +48,22 @@ def test_first_step_is_the_same_for_any_split_of_the_global_batch(tmp_path, cach
         assert max(float((weights[0][k] - other[k]).abs().max()) for k in weights[0]) < 1e-5
 
 
-def test_packing_changes_no_loss_and_a_stopped_run_resumes_exactly(tmp_path, cache_dir, chat_file):
-    common = {"train.max_steps": 6, "train.eval_every": 3, "train.checkpoint_every": 3}
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    proc = run_cli("train", *_sft(straight, cache_dir, chat_file, **common), check=True)
+COMMON = {"train.max_steps": 6, "train.eval_every": 3, "train.checkpoint_every": 3}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir, chat_file):
+    """A chat fine-tuning run, straight through: compared with a stopped and resumed one, and its
+    model/ taken where users take a fine-tuned model."""
+    out = tmp_path_factory.mktemp("sft") / "straight"
+    return out, run_cli("train", *_sft(out, cache_dir, chat_file, **COMMON), check=True)
+
+
+def test_packing_changes_no_loss_and_a_stopped_run_resumes_exactly(tmp_path, cache_dir, chat_file, straight):
+    (straight, proc), split = straight, tmp_path / "split"
     assert "auto: data.format = chat" in proc.stderr and "trained" in proc.stderr
-    run_cli("train", *_sft(split, cache_dir, chat_file, **common, **{"train.stop_at_step": 4}), check=True)
-    run_cli("train", *_sft(split, cache_dir, chat_file, **common), check=True)
+    run_cli("train", *_sft(split, cache_dir, chat_file, **COMMON, **{"train.stop_at_step": 4}), check=True)
+    run_cli("train", *_sft(split, cache_dir, chat_file, **COMMON), check=True)
     a, b = _rows(straight), _rows(split)
     assert [a[s]["loss"] for s in range(1, 7)] == [b[s]["loss"] for s in range(1, 7)]
     assert a[6]["val_loss"] == b[6]["val_loss"] and a[6]["trained_tokens_per_s"] > 0
@@ -74,6 +84,43 @@ def test_packing_changes_no_loss_and_a_stopped_run_resumes_exactly(tmp_path, cac
         "chat_template", "") or (straight / "model" / "chat_template.jinja").is_file()
     reply = run_cli("generate", straight, "--chat", "What is assert?", "--max-new-tokens", "20", check=True)
     assert reply.stdout.strip() and "<|im_start|>" not in reply.stdout
+
+
+def _ids(value) -> set[int]:
+    return set(value) if isinstance(value, (list, tuple)) else {value}
+
+
+def test_the_sft_export_answers_a_chat_in_a_transformers_pipeline(straight):
+    """model/ of a chat run in transformers' pipeline, in this process: the chat template renders
+    the message, and the generation config ends the reply at the end of the turn (<|im_end|>), as
+    `cputrain generate --chat` does, not at LlamaConfig's default id (<|im_start|> here)."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=str(straight[0] / "model"))
+    end_of_turn = pipe.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn in _ids(pipe.model.generation_config.eos_token_id)
+    assert pipe.model.config.architectures == ["LlamaForCausalLM"]
+    chat = pipe([{"role": "user", "content": "What is assert?"}], max_new_tokens=20, do_sample=False)
+    reply = chat[0]["generated_text"][-1]
+    assert reply["role"] == "assistant" and "<|im_start|>" not in reply["content"]
+
+
+def test_trl_s_dpo_trainer_takes_the_sft_export_by_its_path(straight, tmp_path):
+    """TRL builds the model, and its DPO reference, from the class config.json names
+    (`config.architectures[0]`): the SFT folder given as a path gets past construction."""
+    pytest.importorskip("trl")
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    folder = str(straight[0] / "model")
+    pair = {"prompt": [{"role": "user", "content": "What is a list?"}],
+            "chosen": [{"role": "assistant", "content": "A mutable sequence."}],
+            "rejected": [{"role": "assistant", "content": "A number."}]}
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, max_length=None)
+    trainer = DPOTrainer(model=folder, args=args, train_dataset=datasets.Dataset.from_list([pair, pair]),
+                         processing_class=AutoTokenizer.from_pretrained(folder))
+    assert type(trainer.model).__name__ == "LlamaForCausalLM" and trainer.ref_model is not None
 
 
 @pytest.mark.parametrize("record, overrides, message", [

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -115,6 +117,43 @@ def test_export_loads_with_plain_transformers(tiny_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     name, vocab, loss = proc.stdout.split()
     assert name == "LlamaForCausalLM" and int(vocab) == 512 and math.isfinite(float(loss))
+
+
+def _ids(value) -> set[int]:
+    return set(value) if isinstance(value, (list, tuple)) else {value}
+
+
+def test_export_generates_in_a_transformers_pipeline(tiny_run):
+    """model/ as transformers' pipeline takes it, in this process: the class config.json names, the
+    tokenizer's ids in the generation config (EOS, and the end of a chat turn), and new tokens."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=str(tiny_run[0] / "model"))
+    tokenizer, generation = pipe.tokenizer, pipe.model.generation_config
+    assert pipe.model.config.architectures == ["LlamaForCausalLM"]
+    assert _ids(generation.eos_token_id) == {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    assert (generation.bos_token_id, generation.pad_token_id) == (tokenizer.bos_token_id, tokenizer.pad_token_id)
+    prompt = tokenizer("The list")["input_ids"]
+    out = pipe("The list", max_new_tokens=6, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    assert out[:len(prompt)] == prompt and len(out) > len(prompt)
+
+
+# llama.cpp's converter ships with its sources (not with a package): where a checkout is named,
+# it reads model/ as it reads a published model. Nothing is fetched here.
+LLAMA_CPP_CONVERTER = Path(os.environ.get("LLAMA_CPP_DIR", "/nonexistent")) / "convert_hf_to_gguf.py"
+
+
+@pytest.mark.skipif(not LLAMA_CPP_CONVERTER.is_file(), reason="no llama.cpp checkout (set LLAMA_CPP_DIR to one)")
+def test_llama_cpp_s_converter_takes_the_model_class_from_the_export(tiny_run, tmp_path):
+    proc = subprocess.run([sys.executable, str(LLAMA_CPP_CONVERTER), str(tiny_run[0] / "model"), "--outtype", "f32",
+                           "--outfile", str(tmp_path / "model.gguf")], capture_output=True, text=True, env=cli_env(),
+                          timeout=300)
+    log = proc.stdout + proc.stderr
+    assert "Model architecture: LlamaForCausalLM" in log, log[-3000:]
+    # It knows a BPE's pre-tokenizer by a hash of the ids of a probe text, so a tokenizer trained
+    # here is never among them: the converter may stop there, past the model class (`cputrain
+    # export RUN --gguf` names the pre-tokenizer from tokenizer.json instead).
+    assert proc.returncode == 0 or "pre-tokenizer was not recognized" in log, log[-3000:]
 
 
 def test_generate_from_run_and_model_folder(tiny_run):

@@ -87,6 +87,23 @@ def test_batch_must_divide():
         load_config(None, ["train.global_batch_size=10", "train.micro_batch_size=4"])
 
 
+def test_the_batch_in_pairs_is_one_pair_a_row():
+    """train.global_batch_pairs: TRL's batch (pairs per step); unpacked, a row is one pair, so it is
+    the batch in rows too. Refused where it cannot be exact, or says something else."""
+    pairs = ["train.objective=dpo", "data.format=preference", "data.packing=false", "train.micro_batch_size=2"]
+    cfg = load_config(None, [*pairs, "train.global_batch_pairs=6"])
+    assert cfg.train.global_batch_size == cfg.train.global_batch_pairs == 6
+    assert Config(**cfg.model_dump()).train.global_batch_size == 6  # config.yaml read back
+    with pytest.raises(ConfigError, match="set data.packing=false"):
+        load_config(None, ["train.objective=dpo", "train.global_batch_pairs=8"])
+    with pytest.raises(ConfigError, match="train.objective=lm trains no pairs"):
+        load_config(None, ["data.packing=false", "train.global_batch_pairs=8"])
+    with pytest.raises(ConfigError, match=r"global_batch_pairs \(8\) and train.global_batch_size \(16\) both set"):
+        load_config(None, [*pairs, "train.global_batch_pairs=8", "train.global_batch_size=16"])
+    with pytest.raises(ConfigError, match=r"^train.global_batch_pairs \(7\) must be a multiple"):
+        load_config(None, [*pairs, "train.global_batch_pairs=7"])
+
+
 def test_override_without_equals_and_value_as_section():
     with pytest.raises(ConfigError, match="not key=value"):
         load_config(None, ["train.max_steps"])

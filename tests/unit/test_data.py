@@ -208,6 +208,50 @@ def test_ranks_split_the_same_global_batch():
         assert all(len(m) == micro for r in range(world) for m in o.rank_micro_batches(7, r, world, micro))
 
 
+def test_a_step_never_takes_a_row_twice():
+    """8 preference pairs packed into one row with a batch of 8 took that row 8 times a step
+    (epoch 8.0 after step 1): a batch of more rows than the data holds is no order."""
+    with pytest.raises(ValueError, match="takes rows twice"):
+        order.BatchOrder(1, 8, seed=0)
+    o = order.BatchOrder(8, 8, seed=0)
+    assert all(len(set(o.step_indices(s).tolist())) == 8 for s in range(3))
+
+
+def test_a_batch_of_more_rows_than_the_data_made_is_refused_saying_what_fits():
+    from cputrain.config import TrainConfig
+    from cputrain.errors import ConfigError
+
+    train = TrainConfig(global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(ConfigError) as err:
+        order.check_batch_fits(train, rows=1, world_size=1, pairs=8)
+    assert str(err.value) == (
+        "train.global_batch_size (8) is more than the training set: 1 row holding 8 preference pairs; a step would "
+        "train the same rows several times over; set train.global_batch_size=1 and train.micro_batch_size=1, or set "
+        "the batch in pairs, one a row, as TRL counts it: train.global_batch_pairs=8 with data.packing=false")
+    # the largest batch of whole micro-batches on every rank
+    with pytest.raises(ConfigError, match=r"6 rows; .* set train.global_batch_size=6 and train.micro_batch_size=3$"):
+        order.check_batch_fits(train, rows=6, world_size=2)
+    with pytest.raises(ConfigError, match=r"train on at most 1 rank\(s\), or on more data$"):
+        order.check_batch_fits(train, rows=1, world_size=2)
+    with pytest.raises(ConfigError, match=r"on more data, or set the batch in pairs, .*: train.global_batch_pairs=8 with"):
+        order.check_batch_fits(train, rows=1, world_size=2, pairs=8)  # unpacked, 8 rows: 4 a rank
+    # set in pairs, the same rule speaks of pairs
+    pairs = TrainConfig(global_batch_pairs=8, micro_batch_size=2, objective="dpo")
+    with pytest.raises(ConfigError, match=r"^train.global_batch_pairs \(8\) is more than the training set: 5 rows "
+                                          r"holding 5 preference pairs; .* set train.global_batch_pairs=4$"):
+        order.check_batch_fits(pairs.model_copy(update={"global_batch_size": 8}), rows=5, world_size=1, pairs=5)
+    order.check_batch_fits(train, rows=8, world_size=1, pairs=20)  # fits: each row once a step
+
+
+def test_a_step_says_the_pairs_it_holds():
+    from cputrain.config import TrainConfig
+
+    assert order.pairs_per_step(TrainConfig(global_batch_size=8), rows=40, pairs=40) == \
+        "8 preference pairs a step, one a row"
+    assert order.pairs_per_step(TrainConfig(global_batch_size=8), rows=40, pairs=100).startswith(
+        "8 rows a step, about 20 preference pairs (2.5 a packed row")
+
+
 # --- sources -----------------------------------------------------------------------------
 
 

@@ -57,7 +57,7 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> None:
     """tokenizer.ggml.*: model, pre, tokens, token types, merges, special ids; the chat template."""
     import gguf
 
-    from cputrain.data.chat_template import end_of_turn_ids
+    from cputrain.model.folder_description import generation_end_ids
     from cputrain.data.tokenizer import load_tokenizer
 
     path = folder / "tokenizer.json"
@@ -102,7 +102,7 @@ def add_tokenizer(writer, folder: Path, n_vocab: int) -> None:
     special.chat_template = template if isinstance(template, str) and template else None
     # The end of a chat turn (ChatML's <|im_end|>, Llama 3's <|eot_id|>) named, not left to llama.cpp's
     # guess by token text: generation stops there, as `cputrain generate --chat` stops.
-    ends = [i for i in end_of_turn_ids(tokenizer) if i != tokenizer.eos_token_id and by_id.get(i, "") in (template or "")]
+    ends = [i for i in generation_end_ids(tokenizer) if i != tokenizer.eos_token_id and by_id.get(i, "") in (template or "")]
     if ends:
         special.special_token_ids["eot"] = ends[0]
     special.add_to_gguf(writer, quiet=True)
