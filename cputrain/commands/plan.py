@@ -130,6 +130,7 @@ def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     """The time plan's printed lines and plan.json section for a plan fitted on an instance, and
     under fsdp every layout on every instance type of the table."""
     from cputrain.plan.instances import load_instances
+    from cputrain.plan.time.checkpoint_worth import worth_of_plan
     from cputrain.plan.time.layout_table import layout_table, table_document, table_lines
     from cputrain.plan.time.report import time_document, time_lines, time_plan
 
@@ -140,6 +141,9 @@ def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     tp = time_plan(plan, cfg.train.global_batch_size, plan.fit.instance, plan.fit.nproc_per_node,
                    network.link_gbit_s, candidates=table, placement_group=network.placement_group)
     lines, doc = time_lines(tp), {"time": time_document(tp)}
+    worth = worth_of_plan(tp.step, plan, cfg.train, tp.instance.price_per_hour)
+    lines.append(f"  checkpoints      {worth.line()}")
+    doc["time"]["checkpoints"] = worth.as_dict()
     if plan.inputs.strategy == "fsdp":
         per_node = plan.fit.nproc_per_node
         one_node = None

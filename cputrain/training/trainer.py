@@ -118,10 +118,12 @@ class Trainer:
         self.converter.convert(skeleton, source)  # LoRA: adapters in, the base frozen
         models.enable_activation_checkpointing(skeleton, cfg.model.activation_checkpointing)
         self.counts = models.parameter_counts(skeleton)
-        if ranks.is_main:  # plan.json, and a warning now if this node cannot hold the plan
+        if ranks.is_main:  # plan.json, a warning now if this node cannot hold the plan, and a checkpoint's worth
             from cputrain.plan.memory.runtime import write_run_plan
+            from cputrain.plan.time.checkpoint_worth import worth_here
 
-            write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
+            plan = write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
+            log.info("checkpoints: %s", worth_here(plan, cfg, self.hw, ranks.world_size, ranks.local_world_size).line())
         self.phases.mark("model skeleton")
 
         # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
