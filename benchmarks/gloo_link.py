@@ -216,6 +216,13 @@ def run_settings(model: list[str], seq_len: int, micro: int, steps: int, cache: 
             "train.warmup_steps=1", "hardware.threads=1", "hardware.precision=auto"]
 
 
+def strategy_settings(strategy: str) -> list[str]:
+    """The strategy, and for fsdp the layout these runs measure: every block gathered for each
+    micro-batch and gradients reduced in fp32 (benchmarks/fsdp_layouts.py runs the others)."""
+    extra = ["parallel.layout=full_shard", "parallel.reduce_dtype=fp32"] if strategy == "fsdp" else []
+    return [f"parallel.strategy={strategy}", *extra]
+
+
 def median_step_s(run_dir: Path, key: str = "step_time_s") -> float:
     """The median of a per-step figure of metrics.jsonl (rank 0) over the steps after the warm-up."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -227,7 +234,7 @@ def train_alone(settings: list[str], micro: int, strategy: str, run_dir: Path) -
     """One rank of `strategy` on core 0, no network: the compute (and the strategy's own work on
     the rank: FSDP2's casts and copies, DDP's buckets) the 2-node runs add the network to."""
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "cputrain", "train", *settings,
-           f"train.global_batch_size={micro}", f"parallel.strategy={strategy}", f"output_dir={run_dir}"]
+           f"train.global_batch_size={micro}", *strategy_settings(strategy), f"output_dir={run_dir}"]
     proc = subprocess.run(cmd, env=_clean_env(in_namespace=False), cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -237,7 +244,7 @@ def train_two_nodes(names: list[str], settings: list[str], micro: int, strategy:
     """Node i in namespace i on core i, one rank each, rendezvous over the shaped link."""
     port = 29900 + int(uuid.uuid4().int % 90)
     run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings,
-                                          f"train.global_batch_size={micro * WORLD}", f"parallel.strategy={strategy}",
+                                          f"train.global_batch_size={micro * WORLD}", *strategy_settings(strategy),
                                           f"output_dir={run_dir}", "launch.rdzv_timeout_s=120", "--nnodes", str(WORLD),
                                           "--node-rank", str(node), "--nproc-per-node", "1",
                                           "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
@@ -254,7 +261,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
 
     micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
     vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
-    cfg = load_run_config(None, [*settings, f"parallel.strategy={strategy}",
+    cfg = load_run_config(None, [*settings, *strategy_settings(strategy),
                                  f"train.global_batch_size={micro * world}"])
     cfg = decide_for_plan(cfg, world, vocab_size=vocab).config
     shape = make_plan(cfg, world, nproc_per_node=1, vocab_size=vocab).shape

@@ -1,0 +1,198 @@
+"""Each FSDP layout over a shaped link, in the seeds' regime: the network most of today's step.
+
+    python benchmarks/fsdp_layouts.py [--quick]
+
+The 8B case cputrain's plan is asked about (configs/llama3-8b-fsdp.yaml on 4 nodes of 2 ranks) spends
+69% of its step waiting on the network with FSDP2 as it was built before layouts (every block
+gathered for each micro-batch's forward and again for its backward, gradients reduce-scattered by
+gloo's all-reduce). This machine cannot run that model, so it runs the same regime: two network
+namespaces joined by a veth pair shaped by `tc` (benchmarks/gloo_link.py's), 2 ranks in each
+(both on the namespace's one core: 2 cores in all), a ~34M Llama in bf16 where the CPU has it, and
+a link rate chosen so that the time plan gives that layout the seeds' share of network (≈ 70%).
+
+Then every layout runs over that link, and its measured step (median after the first steps) is set
+against the time plan's figure for it. The plan is given the compute it cannot know: the MFU of one
+rank of the same shape run alone on one core (the single strategy, the same micro-batches), shared
+by the node's 2 ranks; the network time, the efficiency of each collective (gloo_link's table) and
+gloo's CPU time are the plan's own. Writes block `fsdp_layouts` of docs/benchmarks/network.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.gloo_link import (ADDRS, MODEL_34M, MODEL_TINY, WARMUP_STEPS, _clean_env,  # noqa: E402
+                                  median_step_s, run_on_each_node, run_settings, shape_link, two_nodes)
+
+NODES, RANKS_PER_NODE = 2, 2
+WORLD = NODES * RANKS_PER_NODE
+MICRO_BATCHES = 4  # per rank per step: what gather_once and hybrid save grows with it
+TARGET_SHARE = 0.70  # the seeds' case: network 69% of the step, FSDP as built before layouts
+TODAY = {"parallel.layout": "full_shard", "parallel.reduce_scatter": "native", "parallel.reduce_dtype": "fp32"}
+CASES = [
+    ("full_shard, gloo's reduce-scatter (as before layouts)", TODAY),
+    ("full_shard", {**TODAY, "parallel.reduce_scatter": "all_to_all"}),
+    ("node_reshard", {**TODAY, "parallel.layout": "node_reshard", "parallel.reduce_scatter": "all_to_all"}),
+    ("gather_once", {**TODAY, "parallel.layout": "gather_once", "parallel.reduce_scatter": "all_to_all"}),
+    ("hybrid", {**TODAY, "parallel.layout": "hybrid", "parallel.reduce_scatter": "all_to_all"}),
+    ("gather_once, bf16 reduction", {**TODAY, "parallel.layout": "gather_once", "parallel.reduce_scatter": "all_to_all",
+                                     "parallel.reduce_dtype": "bf16"}),
+    ("hybrid, bf16 reduction", {**TODAY, "parallel.layout": "hybrid", "parallel.reduce_scatter": "all_to_all",
+                                "parallel.reduce_dtype": "bf16"}),
+]
+
+
+def overrides(case: dict) -> list[str]:
+    return [f"{k}={v}" for k, v in case.items()]
+
+
+def train_alone(settings: list[str], micro: int, run_dir: Path) -> None:
+    """One rank of the single strategy on core 0, the same micro-batches a layout's rank takes."""
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "cputrain", "train", *settings,
+           f"train.global_batch_size={micro * MICRO_BATCHES}", "parallel.strategy=single", f"output_dir={run_dir}"]
+    proc = subprocess.run(cmd, env=_clean_env(in_namespace=False), cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+
+
+def train_two_nodes(names: list[str], settings: list[str], micro: int, case: dict, run_dir: Path) -> None:
+    """Node i in namespace i, its 2 ranks on core i, rendezvous over the shaped link."""
+    port = 29700 + int(uuid.uuid4().int % 90)
+    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings, *overrides(case),
+                                          f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}",
+                                          "parallel.strategy=fsdp", f"output_dir={run_dir}",
+                                          "launch.rdzv_timeout_s=120", "--nnodes", str(NODES),
+                                          "--node-rank", str(node), "--nproc-per-node", str(RANKS_PER_NODE),
+                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
+                     f"2-node fsdp run ({case})", 3600)
+
+
+def planned(settings: list[str], case: dict, link_gbit_s: float | None, mfu: float):
+    """The time plan of `case` on 2 nodes of 2 ranks, each rank half of one core of this machine."""
+    from cputrain.commands.plan import load_run_config
+    from cputrain.hardware import detect
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.time.step_time import plan_step_time
+    from cputrain.training.choices import decide_for_plan
+
+    micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
+    vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
+    cfg = load_run_config(None, [*settings, *overrides(case), "parallel.strategy=fsdp",
+                                 f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"])
+    cfg = decide_for_plan(cfg, WORLD, vocab_size=vocab).config
+    shape = make_plan(cfg, WORLD, nproc_per_node=RANKS_PER_NODE, vocab_size=vocab).shape
+    hw = detect()
+    # two ranks share one core: each has half of one core's peak
+    peak = hw.peak_flops[cfg.hardware.precision] / hw.physical_cores / RANKS_PER_NODE
+    # a veth pair: no per-flow cap (EC2's is the plan's for instances, not this link's)
+    return plan_step_time(cfg, WORLD, RANKS_PER_NODE, shape, link_gbit_s=link_gbit_s, peak_flops_per_s=peak, mfu=mfu,
+                          gloo_cpu_capped=True, mfu_source="measured here: one rank alone on one core")
+
+
+def regime_link(settings: list[str], mfu: float) -> float:
+    """The link rate at which the plan gives the layout as built before layouts TARGET_SHARE of its step."""
+    low, high = 0.01, 100.0  # Gbit/s
+    for _ in range(40):
+        mid = (low * high) ** 0.5
+        share = planned(settings, TODAY, mid, mfu).network_share
+        low, high = (mid, high) if share > TARGET_SHARE else (low, mid)
+    return round((low * high) ** 0.5, 3)
+
+
+def measure(quick: bool, tmp: Path) -> tuple[float, float, list[dict]]:
+    model, seq_len, micro, steps = (MODEL_TINY, 32, 2, 4) if quick else (MODEL_34M, 512, 2, 6)
+    settings = run_settings(model, seq_len, micro, steps, tmp / "cache")
+    alone = tmp / "alone"
+    train_alone(settings, micro, alone)
+    alone_s = median_step_s(alone)
+    # the share of one core's peak the rank reached alone: a single-strategy plan of 1 rank at MFU 1, ÷ measured
+    from cputrain.hardware import detect
+
+    one_core = detect()
+    single = planned_single(settings, micro, one_core)
+    mfu = single / alone_s
+    link = regime_link(settings, mfu)
+    rows = []
+    with two_nodes() as names:
+        shape_link(names, link)
+        for name, case in CASES:
+            run_dir = tmp / f"run-{len(rows)}"
+            train_two_nodes(names, settings, micro, case, run_dir)
+            measured = median_step_s(run_dir)
+            plan = planned(settings, case, link, mfu)
+            rows.append({"layout": name, "measured_step_s": measured, "planned_step_s": plan.step_s,
+                         "planned_share": plan.network_share, "link_bytes": sum(plan.link_bytes_by_kind.values()),
+                         "comm_s": median_step_s(run_dir, "comm_time_s")})
+            print(f"{name}: measured {measured:.2f} s, planned {plan.step_s:.2f} s (network "
+                  f"{plan.network_share:.0%})", flush=True)
+        shape_link(names, None)
+    return link, mfu, rows
+
+
+def planned_single(settings: list[str], micro: int, hw) -> float:
+    """The compute seconds of one rank's step at MFU 1 on one core (the alone run's shape)."""
+    from cputrain.commands.plan import load_run_config
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.time.step_time import plan_step_time
+    from cputrain.training.choices import decide_for_plan
+
+    vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
+    cfg = load_run_config(None, [*settings, "parallel.strategy=single",
+                                 f"train.global_batch_size={micro * MICRO_BATCHES}"])
+    cfg = decide_for_plan(cfg, 1, vocab_size=vocab).config
+    shape = make_plan(cfg, 1, nproc_per_node=1, vocab_size=vocab).shape
+    peak = hw.peak_flops[cfg.hardware.precision] / hw.physical_cores
+    return plan_step_time(cfg, 1, 1, shape, link_gbit_s=None, peak_flops_per_s=peak, mfu=1.0).compute_s
+
+
+def write(link: float, mfu: float, rows: list[dict], quick: bool) -> None:
+    from benchmarks.report import machine_line, write_block
+
+    today = rows[0]["measured_step_s"]
+    lines = [machine_line(), "",
+             f"`python benchmarks/fsdp_layouts.py`: 2 network namespaces × 2 ranks (each namespace's ranks on its one "
+             f"core, one thread each), {'a tiny smoke model' if quick else 'a ~34M Llama'}, precision auto, "
+             f"{MICRO_BATCHES} micro-batches per rank per step, over a veth link shaped by `tc` to {link:g} Gbit/s: the "
+             f"rate at which the time plan gives FSDP as built before layouts {TARGET_SHARE:.0%} of its step on the "
+             "network (the seeds' 8B case: 69%). The plan is given the compute (one rank alone on one core reached "
+             f"{mfu:.1%} of the core's peak; a node's 2 ranks share it) and plans the rest itself. Median step of "
+             f"the steps after the {WARMUP_STEPS} first.", "",
+             "| layout | bytes through the link / step (plan) | planned network share | planned step | measured step | "
+             "measured ÷ planned | speed-up over as before |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['link_bytes'] / 2**20:,.0f} MiB | {r['planned_share']:.0%} | "
+                     f"{r['planned_step_s']:.2f} s | {r['measured_step_s']:.2f} s | "
+                     f"{r['measured_step_s'] / r['planned_step_s']:.2f} | {today / r['measured_step_s']:.2f}× |")
+    within = sum(abs(r["measured_step_s"] / r["planned_step_s"] - 1) <= 0.2 for r in rows)
+    best = min(rows, key=lambda r: r["measured_step_s"])
+    lines += ["", f"Within ±20% of the plan: {within} of {len(rows)} layouts. Best: {best['layout']}, "
+              f"{today / best['measured_step_s']:.2f}× the step as before layouts."]
+    write_block("fsdp_layouts", "\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, few steps: checks the script only")
+    ap.add_argument("--no-write", action="store_true", help="print, do not write the block")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="cputrain-fsdp-layouts-") as tmp:
+        link, mfu, rows = measure(args.quick, Path(tmp))
+    if args.no_write:
+        print(json.dumps({"link_gbit_s": link, "mfu": mfu, "rows": rows}, indent=1))
+        return
+    write(link, mfu, rows, args.quick)
+
+
+if __name__ == "__main__":
+    main()
