@@ -526,6 +526,12 @@ class ParallelConfig(Section):
     an all-reduce and keeps a slice (twice the bytes). all_to_all: each rank sends every other
     rank its slice once and sums what it receives. auto: all_to_all on gloo, native on ccl."""
 
+    prefetch: bool = True
+    """fsdp: gather the next block's parameters while this one computes (the forward's next block,
+    the backward's previous one), on gloo's own thread: one more block's gathered parameters held,
+    and part of each gather hidden where the network is slower than the compute (measured: block
+    fsdp_prefetch of docs/benchmarks/network.md). false: each block gathered when it runs."""
+
 
 class LaunchConfig(Section):
     nproc_per_node: int = Field(1, gt=0)

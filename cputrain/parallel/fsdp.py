@@ -36,6 +36,21 @@ def owned_rows(param: DTensor) -> slice:
     return slice(start, min(rows, start + per))
 
 
+def prefetch_neighbours(blocks: list[nn.Module], root: nn.Module) -> None:
+    """Each block's forward starts the next block's gather, and each block's backward the previous
+    one's, as asynchronous collectives: on CPU FSDP2 has no side stream, so a gather issued as the
+    block it serves begins waits whole; issued one block ahead, gloo's thread moves it while this
+    block computes. The issuing block waits for nothing; the block served waits at its start."""
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    # FSDP2 issues a prefetch synchronously unless its modules' unshards are asynchronous (the
+    # documented way on a device without side streams: FSDPModule._set_unshard_async_op)
+    root._set_unshard_async_op(True)
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     metered = True
@@ -64,6 +79,8 @@ class FSDPStrategy(Strategy):
             for block in decoder_blocks(model):
                 fully_shard(block, reshard_after_forward=self.layout.block_reshard_after_forward(), **kwargs)
             fully_shard(model, **kwargs)
+        if self.ctx.cfg.parallel.prefetch:
+            prefetch_neighbours(decoder_blocks(model), model)
         if self.all_to_all:
             from cputrain.parallel.reduce_scatter import AllToAllReduceScatter
 

@@ -93,6 +93,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         eager_attention=cfg.model.attn_implementation == "eager",
         layout=parallel.layout if fsdp else "full_shard", reduce_dtype=parallel.reduce_dtype if fsdp else None,
         reduce_scatter=reduce_scatter_in_use(parallel.reduce_scatter, parallel.backend),
+        prefetch=parallel.strategy == "fsdp" and parallel.prefetch,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         **_zero3_settings(cfg, world_size, shape),
     )

@@ -11,9 +11,12 @@
               min(link, flows × cap)
     exposed   the part of the network time no compute hides (below); step = compute + exposed
 
-Overlap. FSDP2 on CPU hides none of it: measured over a shaped link (block gloo_link-runs of
-docs/benchmarks/network.md), its gathers and reduce-scatters add to the step whole at every rate (a CPU has
-no side streams for the gather to run on while a block computes). ZeRO-3, modelled: DeepSpeed
+Overlap. FSDP2 on CPU, a gather issued as its block begins, hides none of it: measured over a
+shaped link (block gloo_link-runs of docs/benchmarks/network.md), its gathers and reduce-scatters add
+to the step whole at every rate (a CPU has no side streams for the gather to run on while a block
+computes). Issued one block ahead on gloo's own thread (parallel.prefetch, the default), part of
+each block's gather crosses while the block before computes (block fsdp_prefetch): the reduce-
+scatters still show whole. ZeRO-3, modelled: DeepSpeed
 gathers the next block while the current one computes and reduce-scatters a block's gradients
 behind the next block's backward, so each block exposes max(0, its communication − its compute),
 plus the first gather of a pass and the last reduce-scatter, which never hide. DDP's bucketed
@@ -51,6 +54,7 @@ class StepSettings:
     layout: str = "full_shard"  # fsdp: parallel.layout, decided
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "auto"  # fsdp and zero3: parallel.reduce_scatter (auto: the all-to-all, as on gloo)
+    prefetch: bool = False  # fsdp: parallel.prefetch, each block's gather issued one block ahead
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
@@ -64,13 +68,14 @@ class StepSettings:
         return cls(p.strategy, cfg.hardware.precision, cfg.train.micro_batch_size, cfg.data.seq_len,
                    cfg.train.global_batch_size, cfg.model.activation_checkpointing,
                    layout=p.layout if fsdp else "full_shard", reduce_dtype=p.reduce_dtype if fsdp else None,
-                   reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend))
+                   reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch)
 
     @classmethod
     def of_plan(cls, plan, global_batch: int) -> StepSettings:
         i = plan.inputs
         return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
-                   i.persistence_threshold, i.max_reuse_distance, i.layout, i.reduce_dtype, i.reduce_scatter)
+                   i.persistence_threshold, i.max_reuse_distance, i.layout, i.reduce_dtype, i.reduce_scatter,
+                   i.prefetch)
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,11 @@ NATIVE_WIRE_PER_RING_BYTE = 2.0
 # The all-to-all reduce-scatter has rows of its own once benchmarks/gloo_link.py measures it; until
 # then it takes the all-gather's share (a collective that also sends each byte once), said "assumed".
 ALL_TO_ALL_AS = "all_gather"
+# FSDP2's gathers issued one block ahead (parallel.prefetch): the share of the shorter of the
+# blocks' gathers and the compute that hides. Measured with benchmarks/fsdp_prefetch.py (block
+# fsdp_prefetch of docs/benchmarks/network.md: 2 nodes of one rank on one core each, one thread,
+# gloo's thread sharing the core with the compute).
+PREFETCH_HIDDEN_SHARE = 0.5
 
 
 def table_row_of(c: Collective, table: EfficiencyTable | None = None) -> tuple[str, float]:
@@ -319,9 +329,16 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     elif overlap is not None:
         exposed = (1 - overlap) * network_s
     elif s.strategy == "fsdp":
-        # FSDP2 on CPU: measured, a block's gather and the gradients' reduce-scatter show in the step
-        # whole at every link rate (block gloo_link-runs of docs/benchmarks/network.md): no overlap
+        # FSDP2 on CPU: measured, a gather issued as its block begins and the gradients'
+        # reduce-scatter show in the step whole at every link rate (block gloo_link-runs of
+        # docs/benchmarks/network.md). Issued one block ahead (parallel.prefetch), part of each
+        # block's gather crosses while the block before computes: PREFETCH_HIDDEN_SHARE of the
+        # shorter of the two, measured (block fsdp_prefetch); the first gather of each pass waits.
         exposed = network_s
+        if s.prefetch:
+            layers = max(shape.layers, 1)
+            block_gathers_s = sum(t.seconds for t in timed if t.kind == "all_gather" and t.what.startswith("blocks"))
+            exposed -= PREFETCH_HIDDEN_SHARE * min(block_gathers_s * (layers - 1) / layers, compute_s)
     else:
         exposed = 0.0
         if pattern.gathering_micro_batches:
@@ -353,8 +370,12 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
         model_flops_per_rank=model_ft * tokens, recompute_flops_per_rank=recompute_ft * tokens,
         compute_s=compute_s, comm_bytes_by_kind=rank_bytes, link_bytes_by_kind=link_bytes,
         message_bytes_by_kind=messages, efficiency_by_kind=efficiencies, network_s=network_s,
-        exposed_network_s=exposed, overlap=hidden, overlap_source=("given" if overlap is not None
-                        else "FSDP2 on CPU, measured: none hides" if s.strategy == "fsdp" else "modelled"),
+        exposed_network_s=exposed, overlap=hidden, overlap_source=(
+            "given" if overlap is not None
+            else (f"FSDP2 on CPU, gathers issued a block ahead: {PREFETCH_HIDDEN_SHARE:.0%} of the shorter of the "
+                  "blocks' gathers and the compute hides, measured" if s.prefetch else
+                  "FSDP2 on CPU, gathers issued as their block begins, measured: none hides")
+            if s.strategy == "fsdp" else "modelled"),
         step_s=step_s, tokens_per_s_per_rank=tokens / step_s, tokens_per_s=tokens * world_size / step_s,
         mfu=model_ft * tokens / (step_s * peak_flops_per_s), network_share=exposed / step_s,
         link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s,
