@@ -284,3 +284,26 @@ def test_fsdp_hides_no_network_time_and_gloos_cpu_time_never_hides():
     assert capped.network_s == pytest.approx(cpu_s)
     assert capped.exposed_network_s == pytest.approx(cpu_s)  # all of it the CPU's: none hidden
     assert free.network_s == pytest.approx(cpu_s / 10)  # an instance's plan: the link's share only
+
+
+def test_fsdp_gathers_issued_a_block_ahead_hide_the_measured_share():
+    """parallel.prefetch: PREFETCH_HIDDEN_SHARE of the shorter of the blocks' gathers (after each
+    pass's first) and the compute hides; the reduce-scatters and the root's gather never do."""
+    from dataclasses import replace
+
+    from cputrain.plan.time.step_time import PREFETCH_HIDDEN_SHARE
+
+    base = settings("fsdp", global_batch=W)
+
+    def step(prefetch: bool, peak: float):
+        return plan_step_time(replace(base, prefetch=prefetch), W, 1, tiny_shape(), link_gbit_s=1e-3,
+                              peak_flops_per_s=peak, mfu=0.5, efficiency=1.0)
+
+    for peak in (1e3, 1e9):  # network-bound, then compute-bound
+        off, on = step(False, peak), step(True, peak)
+        gathers = sum(c.seconds for c in on.collectives if c.kind == "all_gather" and c.what.startswith("blocks"))
+        layers = tiny_shape().layers
+        hidden = PREFETCH_HIDDEN_SHARE * min(gathers * (layers - 1) / layers, on.compute_s)
+        assert off.exposed_network_s == pytest.approx(off.network_s)
+        assert on.exposed_network_s == pytest.approx(on.network_s - hidden)
+        assert on.step_s < off.step_s
