@@ -24,8 +24,12 @@ def _no_work(*_args, **_kwargs):
 
 @contextlib.contextmanager
 def _process_state(env: dict | None, cwd):
-    """os.environ, the working folder and the logging set-up as they were, after the call."""
+    """os.environ, the working folder, the logging set-up, the cores and torch's threads as they
+    were, after the call (a worker run here pins this process to its rank's cores)."""
+    import torch
+
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_cpus, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
     loggers = {name: (lg.handlers[:], lg.level, lg.propagate)
                for name in ("cputrain", "py.warnings") for lg in [logging.getLogger(name)]}
     saved_format, capturing = warnings.formatwarning, logging._warnings_showwarning is not None
@@ -38,6 +42,8 @@ def _process_state(env: dict | None, cwd):
         yield
     finally:
         os.chdir(saved_cwd)
+        os.sched_setaffinity(0, saved_cpus)
+        torch.set_num_threads(saved_threads)
         os.environ.clear()
         os.environ.update(saved_env)
         for name, (handlers, level, propagate) in loggers.items():
