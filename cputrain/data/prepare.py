@@ -19,6 +19,7 @@ from cputrain.config import DataConfig
 from cputrain.data import cache_builder, cache_lock, sources
 from cputrain.data.cache_key import cache_key
 from cputrain.data.examples.kind import ExampleKind
+from cputrain.data.feedback.kind import FeedbackKind
 from cputrain.data.kind import DataKind
 from cputrain.data.preference.kind import PreferenceKind
 from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, stop_on_signal
@@ -34,6 +35,8 @@ def kind_of(data_cfg: DataConfig, data_format: str, tokenizer) -> DataKind:
         return TextKind(tokenizer)
     if data_format == "preference":
         return PreferenceKind(data_cfg, tokenizer)
+    if data_format == "unpaired":
+        return FeedbackKind(data_cfg, tokenizer)
     return ExampleKind(data_cfg, data_format, tokenizer)
 
 
