@@ -30,6 +30,8 @@ class Batch:
     # [micro-batch, 1, tokens, tokens] bool, True: attend; pairs with a shared prompt
     # (cputrain.data.preference.rows) carry it. None: transformers builds the causal mask from the positions.
     attention_mask: torch.Tensor | None = None
+    # Preference pairs with a margin each (data.margin_field): the reward model's loss subtracts it.
+    margins: torch.Tensor | None = None
 
     @property
     def pairs(self) -> int:

@@ -4,7 +4,8 @@ Loading a pretrained model goes skeleton-on-meta → (strategy shards it) → ma
 tensors from the safetensors files. Three jobs, a module each: which model and its config
 (source), the structure and what is done to it (skeleton), filling it (weights). Beside them:
 what a run does to the model beyond building and loading it (converter: the protocol, whose
-identity is full fine-tuning) and the finished model written as a plain Hugging Face folder (export).
+identity is full fine-tuning), a reward model's score head (score_head) and the finished model
+written as a plain Hugging Face folder (export).
 """
 
 from cputrain.model.skeleton import (  # noqa: F401
@@ -14,6 +15,7 @@ from cputrain.model.skeleton import (  # noqa: F401
                                      enable_activation_checkpointing,
                                      parameter_counts,
 )
+from cputrain.model.score_head import fit_head  # noqa: F401
 from cputrain.model.source import (  # noqa: F401
                                      ModelSource,
                                      check_vocab,

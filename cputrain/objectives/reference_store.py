@@ -1,4 +1,5 @@
-"""DPO's precomputed reference log-probabilities, kept beside the token cache and computed once:
+"""The precomputed reference log-probabilities of DPO (each pair's two sequences) and KTO (each
+example and its KL sequence), kept beside the token cache and computed once:
 a resumed run, a second epoch's session and a later run on the same pairs read them back.
 
 The file lives in the token cache's entry (which is keyed by the data, tokenizer and cut), named
@@ -75,7 +76,7 @@ def _read(path: Path, rows: list) -> list[torch.Tensor] | None:
     except (OSError, ValueError, RuntimeError):  # absent, or damaged: computed again
         return None
     tables = [saved.get(f"split{i}") for i in range(len(rows))]
-    if any(t is None or len(t) != 2 * split.pairs for t, split in zip(tables, rows)):
+    if any(t is None or len(t) != split.reference_sequences for t, split in zip(tables, rows)):
         return None
     return tables
 
