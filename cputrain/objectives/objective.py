@@ -33,6 +33,10 @@ log = logging.getLogger("cputrain")
 PREFERENCE_OBJECTIVES = ("dpo", "simpo")
 # What each objective trains on (data.format), and what to set where it is not that.
 DATA_OF = {"dpo": "preference", "simpo": "preference", "reward": "preference", "kto": "unpaired"}
+# What the plans read of an objective before any run: the head it trains (model.score_head) and
+# the forwards a step runs beyond its own over the same tokens (KTO: its KL sequences, no gradient).
+HEAD_OF = {"reward": "score"}
+EXTRA_FORWARDS = {"kto": 1}
 
 
 def check_reference(train_cfg, lora: bool) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from cputrain.config import Config
 from cputrain.config.resolved import PlannedConfig, as_planned
 from cputrain.errors import ConfigError
+from cputrain.objectives.objective import EXTRA_FORWARDS, HEAD_OF
 from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
 from cputrain.plan.memory.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
@@ -54,7 +55,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
 
         compute_dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
         shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
-                            seed=cfg.seed)
+                            seed=cfg.seed, head=HEAD_OF.get(cfg.train.objective, "lm"))
     return _plan(cfg, world_size, shape, nproc_per_node, instances, config_json, reasons)
 
 
@@ -86,6 +87,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
         chunked_loss=cfg.model.chunked_loss,
         eager_attention=cfg.model.attn_implementation == "eager",
+        extra_forwards=EXTRA_FORWARDS.get(cfg.train.objective, 0),
         **_zero3_settings(cfg, world_size, shape),
     )
     notes = [f"{key}=auto → {value}: {why}" for key, value, why in reasons]

@@ -54,6 +54,7 @@ class PlanInputs:
     lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
     chunked_loss: bool = False  # model.chunked_loss as resolved (resolve.chunked_loss_choice)
     eager_attention: bool = False  # model.attn_implementation=eager: each block keeps its attention matrix
+    extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (objectives.objective.EXTRA_FORWARDS)
 
 
 @dataclass(frozen=True)
