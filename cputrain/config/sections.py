@@ -598,10 +598,20 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _head_fits(self):
-        if self.train.objective == "reward" and self.model.chunked_loss is True:
+        if self.train.objective != "reward":
+            return self
+        if self.model.chunked_loss is True:
             raise ValueError("model.chunked_loss=true cuts a vocabulary head's logits into blocks, and "
                              "train.objective=reward trains a score head of one output; set model.chunked_loss=auto "
                              "or false")
+        # These two build their own copy of the model as a causal LM (ZeRO-3 inside zero.Init,
+        # FSDP's random init of a model from scratch): not yet a sequence classifier.
+        if self.parallel.strategy == "zero3":
+            raise ValueError("parallel.strategy=zero3 does not train a reward model yet (train.objective=reward); use "
+                             "single, ddp or fsdp, which shard or replicate the same model")
+        if self.parallel.strategy == "fsdp" and self.model.name_or_path is None:
+            raise ValueError("a reward model from random weights does not take parallel.strategy=fsdp yet; start "
+                             "from a model folder (model.name_or_path), or use single or ddp")
         return self
 
     @model_validator(mode="after")
