@@ -1,7 +1,7 @@
 """KTO and reward models: cputrain against TRL's KTOTrainer and RewardTrainer, side by side, with
 LoRA. Writes blocks kto and reward_model of docs/benchmarks/sft-and-dpo.md.
 
-    python benchmarks/kto.py            # needs the sft-peer extra (trl); ~25 min on 2 cores: run it alone
+    python benchmarks/kto.py            # needs the sft-peer extra (trl); tens of minutes on 2 cores: run it alone
     python benchmarks/kto.py --quick    # a tiny model and 3 steps, one run: checks the script only
 
 The model: benchmarks/dpo.py's (an ~88M-parameter Llama with random weights and a byte-level BPE

@@ -242,10 +242,10 @@ class DataConfig(Section):
     """Field holding a conversation's messages (data.format=chat)."""
 
     prompt_field: str = "prompt"
-    """Field holding the prompt (data.format=prompt_completion)."""
+    """Field holding the prompt (data.format=prompt_completion, preference, unpaired)."""
 
     completion_field: str = "completion"
-    """Field holding the answer (data.format=prompt_completion)."""
+    """Field holding the answer (data.format=prompt_completion, unpaired)."""
 
     chosen_field: str = "chosen"
     """Field holding the preferred answer (data.format=preference)."""

@@ -3,8 +3,10 @@
 Every kind of data gives the trainer rows (cputrain.data.rows) with `len(rows)` and
 `rows.batch(indices)`: packed text (cputrain.data.text.rows.TokenRows: every token a label,
 positions 0…seq_len-1), chat or prompt/completion examples (cputrain.data.examples.rows.ExampleRows:
-labels only on answers, positions restarting per example), and preference pairs
-(cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token).
+labels only on answers, positions restarting per example), preference pairs
+(cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token) and
+unpaired feedback (cputrain.data.feedback.rows.FeedbackRows: a FeedbackBatch, each example's label
+and the batch of its KL sequences beside).
 """
 
 from __future__ import annotations

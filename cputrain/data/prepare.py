@@ -161,8 +161,8 @@ def _stopped_line(cfg, signal_name: str) -> str:
 
 def prepare(cfg, tokenizer=None, isolate: bool = True):
     """(tokenizer, data) for a config: what `train`, `eval` and `prepare` all use. The data is
-    packed text (PackedData), examples (ExampleData) or preference pairs (PreferenceData): whatever the kind, data.rows(split) gives
-    the rows the trainer batches from.
+    packed text (PackedData), examples (ExampleData), preference pairs (PreferenceData) or unpaired
+    feedback (FeedbackData): whatever the kind, data.rows(split) gives the rows the trainer batches from.
 
     `cfg` is resolved (data.num_proc is a number). A tokenizer is trained, once, only for a model
     built from scratch; the corpus is opened only by the process that builds something. With
