@@ -92,10 +92,7 @@ def score_file(path: str, data: Path, out, data_cfg, bf16: bool = False, batch_s
         raise ModelError(f"the model in '{folder}' is not a reward model (a sequence classifier); train one with "
                          "train.objective=reward")
     model, tokenizer = load_for_inference(path, trust_remote_code)
-    try:
-        template = chat_template.template_of(tokenizer, data_cfg.chat_template)
-    except DataError:
-        template = None  # string records need none; a conversational one then says so
+    template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
     spec = FeedbackSpec(data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field, template,
                         chat_template.template_variables(tokenizer), 0)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

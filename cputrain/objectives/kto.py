@@ -25,6 +25,7 @@ import torch
 from cputrain.distributed import process_group as pg
 from cputrain.objectives.kto_loss import SUM_NAMES, kl_estimate, kto_figures, kto_losses
 from cputrain.objectives.sequence_sums import summed_logps
+from cputrain.objectives.validation_loss import micro_batches, summed_figures
 
 log = logging.getLogger("cputrain")
 
@@ -77,26 +78,13 @@ class KtoObjective:
         store = store or ReferenceStore(None, 0, 1, 0)
         started_s = time.perf_counter()
         examples = sum(split.examples for split in rows)
-        tables = store.load(rows)
-        if tables is not None:
-            for split, table in zip(rows, tables):
-                split.reference_logps = table
+        model.eval()
+        base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
+        if store.fill(rows, lambda split, indices: feedback_reference_table(model, split, micro_batch, autocast,
+                                                                            indices, self.chunked), base):
             log.info("KTO reference: the log-probabilities of %d examples and their KL sequences read from %s",
                      examples, store.path)
             return
-        model.eval()
-        base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
-        tables = []
-        with base:
-            for split in rows:
-                split.reference_logps = None
-                indices, owns_any = store.share(len(split))
-                table = feedback_reference_table(model, split, micro_batch, autocast, indices, self.chunked)
-                tables.append(table if owns_any else table.zero_())
-        tables = store.combine(tables)
-        for split, table in zip(rows, tables):
-            split.reference_logps = table
-        store.save(tables)
         log.info("KTO reference: the log-probabilities of %d examples and their KL sequences computed before "
                  "training in %.1f s over %d rank(s) (%s)%s", examples, time.perf_counter() - started_s,
                  store.world_size, "the base, adapters off" if self.reference is not None else "the weights as loaded",
@@ -134,20 +122,13 @@ class KtoObjective:
     def figures(self, sums, items: int) -> dict[str, float]:
         return kto_figures(sums, items)
 
-    @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
         """([sum of the losses, sums of TRL's figures…], examples) over rows[indices], z taken over
         all of them (and every rank's share, evaluated alike)."""
-        indices = np.asarray(indices)
-        batches = [rows.batch(indices[start : start + micro_batch]) for start in range(0, len(indices), micro_batch)]
+        batches = micro_batches(rows, indices, micro_batch)
         self.kl = self._kl(model, batches, autocast)
-        total, examples = np.zeros(1 + len(SUM_NAMES)), 0
-        for batch in batches:
-            with autocast():
-                losses = self._losses(model, batch)
-            total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().numpy()])
-            examples += batch.examples
-        return total, examples
+        return summed_figures(lambda batch: self._losses(model, batch), batches, autocast,
+                              lambda batch: batch.examples, len(SUM_NAMES))
 
     def reference_table(self, model, split, micro_batch: int, autocast, indices=None) -> torch.Tensor:
         return feedback_reference_table(model, split, micro_batch, autocast, indices, self.chunked)

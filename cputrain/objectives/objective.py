@@ -140,25 +140,12 @@ class PreferenceObjective:
         store = store or ReferenceStore(None, 0, 1, 0)
         started_s = time.perf_counter()
         pairs = sum(split.pairs for split in rows)
-        tables = store.load(rows)
-        if tables is not None:
-            for split, table in zip(rows, tables):
-                split.reference_logps = table
-            log.info("DPO reference: the log-probabilities of %d pairs read from %s", pairs, store.path)
-            return
         model.eval()
         base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
-        tables = []
-        with base:
-            for split in rows:
-                split.reference_logps = None
-                indices, owns_any = store.share(len(split))
-                table = reference_table(model, split, micro_batch, autocast, indices, self.chunked)
-                tables.append(table if owns_any else table.zero_())
-        tables = store.combine(tables)
-        for split, table in zip(rows, tables):
-            split.reference_logps = table
-        store.save(tables)
+        if store.fill(rows, lambda split, indices: reference_table(model, split, micro_batch, autocast, indices,
+                                                                   self.chunked), base):
+            log.info("DPO reference: the log-probabilities of %d pairs read from %s", pairs, store.path)
+            return
         log.info("DPO reference: the log-probabilities of %d pairs computed before training in %.1f s over %d "
                  "rank(s) (train.dpo_reference=precompute%s)%s", pairs, time.perf_counter() - started_s,
                  store.world_size, ": the base, adapters off" if self.reference is not None else ": the weights as loaded",
@@ -187,18 +174,12 @@ class PreferenceObjective:
         pairs = self._losses(model, batch)
         return pairs.losses.sum() / divisor, pairs.stat_sums()
 
-    @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
         """([sum of the losses, sums of TRL's figures…], pairs) over rows[indices]."""
-        total, pairs = np.zeros(1 + len(STAT_NAMES)), 0
-        indices = np.asarray(indices)
-        for start in range(0, len(indices), micro_batch):
-            batch = rows.batch(indices[start : start + micro_batch])
-            with autocast():
-                losses = self._losses(model, batch)
-            total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().double().numpy()])
-            pairs += batch.pairs
-        return total, pairs
+        from cputrain.objectives.validation_loss import micro_batches, summed_figures
+
+        return summed_figures(lambda batch: self._losses(model, batch), micro_batches(rows, indices, micro_batch),
+                              autocast, lambda batch: batch.pairs, len(STAT_NAMES))
 
 
 def pair_logps(model, batch, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,6 +58,27 @@ class ReferenceStore:
             tables = list(flat.split([len(t) for t in tables]))
         return tables
 
+    def fill(self, rows: list, compute, base) -> bool:
+        """Every split of `rows` given its table (split.reference_logps): read from the file where
+        every rank finds it (True), else computed inside the context `base` (the converter's
+        reference, or none), this rank its share of each split's rows (`compute(split, indices)`:
+        a table with those rows' numbers, 0 elsewhere), summed over the ranks and saved (False)."""
+        tables = self.load(rows)
+        read = tables is not None
+        if not read:
+            tables = []
+            with base:
+                for split in rows:
+                    split.reference_logps = None
+                    indices, owns_any = self.share(len(split))
+                    table = compute(split, indices)
+                    tables.append(table if owns_any else table.zero_())
+            tables = self.combine(tables)
+            self.save(tables)
+        for split, table in zip(rows, tables):
+            split.reference_logps = table
+        return read
+
     def save(self, tables: list[torch.Tensor]) -> None:
         if self.path is None or self.local_rank != 0 or self.path.exists():
             return

@@ -18,6 +18,7 @@ import torch
 
 from cputrain.model.score_head import install_token_scores
 from cputrain.objectives.reward_loss import STAT_NAMES, bradley_terry_losses
+from cputrain.objectives.validation_loss import micro_batches, summed_figures
 
 
 def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, sequence_ids: torch.Tensor, sequences: int,
@@ -70,19 +71,11 @@ class RewardObjective:
         """TRL's figures: means over the pairs."""
         return {name: float(v) / max(items, 1) for name, v in zip(self.names, sums)}
 
-    @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
         """([sum of the losses, sums of TRL's figures…], pairs) over rows[indices]."""
         if self.pad_id is None:  # a finished model, scored outside a run
             if hasattr(model, "get_base_model"):  # a LoRA reward model loaded by peft: the classifier under it
                 model = model.get_base_model()
             self.prepare(model, [rows], micro_batch, autocast)
-        total, pairs = np.zeros(1 + len(STAT_NAMES)), 0
-        indices = np.asarray(indices)
-        for start in range(0, len(indices), micro_batch):
-            batch = rows.batch(indices[start : start + micro_batch])
-            with autocast():
-                losses = self._losses(model, batch)
-            total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().numpy()])
-            pairs += batch.pairs
-        return total, pairs
+        return summed_figures(lambda batch: self._losses(model, batch), micro_batches(rows, indices, micro_batch),
+                              autocast, lambda batch: batch.pairs, len(STAT_NAMES))

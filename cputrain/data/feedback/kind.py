@@ -28,13 +28,7 @@ class FeedbackKind(SequenceKind):
     def __init__(self, data_cfg: DataConfig, tokenizer):
         from cputrain.data import chat_template
 
-        # Conversational records are rendered with the chat template; the tokenizer takes it, so
-        # the exported model/ carries it (as for chat examples). String records never read it.
-        try:
-            template = chat_template.template_of(tokenizer, data_cfg.chat_template)
-            tokenizer.chat_template = template
-        except DataError:
-            template = None  # string records need none; a conversational one then says so (the worker)
+        template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
         self.spec = FeedbackSpec(data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field, template,
                                  chat_template.template_variables(tokenizer), data_cfg.seq_len, data_cfg.truncation)
         self.tokenizer = tokenizer

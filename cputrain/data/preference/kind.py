@@ -33,13 +33,7 @@ class PreferenceKind(SequenceKind):
     def __init__(self, data_cfg: DataConfig, tokenizer):
         from cputrain.data import chat_template
 
-        # Conversational pairs are rendered with the chat template; the tokenizer takes it, so the
-        # exported model/ carries it (as for chat examples). String pairs never read it.
-        try:
-            template = chat_template.template_of(tokenizer, data_cfg.chat_template)
-            tokenizer.chat_template = template
-        except DataError:
-            template = None  # string pairs need none; a conversational pair then says so (the worker)
+        template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
         self.spec = PreferenceSpec(data_cfg.prompt_field, data_cfg.chosen_field, data_cfg.rejected_field, template,
                                    chat_template.template_variables(tokenizer), data_cfg.seq_len,
                                    shared_prompt(data_cfg), data_cfg.margin_field)
