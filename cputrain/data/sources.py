@@ -101,12 +101,29 @@ def _pydoc_feedback():
             yield {"prompt": pair["prompt"], "completion": pair[answer], "label": label}
 
 
+def _pydoc_garbled():
+    # Preference pairs for the offline reward-model demo (configs/demo-reward.yaml): each help
+    # topic's question as builtin:pydoc-dpo asks it, the chosen answer its opening paragraph, the
+    # rejected one the same words in a shuffled order (seeded). What tells them apart is written
+    # English, which a reward model can learn from ~70 pairs and carry to topics it never saw;
+    # which of two fluent paragraphs answers the question (pydoc-dpo's pairs) it cannot, at the
+    # demo's size (docs/guides/preference.md).
+    import random
+
+    rng = random.Random(0)
+    for pair in _pydoc_preferences():
+        words = pair["chosen"][0]["content"].split()
+        rng.shuffle(words)
+        yield {**pair, "rejected": [{"role": "assistant", "content": " ".join(words)}]}
+
+
 def _chat(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
 BUILTINS = {"builtin:pydoc": _pydoc_paragraphs, "builtin:pydoc-sft": _pydoc_instructions,
-            "builtin:pydoc-dpo": _pydoc_preferences, "builtin:pydoc-kto": _pydoc_feedback}
+            "builtin:pydoc-dpo": _pydoc_preferences, "builtin:pydoc-kto": _pydoc_feedback,
+            "builtin:pydoc-reward": _pydoc_garbled}
 
 
 def _pydoc_documents() -> list[str]:
@@ -313,7 +330,7 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
     """The field names of the first record, read without converting the corpus."""
     if cfg.source == "builtin:pydoc-sft":
         return ["messages"]
-    if cfg.source == "builtin:pydoc-dpo":
+    if cfg.source in ("builtin:pydoc-dpo", "builtin:pydoc-reward"):
         return ["prompt", "chosen", "rejected"]
     if cfg.source == "builtin:pydoc-kto":
         return ["prompt", "completion", "label"]
