@@ -76,6 +76,8 @@ def test_lora_kto_starts_at_one_half_and_records_trls_figures(straight):
     assert [r["step"] for r in evals] == [3, 6] and all(math.isfinite(r["val_loss"]) for r in evals)
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["objective"] == "kto" and summary["lora"] is True
+    for key in KEYS:  # TRL's figures of the last step and validation
+        assert summary[key] == [r for r in rows if "loss" in r][-1][key] and summary[f"eval_{key}"] == evals[-1][f"eval_{key}"]
 
 
 def test_eval_gives_the_runs_own_validation_figures(straight):

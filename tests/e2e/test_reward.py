@@ -65,6 +65,8 @@ def test_a_lora_reward_model_logs_trls_figures_and_writes_no_sample(straight):
     assert rows[0]["loss"] != [r for r in rows if "loss" in r][-1]["loss"]
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["objective"] == "reward" and summary["lora"] is True
+    assert summary["eval_accuracy"] == evals[-1]["eval_accuracy"] and summary["first_eval_accuracy"] == \
+        evals[0]["eval_accuracy"]
     assert not (straight / "sample.txt").exists()  # a reward model writes no text
     config = json.loads((straight / "model" / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
