@@ -4,12 +4,14 @@
 #   make test-fast  the tests that start no training process or agent (a developer's loop, ≤ 3 minutes)
 #   make demo-sft  the demo, then supervised fine-tuning of its model on chat data (configs/demo-sft.yaml)
 #   make demo-dpo  the SFT demo, then DPO of its model with LoRA on preference pairs (configs/demo-dpo.yaml)
+#   make demo-kto  the SFT demo, then KTO of its model with LoRA on thumbs-up/down answers (configs/demo-kto.yaml)
+#   make demo-reward  the SFT demo, then a LoRA reward model on its model, its held-out accuracy (configs/demo-reward.yaml)
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
 EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer,eval
 
-.PHONY: demo demo-sft demo-dpo test test-fast install install-test install-mpi
+.PHONY: demo demo-sft demo-dpo demo-kto demo-reward test test-fast install install-test install-mpi
 
 install:
 	bash scripts/install.sh
@@ -33,6 +35,17 @@ demo-dpo: install
 	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
 	test -f runs/demo-sft/model/config.json || $(VENV)/bin/cputrain train configs/demo-sft.yaml
 	$(VENV)/bin/cputrain train configs/demo-dpo.yaml
+
+demo-kto: install
+	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
+	test -f runs/demo-sft/model/config.json || $(VENV)/bin/cputrain train configs/demo-sft.yaml
+	$(VENV)/bin/cputrain train configs/demo-kto.yaml
+
+demo-reward: install
+	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
+	test -f runs/demo-sft/model/config.json || $(VENV)/bin/cputrain train configs/demo-sft.yaml
+	$(VENV)/bin/cputrain train configs/demo-reward.yaml
+	$(VENV)/bin/cputrain eval runs/demo-reward
 
 # Two test processes (pytest-xdist), a test file each at a time so its module fixtures are made
 # once: 1,201 s against 1,690 s serial on 2 cores (tests/harness/README.md). Tests marked

@@ -56,6 +56,8 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("dpo_memory", "sft-and-dpo.md", "## DPO's memory against SFT's"),
     ("preference_head", "sft-and-dpo.md", "## The preference head, plain and block-wise"),
     ("shared_prompt", "sft-and-dpo.md", "## Pairs that share their prompt"),
+    ("kto", "sft-and-dpo.md", "## KTO against TRL"),
+    ("reward_model", "sft-and-dpo.md", "## Reward models against TRL"),
     ("revision-parity", "revision-parity.md", None),
 )
 

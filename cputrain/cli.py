@@ -1,4 +1,4 @@
-"""`cputrain` command line: train, prepare, doctor, generate, eval, export, plan, k8s.
+"""`cputrain` command line: train, prepare, doctor, generate, eval, score, export, plan, k8s.
 
 Every user error ends as one line on stderr and exit code 2; `--debug` shows the traceback.
 Each subcommand, its parser and its body, is a module of cputrain.commands.
@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from cputrain.commands import doctor, export, generate, k8s, plan, prepare, train
+from cputrain.commands import doctor, export, generate, k8s, plan, prepare, score, train
 from cputrain.commands import eval as eval_command  # under its own name it would hide the builtin eval
 from cputrain.errors import UserError
 
@@ -23,13 +23,14 @@ EXAMPLES = """examples:
   cputrain generate runs/demo-sft --chat "What is the assert statement in Python?"
   cputrain eval runs/default
   cputrain eval runs/default --tasks hellaswag,arc_easy --limit 100   # lm-evaluation-harness benchmarks
+  cputrain score runs/demo-reward --data answers.jsonl --out scored.jsonl   # a reward model's scores
   cputrain export runs/lora --merge                # a LoRA run's adapters folded into a plain model
   cputrain export runs/default --gguf q8_0         # one GGUF file for llama.cpp and Ollama
 """
 
 # Each name's module, in the order --help lists them.
-COMMANDS = {"train": train, "doctor": doctor, "generate": generate, "eval": eval_command, "export": export,
-            "prepare": prepare, "plan": plan, "k8s": k8s}
+COMMANDS = {"train": train, "doctor": doctor, "generate": generate, "eval": eval_command, "score": score,
+            "export": export, "prepare": prepare, "plan": plan, "k8s": k8s}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ returns it for the command line to add the common flags) and its body (`run(args
     doctor         the machine, the torch build, every `auto` resolved here
     generate       text sampled from a finished model
     eval           a finished model on a dataset, or on benchmark tasks
+    score          a reward model's score of each record of a file
     export         a LoRA run merged, or a model as one GGUF file
     plan           memory per rank and the smallest cluster that fits
     k8s            the Kubernetes manifests of a run

@@ -32,11 +32,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from cputrain.finished.load import model_folder
+    from cputrain.finished.load import is_reward_model, model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder, merge_into_base
 
     folder = Path(model_folder(args.path))
     if args.gguf is not None:
+        if is_reward_model(str(folder)):
+            raise UserError(f"'{folder}' is a reward model (a score head, no language-model head), which a GGUF file "
+                            "for llama.cpp does not hold; use its folder with transformers, or `cputrain score`")
         return _export_gguf(args, folder)
     if not args.merge:
         return _complete(args, folder)

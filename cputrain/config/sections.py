@@ -225,7 +225,7 @@ class DataConfig(Section):
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/Hugging Face records (data.format=text)."""
 
-    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "auto"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "unpaired", "auto"] = "text"
     """What a record is. text: raw text, every token trained (pretraining). chat: a list of
     {role, content} messages (roles system, user, assistant, tool; content text or a list of text
     parts; assistant tool_calls) in data.messages_field, rendered with the chat template.
@@ -234,25 +234,38 @@ class DataConfig(Section):
     prompt with a chosen and a rejected answer (data.prompt_field, data.chosen_field,
     data.rejected_field; strings, or conversations rendered with the chat template; without a
     prompt, chosen and rejected are whole conversations and their shared leading messages are the
-    prompt), for train.objective=dpo or simpo. auto: preference if the first record has
-    data.chosen_field and data.rejected_field, else chat if it has data.messages_field, else
-    prompt_completion if it has both of those fields, else alpaca if it has instruction and
-    output, else text; the choice is logged."""
+    prompt), for train.objective=dpo, simpo or reward. unpaired (TRL's "unpaired preference"): one
+    answer with a thumbs-up or thumbs-down, a prompt (data.prompt_field), its completion
+    (data.completion_field) and a boolean label (data.label_field: true desirable, false
+    undesirable); strings, or conversations rendered with the chat template; without a prompt, the
+    completion is the whole conversation and its closing assistant turns are the answer; for
+    train.objective=kto. auto: preference if the first record has data.chosen_field and
+    data.rejected_field, else unpaired if it has data.label_field and data.completion_field, else
+    chat if it has data.messages_field, else prompt_completion if it has both of those fields,
+    else alpaca if it has instruction and output, else text; the choice is logged."""
 
     messages_field: str = "messages"
     """Field holding a conversation's messages (data.format=chat)."""
 
     prompt_field: str = "prompt"
-    """Field holding the prompt (data.format=prompt_completion)."""
+    """Field holding the prompt (data.format=prompt_completion, preference, unpaired)."""
 
     completion_field: str = "completion"
-    """Field holding the answer (data.format=prompt_completion)."""
+    """Field holding the answer (data.format=prompt_completion, unpaired)."""
 
     chosen_field: str = "chosen"
     """Field holding the preferred answer (data.format=preference)."""
 
     rejected_field: str = "rejected"
     """Field holding the answer that is not preferred (data.format=preference)."""
+
+    label_field: str = "label"
+    """Field holding an answer's thumbs-up (true) or thumbs-down (false) (data.format=unpaired)."""
+
+    margin_field: str | None = None
+    """Field holding how much better the chosen answer is than the rejected one, a number per pair
+    (data.format=preference; TRL's `margin` column): train.objective=reward subtracts it inside the
+    Bradley–Terry loss, -logσ(r_chosen - r_rejected - margin). Empty: no margin."""
 
     train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss: assistant (the assistant turns of a chat, each with the token that
@@ -317,11 +330,11 @@ class DataConfig(Section):
     def _format_fits(self):
         answer = ("auto", "completion", "all")
         fits = {"chat": ("auto", "assistant", "all"), "prompt_completion": answer, "alpaca": answer,
-                "text": ("auto", "all"), "preference": ("auto", "completion")}
+                "text": ("auto", "all"), "preference": ("auto", "completion"), "unpaired": ("auto", "completion")}
         if self.format in fits and self.train_on not in fits[self.format]:
             raise ValueError(f"data.train_on={self.train_on} does not apply to data.format={self.format}; "
                              f"choose one of {', '.join(fits[self.format])}")
-        if self.format in ("chat", "prompt_completion", "alpaca", "preference") and \
+        if self.format in ("chat", "prompt_completion", "alpaca", "preference", "unpaired") and \
                 self.source.lower().endswith(".txt"):
             raise ValueError(f"data.format={self.format} needs records with fields (.jsonl, .parquet or hf:), "
                              f"but '{self.source}' is plain text; use data.format=text or convert it to .jsonl")
@@ -416,11 +429,17 @@ class TrainConfig(Section):
     once at the end; each report is a write through the Kubernetes API, hence the floor of 1 s.
     Elsewhere nothing is sent."""
 
-    objective: Literal["lm", "dpo", "simpo"] = "lm"
+    objective: Literal["lm", "dpo", "simpo", "kto", "reward"] = "lm"
     """What a step minimises. lm: the next-token loss on the trained tokens. dpo: Direct Preference
     Optimization's sigmoid loss on preference pairs (data.format=preference), against a reference:
     the base model with the LoRA adapters off (model.lora.enabled=true). simpo: SimPO's
-    reference-free loss on the answers' mean log-probabilities (full weights or LoRA)."""
+    reference-free loss on the answers' mean log-probabilities (full weights or LoRA). kto:
+    Kahneman-Tversky Optimization's loss (TRL's KTOTrainer) on answers with a thumbs-up or down
+    (data.format=unpaired), against a reference (the starting weights; with LoRA the base, adapters
+    off) and its KL estimate from mismatched prompt/completion pairs. reward: a reward model, a
+    scalar score head on the model (transformers' sequence classifier, num_labels=1) trained with
+    the Bradley–Terry loss on preference pairs (TRL's RewardTrainer); its model/ loads with
+    AutoModelForSequenceClassification and `cputrain score` scores records with it."""
 
     dpo_beta: float = Field(0.1, gt=0)
     """DPO's β: how far the policy may move from the reference (TRL's default, 0.1)."""
@@ -431,7 +450,8 @@ class TrainConfig(Section):
     memory (8 bytes a pair), so no step runs the reference: with LoRA 1.35× the trained tokens/s of
     live on a 2-core AVX512-BF16 EPYC (docs/benchmarks/sft-and-dpo.md, block dpo). live (LoRA only): the base
     with the adapters off on every micro-batch, which costs less only where a run sees fewer pairs
-    than the data holds. Full weights precompute always: live would need a second model."""
+    than the data holds. Full weights precompute always: live would need a second model. KTO's
+    reference is always precomputed so, its KL completions included."""
 
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """DPO's label smoothing: the share of pairs taken as wrongly labelled (conservative DPO); 0: none."""
@@ -441,6 +461,22 @@ class TrainConfig(Section):
 
     simpo_gamma: float = Field(0.5, ge=0)
     """SimPO's target reward margin γ (the SimPO paper's default, 0.5)."""
+
+    kto_beta: float = Field(0.1, gt=0)
+    """KTO's β: how far the policy may move from the reference (TRL's default, 0.1)."""
+
+    kto_desirable_weight: float = Field(1.0, gt=0)
+    """KTO's weight on the losses of desirable answers (label true; TRL's desirable_weight, 1.0).
+    Where the data holds more of one label than the other, the run warns as TRL does with the range
+    the KTO paper recommends for the weights (desirable × its count over undesirable × its count
+    in [1, 4/3])."""
+
+    kto_undesirable_weight: float = Field(1.0, gt=0)
+    """KTO's weight on the losses of undesirable answers (label false; TRL's undesirable_weight, 1.0)."""
+
+    center_rewards_coefficient: float | None = Field(None, ge=0)
+    """reward: a penalty on the squared sum of each pair's two rewards, times this, that keeps the
+    rewards centred on zero (TRL's center_rewards_coefficient; 0.01 is its recommendation). Empty: none."""
 
     stop_at_step: int | None = Field(None, gt=0)
     """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)
@@ -637,6 +673,24 @@ class Config(Section):
             raise ValueError(f"model.activation_checkpointing={self.model.activation_checkpointing} does not take "
                              "parallel.strategy=zero3; use "
                              "true, a number of blocks, or strategy fsdp (which shards the same way)")
+        return self
+
+    @model_validator(mode="after")
+    def _head_fits(self):
+        if self.train.objective != "reward":
+            return self
+        if self.model.chunked_loss is True:
+            raise ValueError("model.chunked_loss=true cuts a vocabulary head's logits into blocks, and "
+                             "train.objective=reward trains a score head of one output; set model.chunked_loss=auto "
+                             "or false")
+        # These two build their own copy of the model as a causal LM (ZeRO-3 inside zero.Init,
+        # FSDP's random init of a model from scratch): not yet a sequence classifier.
+        if self.parallel.strategy == "zero3":
+            raise ValueError("parallel.strategy=zero3 does not train a reward model yet (train.objective=reward); use "
+                             "single, ddp or fsdp, which shard or replicate the same model")
+        if self.parallel.strategy == "fsdp" and self.model.name_or_path is None:
+            raise ValueError("a reward model from random weights does not take parallel.strategy=fsdp yet; start "
+                             "from a model folder (model.name_or_path), or use single or ddp")
         return self
 
     @model_validator(mode="after")

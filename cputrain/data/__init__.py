@@ -5,7 +5,8 @@ Every kind of data is a package of the same files:
 
     text/        documents joined with EOS and cut into rows of data.seq_len (pretraining)
     examples/    chat, prompt/completion and Alpaca records, their answers trained (SFT)
-    preference/  a prompt with a chosen and a rejected answer (DPO, SimPO)
+    preference/  a prompt with a chosen and a rejected answer (DPO, SimPO, reward models)
+    feedback/    a prompt and one answer with a thumbs-up or down (KTO), each with its KL sequence
 
         kind.py      the kind object (the DataKind protocol, kind.py): the record fields, the
                      tokenizing worker, the stream files and counters, stats.json, its part of
@@ -19,9 +20,9 @@ cache_key.py (every kind's cache key), worker_corpus.py (the corpus as a worker 
 batch.py (a micro-batch), cache_builder.py (one path for every kind) and prepare.py (the front
 door: picks the kind, has its entry built once, opens it).
 
-A new kind, such as the unpaired feedback KTO trains on (prompt, completion, label), is a
-package beside these and one line in prepare.kind_of for its data.format (a value the config's
-data.format must also admit; sources.format_choice, if auto is to find it):
+A new kind is a package beside these and one line in prepare.kind_of for its data.format (a
+value the config's data.format must also admit; sources.format_choice, if auto is to find it), as
+feedback/ was added:
 
 - tokenize.py: its spec (a frozen dataclass whose key() names everything that changes its tokens,
   with its own "format", so its keys never meet another kind's), its COUNTERS, and

@@ -3,8 +3,10 @@
 Every kind of data gives the trainer rows (cputrain.data.rows) with `len(rows)` and
 `rows.batch(indices)`: packed text (cputrain.data.text.rows.TokenRows: every token a label,
 positions 0…seq_len-1), chat or prompt/completion examples (cputrain.data.examples.rows.ExampleRows:
-labels only on answers, positions restarting per example), and preference pairs
-(cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token).
+labels only on answers, positions restarting per example), preference pairs
+(cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token) and
+unpaired feedback (cputrain.data.feedback.rows.FeedbackRows: a FeedbackBatch, each example's label
+and the batch of its KL sequences beside).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Batch:
     # [micro-batch, 1, tokens, tokens] bool, True: attend; pairs with a shared prompt
     # (cputrain.data.preference.rows) carry it. None: transformers builds the causal mask from the positions.
     attention_mask: torch.Tensor | None = None
+    # Preference pairs with a margin each (data.margin_field): the reward model's loss subtracts it.
+    margins: torch.Tensor | None = None
 
     @property
     def pairs(self) -> int:

@@ -82,6 +82,20 @@ def content_text(content) -> str | None:
     return "\n".join(texts)
 
 
+def template_for_records(tokenizer, path: str | None) -> str | None:
+    """The template conversational records (pairs, feedback) are rendered with, given to the
+    tokenizer so the exported model/ carries it (as for chat examples); None where the tokenizer
+    has none (string records never read it; a conversational one then says so)."""
+    from cputrain.errors import DataError
+
+    try:
+        template = template_of(tokenizer, path)
+    except DataError:
+        return None
+    tokenizer.chat_template = template
+    return template
+
+
 def template_of(tokenizer, template_file: str | None) -> str:
     """The template a run renders with: data.chat_template's file, the tokenizer's, or the built-in one."""
     if template_file:

@@ -5,8 +5,9 @@ kind and never ask which one it is. A kind says which record fields the corpus m
 tokenizing worker turns rows into arrays, the stream files and counters of its cache entry, its
 stats.json, its part of the cache key, and how a complete entry opens as the rows the trainer
 batches from. The kinds are text (cputrain.data.text), examples (cputrain.data.examples: chat,
-prompt/completion, Alpaca) and preference pairs (cputrain.data.preference), each a package of the
-same files; how another is added: cputrain.data's docstring.
+prompt/completion, Alpaca), preference pairs (cputrain.data.preference) and unpaired feedback
+(cputrain.data.feedback), each a package of the same files; how another is added: cputrain.data's
+docstring.
 """
 
 from __future__ import annotations

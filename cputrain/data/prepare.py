@@ -19,6 +19,7 @@ from cputrain.config import DataConfig
 from cputrain.data import cache_builder, cache_lock, sources
 from cputrain.data.cache_key import cache_key
 from cputrain.data.examples.kind import ExampleKind
+from cputrain.data.feedback.kind import FeedbackKind
 from cputrain.data.kind import DataKind
 from cputrain.data.preference.kind import PreferenceKind
 from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, stop_on_signal
@@ -34,6 +35,8 @@ def kind_of(data_cfg: DataConfig, data_format: str, tokenizer) -> DataKind:
         return TextKind(tokenizer)
     if data_format == "preference":
         return PreferenceKind(data_cfg, tokenizer)
+    if data_format == "unpaired":
+        return FeedbackKind(data_cfg, tokenizer)
     return ExampleKind(data_cfg, data_format, tokenizer)
 
 
@@ -158,8 +161,8 @@ def _stopped_line(cfg, signal_name: str) -> str:
 
 def prepare(cfg, tokenizer=None, isolate: bool = True):
     """(tokenizer, data) for a config: what `train`, `eval` and `prepare` all use. The data is
-    packed text (PackedData), examples (ExampleData) or preference pairs (PreferenceData): whatever the kind, data.rows(split) gives
-    the rows the trainer batches from.
+    packed text (PackedData), examples (ExampleData), preference pairs (PreferenceData) or unpaired
+    feedback (FeedbackData): whatever the kind, data.rows(split) gives the rows the trainer batches from.
 
     `cfg` is resolved (data.num_proc is a number). A tokenizer is trained, once, only for a model
     built from scratch; the corpus is opened only by the process that builds something. With

@@ -89,12 +89,41 @@ def _pydoc_preferences():
                    "rejected": [{"role": "assistant", "content": other}]}
 
 
+def _pydoc_feedback():
+    # Thumbs-up and thumbs-down answers from the same text, for the offline KTO demo
+    # (configs/demo-kto.yaml): the pairs of builtin:pydoc-dpo taken apart as TRL's
+    # unpair_preference_dataset takes them, every topic's chosen answer with a thumbs-up first, then
+    # every topic's rejected one with a thumbs-down. No two neighbours share a question, so the
+    # answer KTO's KL estimate takes from an example's neighbour is always another question's.
+    pairs = list(_pydoc_preferences())
+    for answer, label in (("chosen", True), ("rejected", False)):
+        for pair in pairs:
+            yield {"prompt": pair["prompt"], "completion": pair[answer], "label": label}
+
+
+def _pydoc_garbled():
+    # Preference pairs for the offline reward-model demo (configs/demo-reward.yaml): each help
+    # topic's question as builtin:pydoc-dpo asks it, the chosen answer its opening paragraph, the
+    # rejected one the same words in a shuffled order (seeded). What tells them apart is written
+    # English, which a reward model can learn from ~70 pairs and carry to topics it never saw;
+    # which of two fluent paragraphs answers the question (pydoc-dpo's pairs) it cannot, at the
+    # demo's size (docs/guides/preference.md).
+    import random
+
+    rng = random.Random(0)
+    for pair in _pydoc_preferences():
+        words = pair["chosen"][0]["content"].split()
+        rng.shuffle(words)
+        yield {**pair, "rejected": [{"role": "assistant", "content": " ".join(words)}]}
+
+
 def _chat(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
 BUILTINS = {"builtin:pydoc": _pydoc_paragraphs, "builtin:pydoc-sft": _pydoc_instructions,
-            "builtin:pydoc-dpo": _pydoc_preferences}
+            "builtin:pydoc-dpo": _pydoc_preferences, "builtin:pydoc-kto": _pydoc_feedback,
+            "builtin:pydoc-reward": _pydoc_garbled}
 
 
 def _pydoc_documents() -> list[str]:
@@ -273,7 +302,7 @@ def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpu
     for name in fields or (field,):
         if name not in ds.column_names:
             key = "data.text_field" if fields is None else "data.format and its field names (data.messages_field, " \
-                "data.prompt_field, data.completion_field, data.chosen_field, data.rejected_field)"
+                "data.prompt_field, data.completion_field, data.chosen_field, data.rejected_field, data.label_field)"
             raise DataError(f"dataset '{cfg.source}' has no field '{name}' (fields: {ds.column_names}); set {key}")
     rows = min(len(ds), cfg.max_documents or len(ds))
     if rows == 0:
@@ -288,7 +317,7 @@ def _text_field(cfg: DataConfig) -> str:
         return "text"
     fmt = record_format(cfg)
     return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field, "alpaca": "output",
-            "preference": cfg.chosen_field}.get(
+            "preference": cfg.chosen_field, "unpaired": cfg.completion_field}.get(
         fmt, cfg.text_field)
 
 
@@ -301,8 +330,10 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
     """The field names of the first record, read without converting the corpus."""
     if cfg.source == "builtin:pydoc-sft":
         return ["messages"]
-    if cfg.source == "builtin:pydoc-dpo":
+    if cfg.source in ("builtin:pydoc-dpo", "builtin:pydoc-reward"):
         return ["prompt", "chosen", "rejected"]
+    if cfg.source == "builtin:pydoc-kto":
+        return ["prompt", "completion", "label"]
     if cfg.source.startswith(BUILTIN_PREFIX) or _plain_text_files(cfg):
         return ["text"]
     if cfg.source.startswith(HF_PREFIX):
@@ -338,6 +369,9 @@ def format_choice(cfg: DataConfig) -> tuple[str, str]:
     fields = _first_record_fields(cfg)
     if cfg.chosen_field in fields and cfg.rejected_field in fields:
         fmt, why = "preference", f"the first record has '{cfg.chosen_field}' and '{cfg.rejected_field}'"
+    elif cfg.label_field in fields and cfg.completion_field in fields:
+        fmt, why = "unpaired", (f"the first record has '{cfg.completion_field}' and a '{cfg.label_field}' (TRL's "
+                                "unpaired preference: a thumbs-up or down on one answer)")
     elif cfg.messages_field in fields:
         fmt, why = "chat", f"the first record has '{cfg.messages_field}'"
     elif cfg.prompt_field in fields and cfg.completion_field in fields:

@@ -1,5 +1,6 @@
 """`cputrain eval` on a dataset: a finished model's loss per trained target and perplexity, or,
-for a preference run, its objective's loss and reward figures on held-out pairs."""
+for a run with a preference objective (DPO, SimPO, KTO, reward model), its objective's loss and
+figures on held-out pairs or feedback."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     `cfg` is resolved for this machine, with what the data is (data.format, data.train_on)."""
     from cputrain.data.prepare import prepare, rows_of
     from cputrain.finished.load import load_for_inference, model_folder
-    from cputrain.objectives.objective import PREFERENCE_OBJECTIVES
     from cputrain.objectives.validation_loss import evaluate_loss
 
-    preference = cfg.train.objective in PREFERENCE_OBJECTIVES
+    preference = cfg.train.objective != "lm"
     if preference:  # the models are loaded by evaluate_pairs, one after the other
         from cputrain.data.tokenizer import load_tokenizer
         from cputrain.finished.preference_eval import require_reference
@@ -26,7 +26,7 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     rows = rows_of(data, "val")
     if split != "val" or len(rows) == 0:
         rows = rows_of(data, "train")
-    if preference:  # held-out pairs: the objective's loss, reward accuracy and margin (TRL's names)
+    if preference:  # held-out pairs or feedback: the objective's loss and figures (TRL's names)
         from cputrain.finished.preference_eval import evaluate_pairs
 
         result = evaluate_pairs(path, cfg, rows, max_sequences)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from cputrain.errors import ModelError
-from cputrain.finished.load import load_for_inference, model_folder
+from cputrain.finished.load import is_reward_model, load_for_inference, model_folder
 
 
 @torch.no_grad()
@@ -18,6 +18,9 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 80, temperature:
     from cputrain.data.chat_template import render, template_variables
     from cputrain.model.folder_description import generation_end_ids
 
+    if is_reward_model(model_folder(path)):
+        raise ModelError(f"the model in '{model_folder(path)}' is a reward model: it scores text, it does not write "
+                         "any; score records with `cputrain score`")
     model, tokenizer = load_for_inference(path)
     # Sampling from NaN logits fails deep inside torch.multinomial; say what is wrong instead.
     damaged = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]

@@ -13,6 +13,7 @@ says what it holds as a run's model/ does (cputrain.model.folder_description).
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ import torch
 from cputrain.errors import ModelError, one_line
 from cputrain.lora.adapters import ADAPTER
 from cputrain.model.folder_description import describe_model_folder, write_generation_config
+from cputrain.model.score_head import SCORE
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -48,12 +50,18 @@ def write_adapter_folder(tensors: Iterable[tuple[str, torch.Tensor]], model, tok
             pass
         return
     gathered = {name: tensor.detach().contiguous() for name, tensor in tensors}
+    head = gathered.pop(f"{SCORE}.weight", None)  # a reward model's score head
     # peft's own conversion: drops the adapter's name from every key, as its save_pretrained does
     adapter_sd = get_peft_model_state_dict(model, state_dict=gathered, adapter_name=ADAPTER)
+    config = model.peft_config[ADAPTER]
+    if head is not None:  # saved as peft saves a module_to_save of its sequence classification
+        adapter_sd[f"{SCORE}.weight"] = head
+        config = copy.copy(config)
+        config.modules_to_save = [SCORE]
     out = Path(out_dir)
     tmp = fresh_staging(out)
     save_file({PEFT_PREFIX + k: v for k, v in adapter_sd.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    model.peft_config[ADAPTER].save_pretrained(str(tmp))
+    config.save_pretrained(str(tmp))
     tokenizer.save_pretrained(tmp)
     base = model.peft_config[ADAPTER].base_model_name_or_path
     write_generation_config(tmp, tokenizer, started_from=Path(base) if base else None)
@@ -80,14 +88,28 @@ def base_of(folder: Path) -> str:
     return base
 
 
+def is_reward_adapter(folder: Path) -> bool:
+    """Whether the adapter folder is a reward model's (peft's sequence classification: adapters and a score head)."""
+    return json.loads((folder / CONFIG_NAME).read_text()).get("task_type") == "SEQ_CLS"
+
+
 def load_adapted(folder: Path, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False):
-    """The base model with the adapter folder's adapters on it (a peft PeftModel)."""
+    """The base model with the adapter folder's adapters on it (a peft PeftModel); a reward
+    model's base as a sequence classifier with one output whose pooling skips the pad token."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     base = base_of(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
+        if is_reward_adapter(folder):
+            from cputrain.data.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(str(folder), trust_remote_code)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                base, dtype=dtype, trust_remote_code=trust_remote_code, num_labels=1,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
         with warnings.catch_warnings():  # peft asks transformers 5 for a renamed attribute; nothing to act on
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
             return PeftModel.from_pretrained(model, str(folder))

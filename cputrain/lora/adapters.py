@@ -17,6 +17,7 @@ from torch import nn
 
 from cputrain.config import LLAMA_PROJECTIONS, LoraConfig
 from cputrain.errors import ModelError, one_line
+from cputrain.model.score_head import SCORE
 
 ADAPTER = "default"  # peft's adapter name; the exported folder holds this one adapter
 
@@ -92,15 +93,25 @@ def check_rank(model: nn.Module, cfg: LoraConfig) -> None:
 def peft_config(model: nn.Module, cfg: LoraConfig, base_path: str | None = None):
     from peft import LoraConfig as PeftLoraConfig
 
+    # A reward model's folder is peft's sequence classification (its head saved with the adapters,
+    # modules_to_save), so PeftModel and transformers load it onto AutoModelForSequenceClassification.
+    # The skeleton itself gets no modules_to_save: the head stays one plain trained parameter.
+    classifier = isinstance(getattr(model, SCORE, None), nn.Linear)
     return PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_modules(model, cfg),
-        init_lora_weights=cfg.init_weights, bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_path,
+        init_lora_weights=cfg.init_weights, bias="none", task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
+        base_model_name_or_path=base_path,
     )
 
 
 def is_adapter_parameter(name: str) -> bool:
     """A parameter peft added: it is not in the base model's files."""
     return ".lora_" in name
+
+
+def is_exported_parameter(name: str) -> bool:
+    """What the adapter folder holds: the adapters, and a reward model's score head (trained with them)."""
+    return is_adapter_parameter(name) or name == f"{SCORE}.weight"
 
 
 def base_file_name(param_name: str) -> str | None:
@@ -135,6 +146,9 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype, s
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ModelError(f"peft could not add LoRA adapters to this model: {one_line(exc)}") from None
+    head = getattr(model, SCORE, None)
+    if isinstance(head, nn.Linear):  # a reward model's score head is trained with the adapters (fp32 masters)
+        head.weight.requires_grad_(True)
     # Frozen weights need no fp32 master copy: no gradient or optimizer step ever touches them.
     store_frozen(model, frozen_dtype, compute_dtype)
     initial = {}

@@ -247,19 +247,24 @@ class RunMetrics:
 
 PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                    "logps/rejected")
+# what KTO (kl) and a reward model (accuracy, margin, mean_reward) log beside, or instead of, DPO's
+FIGURE_KEYS = PREFERENCE_KEYS + ("kl", "accuracy", "margin", "mean_reward")
 
 
 def _preference_figures(rows: list[dict], objective: str) -> dict:
-    """A preference run's figures (TRL's names): the last logged step's, the first and last
-    validation's (eval_…, with first_eval_… to read what training changed)."""
+    """A preference run's figures (TRL's names, those its objective logs: DPO's and SimPO's before
+    any step), the last logged step's, the first and last validation's (eval_…, with
+    first_eval_… of the accuracy and margin to read what training changed)."""
     if objective == "lm":
         return {}
     out = {"objective": objective}
-    trained = [r for r in rows if "rewards/accuracies" in r]
-    evals = [r for r in rows if "eval_rewards/accuracies" in r]
-    for key in PREFERENCE_KEYS:
-        out[key] = trained[-1][key] if trained else None
-        out[f"eval_{key}"] = evals[-1][f"eval_{key}"] if evals else None
-    for key in ("rewards/accuracies", "rewards/margins"):
-        out[f"first_eval_{key}"] = evals[0][f"eval_{key}"] if evals else None
+    keys = [key for key in FIGURE_KEYS if any(key in r for r in rows)] or list(PREFERENCE_KEYS)
+    trained = [r for r in rows if keys[0] in r]
+    evals = [r for r in rows if f"eval_{keys[0]}" in r]
+    for key in keys:
+        out[key] = trained[-1].get(key) if trained else None
+        out[f"eval_{key}"] = evals[-1].get(f"eval_{key}") if evals else None
+    for key in ("rewards/accuracies", "rewards/margins", "accuracy", "margin"):
+        if key in keys:
+            out[f"first_eval_{key}"] = evals[0].get(f"eval_{key}") if evals else None
     return out

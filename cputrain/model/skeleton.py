@@ -1,4 +1,5 @@
-"""The model's structure: the Hugging Face causal LM on the meta device, its decoder blocks, and
+"""The model's structure: the Hugging Face causal LM (or a reward model's sequence classifier,
+model.score_head) on the meta device, its decoder blocks, and
 what is done to them (activation checkpointing, compiled blocks), and its parameter counts."""
 
 from __future__ import annotations
@@ -44,11 +45,15 @@ def build_skeleton(source: ModelSource, cfg: ModelConfig) -> nn.Module:
 
 
 def _from_config(hf_config, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from cputrain.model.score_head import is_score_config
+
+    # a reward model's config (model.score_head.fit_head) builds the sequence classifier
+    auto = AutoModelForSequenceClassification if is_score_config(hf_config) else AutoModelForCausalLM
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
+            return auto.from_config(
                 hf_config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
                 dtype=torch.float32,  # master weights stay fp32; bf16 is a compute choice (autocast)
             )

@@ -1,10 +1,17 @@
 """A run's objective, chosen once from train.objective: what one micro-batch's loss is, what the
-step counts to normalise it (trained targets, or pairs), and the validation figures.
+step counts to normalise it (trained targets, pairs or examples), and the validation figures.
 
 The trainer calls it the same way for every objective. The step's loss is the sum over the global
-batch ÷ the global count of its items (trained targets for lm, pairs for dpo and simpo), each rank
-dividing by that count ÷ world size because strategies average gradients over ranks: the loss is
-then the mean over the whole global batch whatever the micro-batch size and number of ranks.
+batch ÷ the global count of its items (trained targets for lm, pairs for dpo, simpo and reward,
+examples for kto), each rank dividing by that count ÷ world size because strategies average
+gradients over ranks: the loss is then the mean over the whole global batch whatever the
+micro-batch size and number of ranks. Every objective answers the same questions: which head the
+model needs (`head`: the language model's, or a reward model's score), whether it keeps reference
+log-probabilities beside the token cache (`stores_reference`), what it computes before training
+(`prepare`) and at the start of each step over the step's micro-batches (`start_step`), a
+micro-batch's loss and the sums of its figures (`loss`), the figures from the global sums
+(`figures`), and the validation sums (`summed`). KTO's is objectives.kto, the reward model's
+objectives.reward.
 """
 
 from __future__ import annotations
@@ -18,11 +25,18 @@ import numpy as np
 import torch
 
 from cputrain.errors import ConfigError
-from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, sequence_logps, simpo_losses, sums_by_sequence
+from cputrain.objectives.preference_loss import STAT_NAMES, dpo_losses, simpo_losses
+from cputrain.objectives.sequence_sums import summed_logps
 
 log = logging.getLogger("cputrain")
 
 PREFERENCE_OBJECTIVES = ("dpo", "simpo")
+# What each objective trains on (data.format), and what to set where it is not that.
+DATA_OF = {"dpo": "preference", "simpo": "preference", "reward": "preference", "kto": "unpaired"}
+# What the plans read of an objective before any run: the head it trains (model.score_head) and
+# the forwards a step runs beyond its own over the same tokens (KTO: its KL sequences, no gradient).
+HEAD_OF = {"reward": "score"}
+EXTRA_FORWARDS = {"kto": 1}
 
 
 def check_reference(train_cfg, lora: bool) -> None:
@@ -35,27 +49,44 @@ def check_reference(train_cfg, lora: bool) -> None:
 
 def check_objective(objective: str, data_format: str) -> None:
     """Refuse, in one line, an objective that cannot train on this data."""
-    if objective in PREFERENCE_OBJECTIVES and data_format != "preference":
+    wanted = DATA_OF.get(objective)
+    if wanted == "preference" and data_format != "preference":
         raise ConfigError(f"train.objective={objective} trains on preference pairs, but data.format is {data_format}; "
                           "set data.format=preference (or auto) on records with chosen and rejected answers")
+    if wanted == "unpaired" and data_format != "unpaired":
+        fix = ("train.objective=dpo, simpo or reward on pairs, or take each pair apart into a desirable and an "
+               "undesirable record" if data_format == "preference" else "data.format=unpaired (or auto)")
+        raise ConfigError(f"train.objective=kto trains on answers each with a thumbs-up or down (prompt, completion "
+                          f"and a boolean label: data.format=unpaired), but data.format is {data_format}; set {fix}")
     if objective == "lm" and data_format == "preference":
         raise ConfigError("data.format=preference holds pairs, which the language-model loss (train.objective=lm) "
-                          "does not read; set train.objective=dpo or simpo")
+                          "does not read; set train.objective=dpo or simpo (or reward, to train a reward model)")
+    if objective == "lm" and data_format == "unpaired":
+        raise ConfigError("data.format=unpaired holds answers with a thumbs-up or down, which the language-model loss "
+                          "(train.objective=lm) does not read; set train.objective=kto")
 
 
 class LmObjective:
     """The next-token loss on trained targets: what every run trained before preference objectives."""
 
     names: tuple[str, ...] = ()  # no figures beside the loss
+    stores_reference = False
+    head = "lm"
 
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
         """Before training and before any checkpoint is loaded: nothing to compute."""
+
+    def start_step(self, model, micro_batches: list, autocast) -> None:
+        """Before a step's micro-batches: nothing to compute."""
 
     def items(self, batch) -> int:
         return batch.trained_targets
 
     def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, None]:
         return model(**batch.model_inputs(), num_items_in_batch=divisor).loss, None
+
+    def figures(self, sums, items: int) -> dict[str, float]:
+        return {}
 
     @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
@@ -73,11 +104,27 @@ class PreferenceObjective:
     train.dpo_reference=live, the base runs on each micro-batch instead."""
 
     names = STAT_NAMES
+    head = "lm"
 
     def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None,
                  chunked: bool = False):
         self.cfg, self.reference, self.chunked = train_cfg, reference, chunked
         self.kind = train_cfg.objective
+
+    @property
+    def stores_reference(self) -> bool:
+        """DPO's precomputed reference is kept beside the token cache (objectives.reference_store)."""
+        return self.kind == "dpo"
+
+    def start_step(self, model, micro_batches: list, autocast) -> None:
+        """Before a step's micro-batches: nothing to compute."""
+
+    def figures(self, sums, items: int) -> dict[str, float]:
+        """TRL's figures: means over the pairs."""
+        return {name: float(v) / max(items, 1) for name, v in zip(self.names, sums)}
+
+    def reference_table(self, model, split, micro_batch: int, autocast, indices=None) -> torch.Tensor:
+        return reference_table(model, split, micro_batch, autocast, indices, self.chunked)
 
     @torch.no_grad()
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
@@ -93,25 +140,12 @@ class PreferenceObjective:
         store = store or ReferenceStore(None, 0, 1, 0)
         started_s = time.perf_counter()
         pairs = sum(split.pairs for split in rows)
-        tables = store.load(rows)
-        if tables is not None:
-            for split, table in zip(rows, tables):
-                split.reference_logps = table
-            log.info("DPO reference: the log-probabilities of %d pairs read from %s", pairs, store.path)
-            return
         model.eval()
         base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
-        tables = []
-        with base:
-            for split in rows:
-                split.reference_logps = None
-                indices, owns_any = store.share(len(split))
-                table = reference_table(model, split, micro_batch, autocast, indices, self.chunked)
-                tables.append(table if owns_any else table.zero_())
-        tables = store.combine(tables)
-        for split, table in zip(rows, tables):
-            split.reference_logps = table
-        store.save(tables)
+        if store.fill(rows, lambda split, indices: reference_table(model, split, micro_batch, autocast, indices,
+                                                                   self.chunked), base):
+            log.info("DPO reference: the log-probabilities of %d pairs read from %s", pairs, store.path)
+            return
         log.info("DPO reference: the log-probabilities of %d pairs computed before training in %.1f s over %d "
                  "rank(s) (train.dpo_reference=precompute%s)%s", pairs, time.perf_counter() - started_s,
                  store.world_size, ": the base, adapters off" if self.reference is not None else ": the weights as loaded",
@@ -140,31 +174,18 @@ class PreferenceObjective:
         pairs = self._losses(model, batch)
         return pairs.losses.sum() / divisor, pairs.stat_sums()
 
-    @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
         """([sum of the losses, sums of TRL's figures…], pairs) over rows[indices]."""
-        total, pairs = np.zeros(1 + len(STAT_NAMES)), 0
-        indices = np.asarray(indices)
-        for start in range(0, len(indices), micro_batch):
-            batch = rows.batch(indices[start : start + micro_batch])
-            with autocast():
-                losses = self._losses(model, batch)
-            total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().double().numpy()])
-            pairs += batch.pairs
-        return total, pairs
+        from cputrain.objectives.validation_loss import micro_batches, summed_figures
+
+        return summed_figures(lambda batch: self._losses(model, batch), micro_batches(rows, indices, micro_batch),
+                              autocast, lambda batch: batch.pairs, len(STAT_NAMES))
 
 
 def pair_logps(model, batch, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each sequence's trained tokens, their number) for the 2 × pairs
-    sequences of `batch`: from the head a block of tokens at a time where model.chunked_loss
-    installed it, else from the whole logits."""
-    inputs = batch.model_inputs(model)  # a shared prompt's 4D mask typed for the model's attention kernel
-    sequences = 2 * batch.pairs
-    if chunked:  # labels stay: the head reads each one's log-probability, block by block
-        token_logps = model(**inputs, token_logps=True).token_logps
-        return sums_by_sequence(token_logps, batch.labels, batch.sequence_ids, sequences)
-    del inputs["labels"]  # the logits are wanted, not the language-model loss
-    return sequence_logps(model(**inputs).logits, batch.labels, batch.sequence_ids, sequences)
+    sequences of `batch` (objectives.sequence_sums)."""
+    return summed_logps(model, batch, chunked, 2 * batch.pairs)
 
 
 @torch.no_grad()
@@ -186,9 +207,17 @@ def reference_table(model, split, micro_batch: int, autocast, indices=None, chun
     return table
 
 
-def objective_for(train_cfg, reference, chunked: bool = False) -> LmObjective | PreferenceObjective:
+def objective_for(train_cfg, reference, chunked: bool = False):
     """The run's objective; `reference(model)` is the converter's context in which `model` is the
     reference; `chunked`: model.chunked_loss installed the block-wise head (kernels/chunked_loss)."""
     if train_cfg.objective in PREFERENCE_OBJECTIVES:
         return PreferenceObjective(train_cfg, reference, chunked)
+    if train_cfg.objective == "kto":
+        from cputrain.objectives.kto import KtoObjective
+
+        return KtoObjective(train_cfg, reference, chunked)
+    if train_cfg.objective == "reward":
+        from cputrain.objectives.reward import RewardObjective
+
+        return RewardObjective(train_cfg)
     return LmObjective()

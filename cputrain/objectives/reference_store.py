@@ -1,4 +1,5 @@
-"""DPO's precomputed reference log-probabilities, kept beside the token cache and computed once:
+"""The precomputed reference log-probabilities of DPO (each pair's two sequences) and KTO (each
+example and its KL sequence), kept beside the token cache and computed once:
 a resumed run, a second epoch's session and a later run on the same pairs read them back.
 
 The file lives in the token cache's entry (which is keyed by the data, tokenizer and cut), named
@@ -57,6 +58,27 @@ class ReferenceStore:
             tables = list(flat.split([len(t) for t in tables]))
         return tables
 
+    def fill(self, rows: list, compute, base) -> bool:
+        """Every split of `rows` given its table (split.reference_logps): read from the file where
+        every rank finds it (True), else computed inside the context `base` (the converter's
+        reference, or none), this rank its share of each split's rows (`compute(split, indices)`:
+        a table with those rows' numbers, 0 elsewhere), summed over the ranks and saved (False)."""
+        tables = self.load(rows)
+        read = tables is not None
+        if not read:
+            tables = []
+            with base:
+                for split in rows:
+                    split.reference_logps = None
+                    indices, owns_any = self.share(len(split))
+                    table = compute(split, indices)
+                    tables.append(table if owns_any else table.zero_())
+            tables = self.combine(tables)
+            self.save(tables)
+        for split, table in zip(rows, tables):
+            split.reference_logps = table
+        return read
+
     def save(self, tables: list[torch.Tensor]) -> None:
         if self.path is None or self.local_rank != 0 or self.path.exists():
             return
@@ -75,7 +97,7 @@ def _read(path: Path, rows: list) -> list[torch.Tensor] | None:
     except (OSError, ValueError, RuntimeError):  # absent, or damaged: computed again
         return None
     tables = [saved.get(f"split{i}") for i in range(len(rows))]
-    if any(t is None or len(t) != 2 * split.pairs for t, split in zip(tables, rows)):
+    if any(t is None or len(t) != split.reference_sequences for t, split in zip(tables, rows)):
         return None
     return tables
 

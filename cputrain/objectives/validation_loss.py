@@ -1,5 +1,7 @@
 """Validation loss: one loop over rows of packed text or examples, for the trainer's evaluation
-(each rank its share, then summed over ranks) and for `cputrain eval` on a finished model.
+(each rank its share, then summed over ranks) and for `cputrain eval` on a finished model; and
+the loop of the objectives with figures (DPO, SimPO, KTO, the reward model), their losses' and
+figures' sums over micro-batches (`summed_figures`).
 
 The loss is per trained target: the sum of the losses of every target that carries a label ÷
 their number. Packed text has seq_len - 1 targets in every row, so this is also the mean of the
@@ -40,3 +42,22 @@ def evaluate_loss(model, rows, max_rows: int, micro_batch: int) -> dict:
     total, targets = summed_loss(model, rows, np.arange(n), micro_batch)
     loss = total / max(targets, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "sequences": n, "trained_targets": targets}
+
+
+def micro_batches(rows, indices, micro_batch: int) -> list:
+    """rows[indices] as the micro-batches of `micro_batch` rows that evaluation takes."""
+    indices = np.asarray(indices)
+    return [rows.batch(indices[start : start + micro_batch]) for start in range(0, len(indices), micro_batch)]
+
+
+@torch.no_grad()
+def summed_figures(losses_of, batches: list, autocast, items_of, figures: int) -> tuple[np.ndarray, int]:
+    """([sum of the losses, sums of the `figures` figures…], items) over `batches`: `losses_of(batch)`
+    gives an objective's losses (.losses, one per item, and .stat_sums()), `items_of(batch)` its items."""
+    total, items = np.zeros(1 + figures), 0
+    for batch in batches:
+        with autocast():
+            losses = losses_of(batch)
+        total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().double().numpy()])
+        items += items_of(batch)
+    return total, items

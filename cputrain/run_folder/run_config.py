@@ -34,6 +34,8 @@ IDENTITY_KEYS = (
     "data.completion_field",
     "data.chosen_field",
     "data.rejected_field",
+    "data.label_field",
+    "data.margin_field",
     "data.truncation",
     "data.seq_len",
     "data.val_fraction",
@@ -47,6 +49,10 @@ IDENTITY_KEYS = (
     "train.dpo_label_smoothing",
     "train.simpo_beta",
     "train.simpo_gamma",
+    "train.kto_beta",
+    "train.kto_desirable_weight",
+    "train.kto_undesirable_weight",
+    "train.center_rewards_coefficient",
     "model.lora.enabled",  # checked first below: adapters-only checkpoints cannot continue a full fine-tune
     "model.lora.rank",
     "model.lora.alpha",
@@ -57,7 +63,9 @@ IDENTITY_KEYS = (
 # key's value was this (what every run trained then), so it continues under it.
 ADDED_KEYS = {"data.chosen_field": "chosen", "data.rejected_field": "rejected", "train.objective": "lm",
               "train.dpo_beta": 0.1, "train.dpo_label_smoothing": 0.0, "train.simpo_beta": 2.0,
-              "train.simpo_gamma": 0.5, "data.shared_prompt": False}
+              "train.simpo_gamma": 0.5, "data.shared_prompt": False, "data.label_field": "label",
+              "data.margin_field": None, "train.kto_beta": 0.1, "train.kto_desirable_weight": 1.0,
+              "train.kto_undesirable_weight": 1.0, "train.center_rewards_coefficient": None}
 
 
 def _get(d: dict, dotted: str):

@@ -160,7 +160,7 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
     vocab = source.hf_config.vocab_size if source is not None else None
     if now.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
         walk.record("model.chunked_loss", *chunked_loss_choice(
-            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab))
+            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, now.train.objective))
     if walk.config.parallel.strategy == "fsdp":
         _record_fsdp_choices(walk, facts, vocab)
     if walk.config.model.activation_checkpointing == "auto":

@@ -90,17 +90,17 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
 
 
 def check_objective_fits(cfg: Config) -> None:
-    """train.objective and data.shared_prompt read the data's kind (dpo, simpo and a shared prompt
-    pairs, lm everything else). A hub dataset under data.format=auto is not opened here (that can
+    """train.objective and data.shared_prompt read the data's kind (dpo, simpo, reward and a shared
+    prompt pairs, kto unpaired feedback, lm everything else). A hub dataset under data.format=auto is not opened here (that can
     take minutes): each rank checks it again once its format is decided."""
     from cputrain.data.sources import HF_PREFIX, format_choice
     from cputrain.errors import DataError
-    from cputrain.objectives.objective import check_objective, check_reference
+    from cputrain.objectives.objective import DATA_OF, check_objective, check_reference
 
     check_reference(cfg.train, cfg.model.lora.enabled)
     data = cfg.data
     if data.format == "auto" and data.source.startswith(HF_PREFIX):
-        fmt = "preference" if cfg.train.objective != "lm" else "text"  # decided by the rank
+        fmt = DATA_OF.get(cfg.train.objective, "text")  # decided by the rank
     else:
         try:
             fmt = format_choice(data)[0]

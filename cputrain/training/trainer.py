@@ -57,8 +57,9 @@ class Trainer:
         self.recorded = recorded  # the run folder's config.yaml as the run's choices read it (None: read at setup)
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
         check_objective(cfg.train.objective, cfg.data.format)
-        # lm, dpo or simpo, chosen once; DPO's reference is the converter's (LoRA: adapters off),
-        # or for full weights computed once from the starting weights (setup, before the resume)
+        # lm, dpo, simpo, kto or reward, chosen once; DPO's and KTO's reference is the converter's
+        # (LoRA: adapters off), or for full weights computed once from the starting weights (setup,
+        # before the resume)
         self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
@@ -113,6 +114,9 @@ class Trainer:
         # 3. Model skeleton on the meta device: the structure, no memory.
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
         models.check_vocab(source.hf_config, self.tokenizer)
+        # the head the objective trains (a reward model's score), with the pad token its pooling skips
+        models.fit_head(source.hf_config, self.objective.head, self.tokenizer.pad_token_id
+                        if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id)
         self.hf_config = source.hf_config
         skeleton = models.build_skeleton(source, cfg.model)
         self.converter.convert(skeleton, source)  # LoRA: adapters in, the base frozen
@@ -146,13 +150,13 @@ class Trainer:
 
         self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
         self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
-        # DPO (train.dpo_reference=precompute): the reference log-probabilities of every pair, from
-        # the weights as loaded (LoRA: the base), before a checkpoint (trained weights) replaces them;
-        # after the optimizer, because a sharding engine that gathers each module's partitioned
-        # weights around its forward may exist only from then on. They are kept in the token
-        # cache's entry, each rank its share.
+        # DPO (train.dpo_reference=precompute) and KTO: the reference log-probabilities of every
+        # sequence, from the weights as loaded (LoRA: the base), before a checkpoint (trained
+        # weights) replaces them; after the optimizer, because a sharding engine that gathers each
+        # module's partitioned weights around its forward may exist only from then on. They are
+        # kept in the token cache's entry, each rank its share.
         reference = None
-        if cfg.train.objective == "dpo":
+        if self.objective.stores_reference:
             from cputrain.objectives.reference_store import ReferenceStore, reference_file
 
             reference = ReferenceStore(reference_file(self.data.folder, source.folder, cfg), ranks.rank,
@@ -210,6 +214,8 @@ class Trainer:
         # only at the step), not once per micro-batch. Measured +3% tokens/s on a 97M Llama with
         # 2 micro-batches on AMX (benchmarks/bf16_step.py); more with more accumulation.
         with self.strategy.autocast():
+            # what the objective takes over the whole step first (KTO: its KL estimate, every rank's)
+            objective.start_step(self.model, micro_batches, self.strategy.autocast)
             for i, batch in enumerate(micro_batches):
                 with self.strategy.accumulation(self.model, last_micro_batch=i == len(micro_batches) - 1):
                     loss, figures = objective.loss(self.model, batch, divisor)
@@ -226,7 +232,7 @@ class Trainer:
         bad_losses, stops, save_due, *figure_totals = pg.all_reduce_sum([
             0.0 if math.isfinite(loss) else 1.0, float(self.stop_request.requested), float(time_due),
             *figure_sums.tolist()])
-        figures = {name: v / max(items, 1) for name, v in zip(objective.names, figure_totals)} or None
+        figures = objective.figures(figure_totals, items) or None
         # A named region (microseconds when no profiler runs): train.profile_step counts what is in it.
         with torch.profiler.record_function(OPTIMIZER_REGION):
             grad_norm, stepped = self.strategy.step(self.model, self.optimizer, self.cfg.train.grad_clip,
@@ -254,7 +260,7 @@ class Trainer:
         per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
         sums, items = self.objective.summed(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
         *sums, items = pg.all_reduce_sum([*sums.tolist(), items])
-        figures = {f"eval_{name}": v / max(items, 1) for name, v in zip(self.objective.names, sums[1:])}
+        figures = {f"eval_{name}": v for name, v in self.objective.figures(sums[1:], items).items()}
         return sums[0] / max(items, 1), figures
 
     # ------------------------------------------------------------------------------------

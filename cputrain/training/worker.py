@@ -74,7 +74,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         trainer.setup()
         summary = trainer.fit()
         if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
-            after_export(res.config, trainer.held_out_prompt())
+            after_export(res.config, trainer.held_out_prompt(), sample=trainer.objective.head == "lm")
     finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
         trainer.release_lock()
     if ranks.is_main and summary:
@@ -94,10 +94,11 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     return summary
 
 
-def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:
+def after_export(cfg: Config, prompt_ids: list[int] | None = None, sample: bool = True) -> None:
     """Rank 0, once model/ and metrics.jsonl are written: loss.png (metrics.plot owns it) and
     sample.txt (generated from the exported model: from "The" after pretraining, the answer to a
-    held-out prompt after fine-tuning on examples) in a local run folder."""
+    held-out prompt after fine-tuning on examples; not for a reward model, which writes no text,
+    `sample` false) in a local run folder."""
     from pathlib import Path
 
     run = RunFolder(cfg.output_dir)
@@ -108,7 +109,7 @@ def after_export(cfg: Config, prompt_ids: list[int] | None = None) -> None:
     from cputrain.metrics.plot import plot_losses
 
     plot_losses(MetricsJsonl(run).rows(), Path(local) / "loss.png")
-    if cfg.train.sample_tokens > 0:
+    if cfg.train.sample_tokens > 0 and sample:
         from cputrain.finished.generate import generate_text
 
         text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed,

@@ -22,8 +22,8 @@ LAYERS = [
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
     ["metrics"],  # a run's figures
     ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
-    ["objectives"],  # what a step minimises: the LM loss, DPO, SimPO; the validation-loss loop
-    ["finished"],  # a finished model: sampled, evaluated, benchmarked via lm-eval, written as GGUF
+    ["objectives"],  # what a step minimises: the LM loss, DPO, SimPO, KTO, a reward model's; the validation-loss loop
+    ["finished"],  # a finished model: sampled, evaluated, scored (reward models), benchmarked via lm-eval, as GGUF
     ["plan"],  # memory per rank and the time of a step, before any run
     ["training"],  # a run: refused before any work, launched, decided, its ranks' loop
     ["k8s"],  # manifests sized by the plan the run's choices decide

@@ -33,22 +33,21 @@ class PreferenceKind(SequenceKind):
     def __init__(self, data_cfg: DataConfig, tokenizer):
         from cputrain.data import chat_template
 
-        # Conversational pairs are rendered with the chat template; the tokenizer takes it, so the
-        # exported model/ carries it (as for chat examples). String pairs never read it.
-        try:
-            template = chat_template.template_of(tokenizer, data_cfg.chat_template)
-            tokenizer.chat_template = template
-        except DataError:
-            template = None  # string pairs need none; a conversational pair then says so (the worker)
+        template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
         self.spec = PreferenceSpec(data_cfg.prompt_field, data_cfg.chosen_field, data_cfg.rejected_field, template,
                                    chat_template.template_variables(tokenizer), data_cfg.seq_len,
-                                   shared_prompt(data_cfg))
+                                   shared_prompt(data_cfg), data_cfg.margin_field)
         self.tokenizer = tokenizer
 
     @property
     def fields(self) -> tuple[str, ...]:
         """The fields every record must have: the prompt may be missing (the implicit-prompt form)."""
-        return self.spec.chosen_field, self.spec.rejected_field
+        margin = (self.spec.margin_field,) if self.spec.margin_field else ()
+        return self.spec.chosen_field, self.spec.rejected_field, *margin
+
+    def streams(self, token_dtype: str) -> dict[str, str]:
+        margins = {"train.margins.bin": "float32", "val.margins.bin": "float32"} if self.spec.margin_field else {}
+        return {**super().streams(token_dtype), **margins}
 
     def open(self, folder: Path, data_cfg: DataConfig) -> PreferenceData:
         # "auto" only where the config was not decided (training.choices decides it first): preference's auto
@@ -85,5 +84,6 @@ class PreferenceKind(SequenceKind):
             "skipped_non_text_parts": progress["non_text_parts"],
             "skipped_tools_unsupported": progress["tools_unsupported"],
             "dropped_long": progress["dropped_long"],
+            "margin_field": self.spec.margin_field,
             **self.token_stats(progress),
         }

@@ -137,6 +137,7 @@ class PairRows(SequenceRows):
         # DPO's reference log-probabilities of every sequence (2k, 2k+1: pair k), where they were
         # computed once before training (full weights); each batch then carries its own.
         self.reference_logps: torch.Tensor | None = None
+        self.margins: np.ndarray | None = None  # each pair's margin (data.margin_field), set by open_pairs
 
     @property
     def tokens(self) -> int:
@@ -151,6 +152,11 @@ class PairRows(SequenceRows):
     @property
     def pairs(self) -> int:
         return len(self.lengths) // 2
+
+    @property
+    def reference_sequences(self) -> int:
+        """Sequences DPO's reference is computed for: both of each pair."""
+        return len(self.lengths)
 
     def _row(self, r: int):
         p0, p1 = self.bounds[r], self.bounds[r + 1]
@@ -193,7 +199,11 @@ class PairRows(SequenceRows):
         # Positions are always given: a row holds two sequences at least, whose positions restart.
         # Unshared, transformers builds the mask from them; shared, the batch carries it.
         mask = shared_prompt_mask(sequence_ids, visible) if self.shared_prompt else None
-        return Batch(input_ids, labels, positions, sequence_ids, reference, mask)
+        margins = None
+        if self.margins is not None:
+            margins = torch.from_numpy(np.concatenate([self.margins[self.bounds[int(r)]: self.bounds[int(r) + 1]]
+                                                       for r in indices]))
+        return Batch(input_ids, labels, positions, sequence_ids, reference, mask, margins)
 
 
 @dataclass
@@ -216,4 +226,7 @@ def open_pairs(folder: Path, packing: bool, shared_prompt: bool = False) -> Pref
     saved = train.saved_tokens
     stats = {**stats, "shared_prompt": shared_prompt, "shared_prompt_saved_tokens": saved,
              "shared_prompt_saved_share": round(saved / max(1, train.tokens + saved), 4)}
+    if stats.get("margin_field"):
+        for split, rows in (("train", train), ("val", val)):
+            rows.margins = np.fromfile(folder / f"{split}.margins.bin", dtype=np.float32, count=rows.pairs)
     return PreferenceData(train, val, stats, folder)

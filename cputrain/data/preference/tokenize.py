@@ -47,11 +47,13 @@ class PreferenceSpec:
     # Pairs are measured in the shared-prompt layout (cputrain.data.preference.rows): a pair that fits
     # only shared is kept, so the cache's pairs depend on it.
     shared_prompt: bool = False
+    margin_field: str | None = None  # each pair's margin (a number), kept in a stream of its own
 
     def key(self) -> dict:
         key = {"format": "preference", **self.__dict__}
-        if not self.shared_prompt:  # caches tokenized before the key existed measured pairs whole: still valid
-            del key["shared_prompt"]
+        for name in ("shared_prompt", "margin_field"):  # caches tokenized before each key existed: still valid
+            if not key[name]:
+                del key[name]
         return key
 
 
@@ -141,6 +143,8 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
     nothing = [None] * (stop - start)
     prompts = batch.get(spec.prompt_field) or nothing
     chosens, rejecteds = batch.get(spec.chosen_field) or nothing, batch.get(spec.rejected_field) or nothing
+    margins = (batch.get(spec.margin_field) or nothing) if spec.margin_field else None
+    kept_margins = {"train": [], "val": []}
     out = ChunkSequences()
     counts = dict.fromkeys(COUNTERS, 0)
     for i, is_val in enumerate(held_out):
@@ -167,4 +171,17 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
         for ids, mask in pair:
             counts["val_trained_tokens" if is_val else "trained_tokens"] += out.add(ids, mask, is_val)
         counts["val_pairs" if is_val else "train_pairs"] += 1
-    return out.chunk(start, stop, counts)
+        if margins is not None:
+            kept_margins["val" if is_val else "train"].append(_margin(margins[i], row, spec.margin_field))
+    chunk = out.chunk(start, stop, counts)
+    if margins is not None:
+        for split, values in kept_margins.items():
+            chunk.parts[f"{split}.margins.bin"] = np.asarray(values, dtype=np.float32)
+    return chunk
+
+
+def _margin(value, row: int, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise record_error(row, f"field '{name}' must be a number, how much better the chosen answer is than the "
+                                f"rejected one (got {value!r}); fix it, or leave data.margin_field empty")
+    return float(value)

@@ -118,6 +118,8 @@ def head_bytes(m: ModelShape, tokens: int, matmul_bytes: int, chunked_loss: bool
     gradient (a frozen LoRA head has neither)."""
     from cputrain.kernels.chunked_loss import block_rows
 
+    if any(p.name == "score.weight" for p in m.params):  # a reward model's head: one fp32 score a token
+        return tokens * m.hidden * 4
     if not chunked_loss:
         return 2 * tokens * m.hidden * 4 + 3 * tokens * m.vocab * 4
     block = min(tokens, block_rows(m.vocab)) * m.vocab * (4 + (matmul_bytes if matmul_bytes != 4 else 0))

@@ -55,12 +55,14 @@ class StepSettings:
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "auto"  # fsdp and zero3: parallel.reduce_scatter (auto: the all-to-all, as on gloo)
     prefetch: bool = False  # fsdp: parallel.prefetch, each block's gather issued one block ahead
+    extra_forwards: int = 0  # no-grad forwards of the blocks beyond the step's own (KTO's KL sequences: 1)
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
         """From a config whose keys are decided (cputrain.training.choices.decide_for_plan)."""
         from cputrain.config.reduction import reduce_scatter_in_use
         from cputrain.config.resolved import as_planned
+        from cputrain.objectives.objective import EXTRA_FORWARDS
 
         cfg = as_planned(cfg)
         p = cfg.parallel
@@ -68,14 +70,15 @@ class StepSettings:
         return cls(p.strategy, cfg.hardware.precision, cfg.train.micro_batch_size, cfg.data.seq_len,
                    cfg.train.global_batch_size, cfg.model.activation_checkpointing,
                    layout=p.layout if fsdp else "full_shard", reduce_dtype=p.reduce_dtype if fsdp else None,
-                   reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch)
+                   reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch,
+                   extra_forwards=EXTRA_FORWARDS.get(cfg.train.objective, 0))
 
     @classmethod
     def of_plan(cls, plan, global_batch: int) -> StepSettings:
         i = plan.inputs
         return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
                    i.persistence_threshold, i.max_reuse_distance, i.layout, i.reduce_dtype, i.reduce_scatter,
-                   i.prefetch)
+                   i.prefetch, i.extra_forwards)
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,8 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     checkpointed = checkpointed_blocks(s.activation_checkpointing, shape.layers)
     model_ft, recompute_ft, fwd_ft, bwd_ft = _flops_per_token(shape, s.seq_len, checkpointed)
     rate = peak_flops_per_s * mfu  # FLOPs the cores execute per second
-    compute_s = (model_ft + recompute_ft) * tokens / rate
+    extra_ft = s.extra_forwards * fwd_ft * shape.layers  # KTO's KL sequences: the blocks' forward, no gradient
+    compute_s = (model_ft + recompute_ft + extra_ft) * tokens / rate
     fwd_block_s = fwd_ft * tokens_mb / rate
     bwd_block_s = (bwd_ft + recompute_ft / max(shape.layers, 1)) * tokens_mb / rate
 

@@ -1,0 +1,86 @@
+"""Unpaired feedback: one answer with a thumbs-up or a thumbs-down (TRL's unpaired preference: a
+prompt, a completion and a boolean label), what KTO trains on. A sequence kind
+(cputrain.data.sequences) with one more stream, each sequence's label: tokenized by
+feedback.tokenize, opened as feedback.rows.FeedbackData (packed as examples are, each batch with
+its KL sequences)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cputrain.config import DataConfig
+from cputrain.data.feedback import tokenize
+from cputrain.data.feedback.rows import FeedbackData, open_feedback
+from cputrain.data.feedback.tokenize import FeedbackSpec
+from cputrain.data.kind import BuildFacts
+from cputrain.data.sequences import SequenceKind
+from cputrain.errors import DataError
+
+log = logging.getLogger("cputrain")
+
+
+class FeedbackKind(SequenceKind):
+    what = "feedback examples"
+    counters = tokenize.COUNTERS
+    worker_module = tokenize
+
+    def __init__(self, data_cfg: DataConfig, tokenizer):
+        from cputrain.data import chat_template
+
+        template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
+        self.spec = FeedbackSpec(data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field, template,
+                                 chat_template.template_variables(tokenizer), data_cfg.seq_len, data_cfg.truncation)
+        self.tokenizer = tokenizer
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The fields every record must have: the prompt may be missing (then it is in the completion)."""
+        return self.spec.completion_field, self.spec.label_field
+
+    def streams(self, token_dtype: str) -> dict[str, str]:
+        return {**super().streams(token_dtype), "train.labels.bin": "uint8", "val.labels.bin": "uint8"}
+
+    def open(self, folder: Path, data_cfg: DataConfig) -> FeedbackData:
+        return open_feedback(folder, data_cfg.packing)
+
+    def stats(self, facts: BuildFacts) -> dict:
+        data_cfg, progress = facts.data_cfg, facts.progress
+        for counter, what in (("skipped_empty", "had an empty answer"),
+                              ("no_answer", "were conversations that do not end with an assistant turn"),
+                              ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len}"),
+                              ("non_text_parts", "had content parts that are not text"),
+                              ("tools_unsupported", "had tool calls the chat template cannot write")):
+            if progress[counter]:
+                log.warning("data: %d record(s) of %s %s and were left out (stats.json: %s)", progress[counter],
+                            data_cfg.source, what, counter)
+        if progress["train_examples"] == 0:
+            raise DataError(
+                f"no training example in '{data_cfg.source}': {progress['skipped_empty']} had an empty answer, "
+                f"{progress['no_answer']} no closing assistant turn and {progress['dropped_long']} were longer than "
+                f"data.seq_len={data_cfg.seq_len}; check the data's fields, or raise data.seq_len")
+        for label, count, other in ((True, progress["desirable"], "false (undesirable)"),
+                                    (False, progress["undesirable"], "true (desirable)")):
+            if count == progress["train_examples"]:
+                raise DataError(
+                    f"every one of the {count} training examples of '{data_cfg.source}' has {data_cfg.label_field}="
+                    f"{str(label).lower()}: KTO learns from both kinds of answer; add examples with "
+                    f"{data_cfg.label_field}={other}")
+        return {
+            **facts.common_stats(),
+            "format": "unpaired",
+            "train_on": "completion",
+            "train_examples": progress["train_examples"],
+            "val_examples": progress["val_examples"],
+            "desirable": progress["desirable"],
+            "undesirable": progress["undesirable"],
+            "val_desirable": progress["val_desirable"],
+            "val_undesirable": progress["val_undesirable"],
+            "skipped_empty": progress["skipped_empty"],
+            "skipped_no_answer": progress["no_answer"],
+            "skipped_non_text_parts": progress["non_text_parts"],
+            "skipped_tools_unsupported": progress["tools_unsupported"],
+            "dropped_long": progress["dropped_long"],
+            "truncated": progress["truncated"],
+            **self.token_stats(progress),
+        }

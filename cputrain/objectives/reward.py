@@ -1,0 +1,81 @@
+"""The reward model (train.objective=reward): a score head on the model's body
+(model.score_head), trained with TRL's RewardTrainer loss (objectives.reward_loss) on preference
+pairs. No reference, nothing before training but asking the model for every token's score.
+
+A sequence's reward is the score at its last token that is not the pad token: transformers'
+pooling of a sequence classifier (and so TRL's, and the exported model's in transformers), here
+found per sequence, since a row holds several (a pair, packed pairs, the shared-prompt layout whose
+rejected answer attends to its pair's prompt through the batch's mask). That token is the one
+that ends the answer (EOS, or a chat turn's end and what the template writes after it); where the
+pad token is EOS (a tokenizer without one of its own), the token before a closing EOS, as in
+transformers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cputrain.model.score_head import install_token_scores
+from cputrain.objectives.reward_loss import STAT_NAMES, bradley_terry_losses
+from cputrain.objectives.validation_loss import micro_batches, summed_figures
+
+
+def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, sequence_ids: torch.Tensor, sequences: int,
+                    pad_id: int) -> torch.Tensor:
+    """Each sequence's score: `scores` [rows, tokens] at the sequence's last token whose id is not
+    `pad_id` (sequence_ids: each token's sequence, -1 padding)."""
+    owner, ids = sequence_ids.reshape(-1), input_ids.reshape(-1)
+    at = torch.arange(owner.numel())
+    kept = (owner >= 0) & (ids != pad_id)
+    last = torch.full((sequences,), -1, dtype=torch.long).scatter_reduce(0, owner[kept], at[kept], "amax")
+    return scores.reshape(-1)[last]
+
+
+def pair_scores(model, batch, pad_id: int) -> torch.Tensor:
+    """The reward of each sequence of the pairs of `batch`: 2k pair k's chosen, 2k+1 its rejected."""
+    scores = model(**batch.model_inputs(model)).scores
+    return sequence_scores(scores.float(), batch.input_ids, batch.sequence_ids, 2 * batch.pairs, pad_id)
+
+
+class RewardObjective:
+    names = STAT_NAMES
+    stores_reference = False
+    head = "score"
+
+    def __init__(self, train_cfg):
+        self.cfg = train_cfg
+        self.pad_id = None  # the rows' (prepare)
+
+    def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
+        """Every token's score from the model (model.score_head.install_token_scores); the rows' pad token."""
+        install_token_scores(getattr(model, "module", model))  # inside DDP's and ZeRO-3's wrappers
+        self.pad_id = rows[0].pad_id
+
+    def start_step(self, model, micro_batches: list, autocast) -> None:
+        """Before a step's micro-batches: nothing to compute."""
+
+    def items(self, batch) -> int:
+        return batch.pairs
+
+    def _losses(self, model, batch):
+        rewards = pair_scores(model, batch, self.pad_id)
+        return bradley_terry_losses(rewards[0::2], rewards[1::2], batch.margins, self.cfg.center_rewards_coefficient)
+
+    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the pairs' summed loss ÷ divisor, the sums of TRL's figures over the pairs)."""
+        losses = self._losses(model, batch)
+        return losses.losses.sum() / divisor, losses.stat_sums()
+
+    def figures(self, sums, items: int) -> dict[str, float]:
+        """TRL's figures: means over the pairs."""
+        return {name: float(v) / max(items, 1) for name, v in zip(self.names, sums)}
+
+    def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
+        """([sum of the losses, sums of TRL's figures…], pairs) over rows[indices]."""
+        if self.pad_id is None:  # a finished model, scored outside a run
+            if hasattr(model, "get_base_model"):  # a LoRA reward model loaded by peft: the classifier under it
+                model = model.get_base_model()
+            self.prepare(model, [rows], micro_batch, autocast)
+        return summed_figures(lambda batch: self._losses(model, batch), micro_batches(rows, indices, micro_batch),
+                              autocast, lambda batch: batch.pairs, len(STAT_NAMES))
