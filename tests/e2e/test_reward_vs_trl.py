@@ -1,7 +1,8 @@
 """The reward model against TRL's RewardTrainer after one optimizer update, full weights and LoRA:
 the same starting classifier (a tiny Llama with one score head, saved once), pairs, margin-free
 Bradley–Terry loss with reward centering, and optimizer settings (fp32, AdamW, constant lr, no
-weight decay, clipping at 1), every pair in one batch on both sides. The first step's loss and
+weight decay, clipping at 1), every pair in one batch on both sides (TRL's batch of 8 pairs set as such: train.global_batch_pairs,
+one pair a row). The first step's loss and
 accuracy agree (1e-5), the second step's loss, accuracy and mean margin to 1e-3, and after the
 two steps the score of every sequence from cputrain's exported model (through `cputrain score`)
 is the one TRL's trained model gives it (1e-3).
@@ -96,8 +97,8 @@ def test_second_step_and_every_score_equal_trls(tmp_path, cache_dir, classifier,
     out = tmp_path / "run"
     run_cli("train", *tiny_overrides(out, cache_dir, **{
         "seed": SEED, "model.name_or_path": classifier, "data.source": data, "data.format": "preference",
-        "data.seq_len": 256, "data.val_fraction": 0, "data.max_documents": "null", "train.objective": "reward",
-        "train.center_rewards_coefficient": CENTER, "train.max_steps": 2, "train.global_batch_size": PAIRS,
+        "data.packing": "false", "data.seq_len": 256, "data.val_fraction": 0, "data.max_documents": "null", "train.objective": "reward",
+        "train.center_rewards_coefficient": CENTER, "train.max_steps": 2, "train.global_batch_pairs": PAIRS,
         "train.micro_batch_size": PAIRS // 2, "train.lr": LR[kind], "train.warmup_steps": 0,
         "train.min_lr_ratio": 1,  # a constant lr, as TRL's here: the second update is compared too
         "train.weight_decay": 0, "train.beta1": 0.9, "train.beta2": 0.95, "train.grad_clip": 1.0,
