@@ -37,17 +37,19 @@ NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
 MICRO_BATCHES = 4  # per rank per step: what gather_once and hybrid save grows with it
 TARGET_SHARE = 0.70  # the seeds' case: network 69% of the step, FSDP as built before layouts
-TODAY = {"parallel.layout": "full_shard", "parallel.reduce_scatter": "native", "parallel.reduce_dtype": "fp32"}
+# FSDP as built before layouts: every block gathered as it begins, gloo's reduce-scatter, fp32
+TODAY = {"parallel.layout": "full_shard", "parallel.reduce_scatter": "native", "parallel.reduce_dtype": "fp32",
+         "parallel.prefetch": "false"}
+# what a layout runs with now: the all-to-all reduce-scatter, each block's gather issued one block ahead
+NOW = {**TODAY, "parallel.reduce_scatter": "all_to_all", "parallel.prefetch": "true"}
 CASES = [
-    ("full_shard, gloo's reduce-scatter (as before layouts)", TODAY),
-    ("full_shard", {**TODAY, "parallel.reduce_scatter": "all_to_all"}),
-    ("node_reshard", {**TODAY, "parallel.layout": "node_reshard", "parallel.reduce_scatter": "all_to_all"}),
-    ("gather_once", {**TODAY, "parallel.layout": "gather_once", "parallel.reduce_scatter": "all_to_all"}),
-    ("hybrid", {**TODAY, "parallel.layout": "hybrid", "parallel.reduce_scatter": "all_to_all"}),
-    ("gather_once, bf16 reduction", {**TODAY, "parallel.layout": "gather_once", "parallel.reduce_scatter": "all_to_all",
-                                     "parallel.reduce_dtype": "bf16"}),
-    ("hybrid, bf16 reduction", {**TODAY, "parallel.layout": "hybrid", "parallel.reduce_scatter": "all_to_all",
-                                "parallel.reduce_dtype": "bf16"}),
+    ("full_shard, gloo's reduce-scatter, no prefetch (as before layouts)", TODAY),
+    ("full_shard", NOW),
+    ("node_reshard", {**NOW, "parallel.layout": "node_reshard"}),
+    ("gather_once", {**NOW, "parallel.layout": "gather_once"}),
+    ("hybrid", {**NOW, "parallel.layout": "hybrid"}),
+    ("gather_once, bf16 reduction", {**NOW, "parallel.layout": "gather_once", "parallel.reduce_dtype": "bf16"}),
+    ("hybrid, bf16 reduction", {**NOW, "parallel.layout": "hybrid", "parallel.reduce_dtype": "bf16"}),
 ]
 
 

@@ -183,14 +183,16 @@ def _exposed_sharded(p: CommPattern, t_gather: float, t_root_gather: float, t_re
 # measured it against the ring's (W−1)/W·N: per byte it sends, its share of the rate is twice the
 # table's (the time is the same either way).
 NATIVE_WIRE_PER_RING_BYTE = 2.0
-# The all-to-all reduce-scatter has rows of its own once benchmarks/gloo_link.py measures it; until
-# then it takes the all-gather's share (a collective that also sends each byte once), said "assumed".
+# The all-to-all reduce-scatter has rows of its own in the table benchmarks/gloo_link.py writes; a
+# table without them (one given by the user, an older one) gives it the all-gather's share (a
+# collective that also sends each byte once), said "assumed".
 ALL_TO_ALL_AS = "all_gather"
 # FSDP2's gathers issued one block ahead (parallel.prefetch): the share of the shorter of the
 # blocks' gathers and the compute that hides. Measured with benchmarks/fsdp_prefetch.py (block
 # fsdp_prefetch of docs/benchmarks/network.md: 2 nodes of one rank on one core each, one thread,
-# gloo's thread sharing the core with the compute).
-PREFETCH_HIDDEN_SHARE = 0.5
+# gloo's thread sharing the core with the compute): 118%, 61% and 47% at 0.25, 0.5 and 1 Gbit/s,
+# the median taken. Where a core is left to gloo, more may hide: not measured (2 cores).
+PREFETCH_HIDDEN_SHARE = 0.61
 
 
 def table_row_of(c: Collective, table: EfficiencyTable | None = None) -> tuple[str, float]:
