@@ -50,6 +50,22 @@ from cputrain.errors import DataError
 state: dict = {}
 
 
+def field_chars(value) -> int:
+    """Characters of a record's field for the cache's counts: a string's, or a conversation's
+    message contents'."""
+    if isinstance(value, list):
+        return sum(len(content_text(m.get("content")) or "") for m in value if isinstance(m, dict))
+    return len(value) if isinstance(value, str) else 0
+
+
+def answer_is_empty(answer) -> bool:
+    """An answer with no text: an empty string, or no assistant turn with content or a tool call."""
+    if isinstance(answer, str):
+        return not answer.strip()
+    return not any((content_text(m.get("content")) or "").strip() or m.get("tool_calls")
+                   for m in answer if isinstance(m, dict) and m.get("role") == "assistant")
+
+
 def init_worker(arrow_files: list[str] | None, dataset, spec, tokenizer_json: str, eos_id: int, dtype: str) -> None:
     """`spec`: the kind's (ExampleSpec, PreferenceSpec), which its tokenize_rows reads."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism

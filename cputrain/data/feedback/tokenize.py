@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from cputrain.data import sequences
-from cputrain.data.chat_template import content_text
 from cputrain.data.sequences import ChunkSequences, SequenceChunk, Skipped, record_error
 from cputrain.errors import DataError
 
@@ -65,13 +64,6 @@ def _conversation_answer(messages: list[dict]) -> int | None:
     return start if start < len(messages) else None
 
 
-def _is_empty(answer) -> bool:
-    if isinstance(answer, str):
-        return not answer.strip()
-    return not any((content_text(m.get("content")) or "").strip() or m.get("tool_calls")
-                   for m in answer if isinstance(m, dict) and m.get("role") == "assistant")
-
-
 def feedback_sequence(prompt, completion, row: int) -> tuple[list[int], list[int]] | str:
     """The record's sequence (ids, mask), or the counter it is skipped under."""
     spec = sequences.state["spec"]
@@ -82,7 +74,7 @@ def feedback_sequence(prompt, completion, row: int) -> tuple[list[int], list[int
     if prompt is not None and (isinstance(prompt, list) != conversational or not isinstance(prompt, (str, list))):
         raise record_error(row, f"field '{spec.prompt_field}' must be a string with a string completion, or a list "
                                 f"of messages with a conversational one (got {type(prompt).__name__})")
-    if _is_empty(completion):
+    if sequences.answer_is_empty(completion):
         return "skipped_empty"
     if not conversational:
         return sequences.string_sequence(prompt or "", completion)
@@ -99,12 +91,6 @@ def feedback_sequence(prompt, completion, row: int) -> tuple[list[int], list[int
         prompt_messages = sequences.messages(prompt, row, spec.prompt_field, spec.template) if prompt else []
     answer_turns_from = sum(m["role"] == "assistant" for m in prompt_messages)  # the answer's turns, not the prompt's
     return sequences.chat_sequence(prompt_messages + answer, answer_turns_from)
-
-
-def _chars(value) -> int:
-    if isinstance(value, list):
-        return sum(len(content_text(m.get("content")) or "") for m in value if isinstance(m, dict))
-    return len(value) if isinstance(value, str) else 0
 
 
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
@@ -126,7 +112,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
                                 f"'{spec.completion_field}' and '{spec.label_field}' (data.completion_field, "
                                 "data.label_field)")
         label = _label(labels[i], row, spec.label_field)
-        counts["text_chars"] += _chars(prompt) + _chars(completion)
+        counts["text_chars"] += sequences.field_chars(prompt) + sequences.field_chars(completion)
         try:
             sequence = feedback_sequence(prompt, completion, row)
         except Skipped as skip:

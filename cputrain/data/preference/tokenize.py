@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from cputrain.data import sequences
-from cputrain.data.chat_template import content_text
 from cputrain.data.sequences import ChunkSequences, SequenceChunk, Skipped, record_error
 from cputrain.errors import DataError
 
@@ -71,13 +70,6 @@ def extract_prompt(chosen, rejected):
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def _is_empty(answer) -> bool:
-    if isinstance(answer, str):
-        return not answer.strip()
-    return not any((content_text(m.get("content")) or "").strip() or m.get("tool_calls")
-                   for m in answer if isinstance(m, dict) and m.get("role") == "assistant")
-
-
 def pair_sequences(prompt, chosen, rejected, row: int) -> tuple[tuple[list[int], list[int]], ...] | str:
     """The pair's two sequences (ids, mask), chosen first; or the counter it is skipped under."""
     spec = sequences.state["spec"]
@@ -99,7 +91,7 @@ def pair_sequences(prompt, chosen, rejected, row: int) -> tuple[tuple[list[int],
                                 f"messages with conversational ones (got {type(prompt).__name__})")
     if chosen == rejected:
         return "skipped_identical"
-    if _is_empty(chosen) or _is_empty(rejected):
+    if sequences.answer_is_empty(chosen) or sequences.answer_is_empty(rejected):
         return "skipped_empty"
     if not conversational:
         return sequences.string_sequence(prompt, chosen), sequences.string_sequence(prompt, rejected)
@@ -130,12 +122,6 @@ def row_tokens(pair: tuple[tuple[list[int], list[int]], ...], shared_prompt: boo
     return whole - max(shared_prefix(*pair) - 1, 0) if shared_prompt else whole
 
 
-def _chars(value) -> int:
-    if isinstance(value, list):
-        return sum(len(content_text(m.get("content")) or "") for m in value if isinstance(m, dict))
-    return len(value) if isinstance(value, str) else 0
-
-
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
     s = sequences.state
     spec = s["spec"]
@@ -154,7 +140,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
             missing = spec.chosen_field if chosen is None else spec.rejected_field
             raise DataError(f"record {row + 1}: field '{missing}' is missing; every preference record needs "
                             f"'{spec.chosen_field}' and '{spec.rejected_field}' (data.chosen_field, data.rejected_field)")
-        counts["text_chars"] += _chars(prompt) + _chars(chosen) + _chars(rejected)
+        counts["text_chars"] += sequences.field_chars(prompt) + sequences.field_chars(chosen) + sequences.field_chars(rejected)
         try:
             pair = pair_sequences(prompt, chosen, rejected, row)
         except Skipped as skip:
