@@ -58,6 +58,14 @@ def field_chars(value) -> int:
     return len(value) if isinstance(value, str) else 0
 
 
+def worker_columns(start: int, stop: int, *fields: str | None) -> list[list]:
+    """Records start…stop of this worker's corpus, the named fields' columns (None for each record
+    where the corpus has no such field or no field is named)."""
+    batch = state["corpus"][start:stop]
+    nothing = [None] * (stop - start)
+    return [(batch.get(field) or nothing) if field else nothing for field in fields]
+
+
 def answer_is_empty(answer) -> bool:
     """An answer with no text: an empty string, or no assistant turn with content or a tool call."""
     if isinstance(answer, str):

@@ -57,9 +57,8 @@ class Trainer:
         self.recorded = recorded  # the run folder's config.yaml as the run's choices read it (None: read at setup)
         self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
         check_objective(cfg.train.objective, cfg.data.format)
-        # lm, dpo, simpo, kto or reward, chosen once; DPO's and KTO's reference is the converter's
-        # (LoRA: adapters off), or for full weights computed once from the starting weights (setup,
-        # before the resume)
+        # lm, dpo, simpo, kto or reward, chosen once; DPO's and KTO's reference is the converter's (LoRA:
+        # adapters off), or for full weights computed once from the starting weights (setup, before the resume)
         self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)

@@ -94,12 +94,9 @@ def feedback_sequence(prompt, completion, row: int) -> tuple[list[int], list[int
 
 
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
-    s = sequences.state
-    spec = s["spec"]
-    batch = s["corpus"][start:stop]
-    nothing = [None] * (stop - start)
-    prompts = batch.get(spec.prompt_field) or nothing
-    completions, labels = batch.get(spec.completion_field) or nothing, batch.get(spec.label_field) or nothing
+    spec = sequences.state["spec"]
+    prompts, completions, labels = sequences.worker_columns(start, stop, spec.prompt_field, spec.completion_field,
+                                                            spec.label_field)
     out = ChunkSequences()
     kept = {"train": [], "val": []}  # each kept sequence's label, in the order of its split's stream
     counts = dict.fromkeys(COUNTERS, 0)

@@ -123,13 +123,10 @@ def row_tokens(pair: tuple[tuple[list[int], list[int]], ...], shared_prompt: boo
 
 
 def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
-    s = sequences.state
-    spec = s["spec"]
-    batch = s["corpus"][start:stop]
-    nothing = [None] * (stop - start)
-    prompts = batch.get(spec.prompt_field) or nothing
-    chosens, rejecteds = batch.get(spec.chosen_field) or nothing, batch.get(spec.rejected_field) or nothing
-    margins = (batch.get(spec.margin_field) or nothing) if spec.margin_field else None
+    spec = sequences.state["spec"]
+    prompts, chosens, rejecteds, margins = sequences.worker_columns(start, stop, spec.prompt_field, spec.chosen_field,
+                                                                    spec.rejected_field, spec.margin_field)
+    margins = margins if spec.margin_field else None
     kept_margins = {"train": [], "val": []}
     out = ChunkSequences()
     counts = dict.fromkeys(COUNTERS, 0)
