@@ -109,7 +109,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
                                 f"'{spec.completion_field}' and '{spec.label_field}' (data.completion_field, "
                                 "data.label_field)")
         label = _label(labels[i], row, spec.label_field)
-        counts["text_chars"] += sequences.field_chars(prompt) + sequences.field_chars(completion)
+        counts["text_chars"] += sum(map(sequences.field_chars, (prompt, completion)))
         try:
             sequence = feedback_sequence(prompt, completion, row)
         except Skipped as skip:

@@ -137,7 +137,7 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
             missing = spec.chosen_field if chosen is None else spec.rejected_field
             raise DataError(f"record {row + 1}: field '{missing}' is missing; every preference record needs "
                             f"'{spec.chosen_field}' and '{spec.rejected_field}' (data.chosen_field, data.rejected_field)")
-        counts["text_chars"] += sequences.field_chars(prompt) + sequences.field_chars(chosen) + sequences.field_chars(rejected)
+        counts["text_chars"] += sum(map(sequences.field_chars, (prompt, chosen, rejected)))
         try:
             pair = pair_sequences(prompt, chosen, rejected, row)
         except Skipped as skip:
