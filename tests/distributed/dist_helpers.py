@@ -4,7 +4,6 @@ and two hosts on this machine (network namespaces) with a node of a run on each.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -14,13 +13,13 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
 from harness.cli_env import cli_env
 from harness.repo import REPO
+from harness.run_metrics import losses_by_step as losses  # noqa: F401  the name the tests here import
 from harness.warm_client import with_forked_ranks
 
 
@@ -28,11 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

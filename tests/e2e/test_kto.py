@@ -15,20 +15,13 @@ import pytest
 
 from harness.run_cli import run_cli
 from harness.run_cli_here import run_cli_here
+from harness.run_metrics import losses_by_step, metrics_rows
 from harness.tiny_run import tiny_overrides
 
 KTO = {"data.format": "unpaired", "data.seq_len": 128, "data.val_fraction": 0.1, "data.max_documents": "null",
        "train.objective": "kto", "model.lora.enabled": "true", "model.lora.rank": 4, "train.lr": 1e-2,
        "train.max_steps": 6, "train.eval_every": 3, "train.checkpoint_every": 3}
 KEYS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-def _rows(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(out) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +56,7 @@ def straight(tmp_path_factory, cache_dir, base):
 
 
 def test_lora_kto_starts_at_one_half_and_records_trls_figures(straight):
-    rows = _rows(straight)
+    rows = metrics_rows(straight)
     first = rows[0]
     # at step 1 the adapters are zero: the policy is its reference, every reward and z 0
     assert first["step"] == 1 and abs(first["loss"] - 0.5) < 1e-6
@@ -81,7 +74,7 @@ def test_lora_kto_starts_at_one_half_and_records_trls_figures(straight):
 
 
 def test_eval_gives_the_runs_own_validation_figures(straight):
-    last = [r for r in _rows(straight) if "eval_kl" in r][-1]
+    last = [r for r in metrics_rows(straight) if "eval_kl" in r][-1]
     result = json.loads(run_cli("eval", straight, "--max-sequences", 8, check=True).stdout)
     assert result["objective"] == "kto" and result["examples"] > 0
     assert result["reference"] == "the LoRA base, adapters off"
@@ -96,7 +89,7 @@ def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, stra
     run_cli("train", *tiny_overrides(split, cache_dir, **overrides, **{"train.stop_at_step": 3}), check=True)
     resumed = run_cli("train", *tiny_overrides(split, cache_dir, **overrides), check=True)
     assert "resumed from" in resumed.stderr and "read from" in resumed.stderr, resumed.stderr[-2000:]
-    a, b = _losses(straight), _losses(split)
+    a, b = losses_by_step(straight), losses_by_step(split)
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
         assert a[step] == pytest.approx(b[step], abs=1e-6), step
@@ -109,7 +102,7 @@ def test_two_ranks_take_one_ranks_first_step(tmp_path, cache_dir, base, straight
     run_cli("train", *tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **KTO, "train.max_steps": 2,
                                                         "train.micro_batch_size": 2}),
             "--nproc-per-node", "2", check=True)
-    one, two = [r for r in _rows(straight) if "loss" in r], [r for r in _rows(out) if "loss" in r]
+    one, two = [r for r in metrics_rows(straight) if "loss" in r], [r for r in metrics_rows(out) if "loss" in r]
     for step in (0, 1):
         for key in ("loss", "grad_norm", "kl", "rewards/chosen"):
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-6), (step, key)
@@ -122,10 +115,10 @@ def test_full_weights_start_at_one_half_against_their_stored_reference(tmp_path,
         "data.seq_len": 256, "model.lora.enabled": "false", "train.lr": 1e-3, "train.max_steps": 2,
         "train.eval_every": 2}), check=True)
     assert "auto: data.format = unpaired" in proc.stderr, proc.stderr[-2000:]
-    rows = [r for r in _rows(out) if "loss" in r]
+    rows = [r for r in metrics_rows(out) if "loss" in r]
     assert abs(rows[0]["loss"] - 0.5) < 1e-6 and rows[1]["rewards/margins"] != 0
     # eval computes the reference from the folder the run started from, then loads the trained model
-    last = [r for r in _rows(out) if "eval_kl" in r][-1]
+    last = [r for r in metrics_rows(out) if "eval_kl" in r][-1]
     result = json.loads(run_cli("eval", out, "--max-sequences", 8, check=True).stdout)
     assert result["reference"] == str(base)
     assert result["loss"] == pytest.approx(last["val_loss"], abs=1e-5)

@@ -18,6 +18,7 @@ import json
 import pytest
 
 from harness.run_cli import run_cli
+from harness.run_metrics import metrics_rows
 from harness.tiny_run import tiny_overrides
 from harness.trl_peer import cputrain_adapters, logged_rows, start_from
 
@@ -91,7 +92,7 @@ def test_second_step_equals_trls(tmp_path, cache_dir, tiny_model, kind):
         "train.beta2": 0.95, "train.grad_clip": 1.0, "train.eval_every": 100, "train.checkpoint_every": 100,
         "model.lora.enabled": str(kind == "lora").lower(), "model.lora.rank": RANK, "model.lora.alpha": ALPHA}),
         check=True)
-    ours = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ours = metrics_rows(out)
     ours = [r for r in ours if "loss" in r]
     theirs = _trl_steps(base, data, tmp_path, kind)
     assert [r["step"] for r in ours] == [1, 2]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness.run_cli import run_cli
+from harness.run_metrics import losses_by_step
 from harness.tiny_model import make_tiny_model
 from harness.tiny_run import tiny_overrides
 
@@ -20,11 +21,6 @@ LORA = {"model.lora.enabled": "true", "model.lora.rank": 4, "train.lr": 1e-2}
 
 def _overrides(out, cache_dir, base, **extra):
     return tiny_overrides(out, cache_dir, **{"model.name_or_path": base, **LORA, **extra})
-
-
-def _losses(out) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def _files(folder) -> dict[str, float]:
@@ -48,7 +44,7 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path, cache_dir, base
     run_cli("train", *_overrides(split, cache_dir, base, **{"train.stop_at_step": 5}), check=True)
     second = run_cli("train", *_overrides(split, cache_dir, base), check=True)
     assert "resumed from" in second.stderr and "(step 5)" in second.stderr
-    a, b = _losses(straight), _losses(split)
+    a, b = losses_by_step(straight), losses_by_step(split)
     assert sorted(a) == sorted(b) == list(range(1, 11))
     assert all(a[s] == b[s] for s in a), {s: (a[s], b[s]) for s in a if a[s] != b[s]}
     assert a[10] < a[1]  # the adapters learned something

@@ -16,6 +16,7 @@ import pytest
 
 from harness.run_cli import run_cli
 from harness.run_cli_here import run_cli_here
+from harness.run_metrics import losses_by_step, metrics_rows
 from harness.tiny_run import tiny_overrides
 
 DPO = {"data.source": "builtin:pydoc-dpo", "data.format": "auto", "data.seq_len": 256, "data.val_fraction": 0.1,
@@ -24,14 +25,6 @@ DPO = {"data.source": "builtin:pydoc-dpo", "data.format": "auto", "data.seq_len"
        "train.checkpoint_every": 3}
 KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")
-
-
-def _rows(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(out) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +46,7 @@ def straight(tmp_path_factory, cache_dir, base):
 
 
 def test_lora_dpo_starts_at_ln2_and_records_trls_figures(straight):
-    rows = _rows(straight)
+    rows = metrics_rows(straight)
     first = rows[0]
     assert first["step"] == 1 and abs(first["loss"] - math.log(2)) < 1e-4
     # at step 1 the adapters are zero: the policy is its reference, every reward 0
@@ -75,7 +68,7 @@ def test_lora_dpo_starts_at_ln2_and_records_trls_figures(straight):
 def _evaluated_like_the_run(run) -> dict:
     """`cputrain eval RUN` on the rows the run validated on (train.eval_batches 2 × micro-batch 4)
     gives the run's own last validation figures: the same pairs, reference and weights."""
-    last = [r for r in _rows(run) if "eval_rewards/accuracies" in r][-1]
+    last = [r for r in metrics_rows(run) if "eval_rewards/accuracies" in r][-1]
     result = json.loads(run_cli("eval", run, "--max-sequences", 8, check=True).stdout)
     assert result["objective"] == "dpo" and result["pairs"] > 0
     assert result["loss"] == pytest.approx(last["val_loss"], abs=1e-5)
@@ -87,7 +80,7 @@ def _evaluated_like_the_run(run) -> dict:
 def test_each_step_logs_the_pairs_it_held_and_the_summary_their_mean(straight):
     """Packed rows hold a varying number of pairs: a step of 8 rows says how many pairs it trained
     (TRL's batch counts pairs), and summary.json their mean over the logged steps."""
-    rows = [r for r in _rows(straight) if "loss" in r]
+    rows = [r for r in metrics_rows(straight) if "loss" in r]
     per_step = [r["pairs_per_step"] for r in rows]
     assert all(p >= 8 and p == int(p) for p in per_step), per_step  # log_every=1: each step's own count
     summary = json.loads((straight / "summary.json").read_text())
@@ -150,9 +143,9 @@ def test_the_first_step_does_not_depend_on_the_micro_batch_or_the_ranks(tmp_path
     proc = run_cli("train", *tiny_overrides(two_ranks, tmp_path / "cache", **one_step, **{"train.micro_batch_size": 2}),
                    "--nproc-per-node", "2", check=True)
     assert "over 2 rank(s)" in proc.stderr, proc.stderr[-2000:]
-    first = _rows(straight)[0]
+    first = metrics_rows(straight)[0]
     for out in (one_by_one, two_ranks):
-        row = _rows(out)[0]
+        row = metrics_rows(out)[0]
         assert abs(row["loss"] - first["loss"]) < 1e-5, (out.name, row["loss"], first["loss"])
         assert abs(row["grad_norm"] - first["grad_norm"]) < 1e-5 * max(1.0, first["grad_norm"]), out.name
 
@@ -178,8 +171,8 @@ def test_a_shared_prompt_trains_as_two_whole_sequences(tmp_path, cache_dir, base
             "model.name_or_path": base, **DPO, "data.source": data, "train.max_steps": 3, "train.eval_every": 100,
             "train.checkpoint_every": 100, "data.packing": "false", "data.shared_prompt": shared}), check=True)
         assert "dropped 0 longer than data.seq_len" in proc.stderr, proc.stderr[-2000:]
-        losses[shared] = _losses(out)
-        norms[shared] = [r["grad_norm"] for r in _rows(out) if "grad_norm" in r]
+        losses[shared] = losses_by_step(out)
+        norms[shared] = [r["grad_norm"] for r in metrics_rows(out) if "grad_norm" in r]
     assert sorted(losses["true"]) == [1, 2, 3] and losses["true"][3] != losses["true"][1]
     for step in (1, 2, 3):
         assert losses["true"][step] == pytest.approx(losses["false"][step], abs=1e-4), step
@@ -196,7 +189,7 @@ def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, stra
     # the straight run's reference, kept beside the token cache, is read back, not computed again
     for proc in (stopped, resumed):
         assert "pairs read from" in proc.stderr and "computed before training" not in proc.stderr, proc.stderr[-2000:]
-    a, b = _losses(straight), _losses(split)
+    a, b = losses_by_step(straight), losses_by_step(split)
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
         assert a[step] == pytest.approx(b[step], abs=1e-6), step
@@ -213,7 +206,7 @@ def full(tmp_path_factory, cache_dir, base):
 
 
 def test_full_weight_dpo_starts_at_ln2_against_its_precomputed_reference(full, base):
-    rows = [r for r in _rows(full) if "loss" in r]
+    rows = [r for r in metrics_rows(full) if "loss" in r]
     assert abs(rows[0]["loss"] - math.log(2)) < 1e-4 and rows[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert rows[1]["rewards/margins"] != 0  # the policy moved away from the reference kept in memory
     # eval loads the reference from the folder the run started from, then the trained model
@@ -234,7 +227,7 @@ def test_full_weight_dpo_on_two_sharded_ranks_takes_one_ranks_first_step(tmp_pat
                                                         "parallel.strategy": strategy,
                                                         "model.chunked_loss": "true"}),
             "--nproc-per-node", "2", check=True)
-    one, two = _rows(full)[0], _rows(out)[0]
+    one, two = metrics_rows(full)[0], metrics_rows(out)[0]
     for key in ("loss", "grad_norm", "rewards/accuracies", "logps/chosen", "logps/rejected"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5), key
 
@@ -244,7 +237,7 @@ def test_simpo_trains_full_weights(tmp_path, cache_dir, base):
     overrides = {"model.name_or_path": base, **DPO, "train.objective": "simpo", "model.lora.enabled": "false",
                  "train.lr": 1e-3, "train.max_steps": 2, "train.eval_every": 2}
     run_cli("train", *tiny_overrides(out, cache_dir, **overrides), check=True)
-    rows = [r for r in _rows(out) if "loss" in r]
+    rows = [r for r in metrics_rows(out) if "loss" in r]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and "rewards/margins" in r for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["objective"] == "simpo" and summary["eval_rewards/accuracies"] is not None
@@ -273,7 +266,7 @@ def test_lora_reference_precomputed_or_live_trains_alike(tmp_path, cache_dir, ba
                                                                "train.dpo_reference": "live",
                                                                "model.chunked_loss": "true"}), check=True)
     assert "DPO reference:" not in proc.stderr
-    precomputed, live = _losses(straight), _losses(out)
+    precomputed, live = losses_by_step(straight), losses_by_step(out)
     assert sorted(live) == [1, 2, 3]
     for step in live:
         assert live[step] == pytest.approx(precomputed[step], abs=1e-5), (step, live, precomputed)

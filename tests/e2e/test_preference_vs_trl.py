@@ -12,12 +12,13 @@ compared with TRL's in tests/unit/test_preference_vs_trl.py.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from harness.run_cli import run_cli
+from harness.run_metrics import metrics_rows
 from harness.tiny_run import tiny_overrides
+from harness.trl_peer import write_topic_pairs
 
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.slow
@@ -25,17 +26,6 @@ pytestmark = pytest.mark.slow
 PAIRS = 8
 LR, BETA, TOLERANCE = 1e-3, 0.1, 1e-3
 FIGURES = ("grad_norm", "logps/chosen", "logps/rejected", "loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-
-
-def _pairs(path) -> None:
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)[:PAIRS + 1]
-    texts = [" " + " ".join(topics[n].split())[: 40 + 25 * (i % 4)] for i, n in enumerate(names)]
-    with open(path, "w") as f:
-        for i in range(PAIRS):
-            f.write(json.dumps({"prompt": f"Question: what is {names[i]}?\nAnswer:", "chosen": texts[i],
-                                "rejected": texts[i + 1]}) + "\n")
 
 
 def _trl_second_step(base, data, tmp_path) -> dict:
@@ -66,7 +56,7 @@ def _trl_second_step(base, data, tmp_path) -> dict:
 def test_second_step_equals_trls(tmp_path, cache_dir, tiny_model):
     base = tiny_model()
     data = tmp_path / "pairs.jsonl"
-    _pairs(data)
+    write_topic_pairs(data, PAIRS)
     out = tmp_path / "run"
     proc = run_cli("train", *tiny_overrides(out, cache_dir, **{
         "model.name_or_path": base, "data.source": data, "data.format": "preference", "data.packing": "false",
@@ -75,7 +65,7 @@ def test_second_step_equals_trls(tmp_path, cache_dir, tiny_model):
         "train.micro_batch_size": PAIRS // 2, "train.lr": LR, "train.warmup_steps": 0, "train.weight_decay": 0,
         "train.beta1": 0.9, "train.beta2": 0.95, "train.grad_clip": 1.0, "train.eval_every": 100,
         "train.checkpoint_every": 100}), check=True)
-    ours = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ours = metrics_rows(out)
     ours = [r for r in ours if "loss" in r]
     theirs = _trl_second_step(base, data, tmp_path)
     assert [r["step"] for r in ours] == [1, 2]

@@ -14,6 +14,7 @@ import pytest
 
 from harness.run_cli import run_cli
 from harness.run_cli_here import run_cli_here
+from harness.run_metrics import metrics_rows
 from harness.tiny_run import tiny_overrides
 
 REWARD = {"data.format": "auto", "data.seq_len": 256, "data.val_fraction": 0.1,
@@ -21,10 +22,6 @@ REWARD = {"data.format": "auto", "data.seq_len": 256, "data.val_fraction": 0.1,
           "model.lora.rank": 4, "train.lr": 1e-2, "train.max_steps": 6, "train.eval_every": 3,
           "train.checkpoint_every": 3, "train.eval_batches": 100}  # every held-out pair at each validation
 KEYS = ("accuracy", "margin", "mean_reward")
-
-
-def _rows(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +55,7 @@ def straight(tmp_path_factory, cache_dir, base):
 
 
 def test_a_lora_reward_model_logs_trls_figures_and_writes_no_sample(straight):
-    rows = _rows(straight)
+    rows = metrics_rows(straight)
     assert all(key in r for r in rows if "loss" in r for key in KEYS)
     evals = [r for r in rows if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [3, 6]
@@ -73,7 +70,7 @@ def test_a_lora_reward_model_logs_trls_figures_and_writes_no_sample(straight):
 
 
 def test_eval_gives_the_runs_own_validation_figures(straight):
-    last = [r for r in _rows(straight) if "eval_accuracy" in r][-1]
+    last = [r for r in metrics_rows(straight) if "eval_accuracy" in r][-1]
     result = json.loads(run_cli("eval", straight, "--max-sequences", 64, check=True).stdout)
     assert result["objective"] == "reward" and result["pairs"] > 0
     assert result["loss"] == pytest.approx(last["val_loss"], abs=1e-5)
@@ -105,7 +102,7 @@ def test_the_model_loads_in_transformers_and_scores_held_out_pairs(tmp_path, str
     scored = tmp_path / "scored.jsonl"
     run_cli("score", straight, "--data", held, "--out", scored, check=True)
     rows = [json.loads(line) for line in scored.read_text().splitlines()]
-    last = [r for r in _rows(straight) if "eval_accuracy" in r][-1]
+    last = [r for r in metrics_rows(straight) if "eval_accuracy" in r][-1]
     assert len(rows) == held_pairs and accuracy_of(rows) >= last["eval_accuracy"] - 1e-9, (accuracy_of(rows), last)
     tok = AutoTokenizer.from_pretrained(straight / "model")
     model = AutoModelForSequenceClassification.from_pretrained(straight / "model", num_labels=1,
@@ -126,8 +123,8 @@ def test_stop_and_resume_equals_the_straight_run(tmp_path, cache_dir, base, stra
     run_cli("train", *tiny_overrides(split, cache_dir, **overrides, **{"train.stop_at_step": 3}), check=True)
     resumed = run_cli("train", *tiny_overrides(split, cache_dir, **overrides), check=True)
     assert "resumed from" in resumed.stderr
-    a = {r["step"]: r["loss"] for r in _rows(straight) if "loss" in r}
-    b = {r["step"]: r["loss"] for r in _rows(split) if "loss" in r}
+    a = {r["step"]: r["loss"] for r in metrics_rows(straight) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in metrics_rows(split) if "loss" in r}
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
         assert a[step] == pytest.approx(b[step], abs=1e-6), step
@@ -145,7 +142,7 @@ def test_full_weights_on_two_sharded_ranks_take_one_ranks_first_step(tmp_path, c
     run_cli("train", *tiny_overrides(two, cache_dir, **{"model.name_or_path": base, **REWARD, **FULL,
                                                         "parallel.strategy": "fsdp"}),
             "--nproc-per-node", "2", check=True)
-    a, b = _rows(one)[0], _rows(two)[0]
+    a, b = metrics_rows(one)[0], metrics_rows(two)[0]
     for key in ("loss", "grad_norm", *KEYS):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     config = json.loads((two / "model" / "config.json").read_text())

@@ -19,8 +19,9 @@ import json
 import pytest
 
 from harness.run_cli import run_cli
+from harness.run_metrics import metrics_rows
 from harness.tiny_run import tiny_overrides
-from harness.trl_peer import cputrain_adapters, logged_rows, start_from
+from harness.trl_peer import cputrain_adapters, logged_rows, start_from, write_topic_pairs
 
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.slow
@@ -28,17 +29,6 @@ pytestmark = pytest.mark.slow
 PAIRS, SEED, RANK, ALPHA, CENTER = 8, 0, 4, 32.0, 0.01
 TOLERANCE = 1e-3
 LR = {"full": 1e-3, "lora": 2e-2}
-
-
-def _pairs(path) -> None:
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)[:PAIRS + 1]
-    texts = [" " + " ".join(topics[n].split())[: 40 + 25 * (i % 4)] for i, n in enumerate(names)]
-    with open(path, "w") as f:
-        for i in range(PAIRS):
-            f.write(json.dumps({"prompt": f"Question: what is {names[i]}?\nAnswer:", "chosen": texts[i],
-                                "rejected": texts[i + 1]}) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +83,7 @@ def test_second_step_and_every_score_equal_trls(tmp_path, cache_dir, classifier,
     import torch
 
     data = tmp_path / "pairs.jsonl"
-    _pairs(data)
+    write_topic_pairs(data, PAIRS)
     out = tmp_path / "run"
     run_cli("train", *tiny_overrides(out, cache_dir, **{
         "seed": SEED, "model.name_or_path": classifier, "data.source": data, "data.format": "preference",
@@ -104,7 +94,7 @@ def test_second_step_and_every_score_equal_trls(tmp_path, cache_dir, classifier,
         "train.weight_decay": 0, "train.beta1": 0.9, "train.beta2": 0.95, "train.grad_clip": 1.0,
         "train.eval_every": 100, "train.checkpoint_every": 100, "model.lora.enabled": str(kind == "lora").lower(),
         "model.lora.rank": RANK, "model.lora.alpha": ALPHA}), check=True)
-    ours = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    ours = [r for r in metrics_rows(out) if "loss" in r]
     model, tokenized, theirs = _trl_model(classifier, data, tmp_path, kind)
     table = "\n".join(f"{k}: cputrain {[r[k] for r in ours]} TRL {[r[k] for r in theirs]}"
                       for k in ("loss", "grad_norm", "accuracy", "margin", "mean_reward"))

@@ -1,6 +1,7 @@
 """What the comparisons with TRL's trainers share (tests/e2e/test_*_vs_trl.py): cputrain's initial
 LoRA adapters put into TRL's model (peft and cputrain draw the A matrices from different random
-streams, so both must start from the same), and TRL's logged rows collected."""
+streams, so both must start from the same), TRL's logged rows collected, and the pairs both sides
+train on."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def logged_rows(trainer) -> list[dict]:
     trainer.add_callback(type("Rows", (TrainerCallback,), {
         "on_log": lambda self, a, state, control, logs=None, **kw: rows.append(dict(logs or {}))})())
     return rows
+
+
+def write_topic_pairs(path, pairs: int) -> None:
+    """`pairs` preference pairs from pydoc's help topics: "what is <topic>?" answered (chosen) by
+    that topic's opening words and (rejected) by the next topic's, of 40–115 characters."""
+    import json
+
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)[:pairs + 1]
+    texts = [" " + " ".join(topics[n].split())[: 40 + 25 * (i % 4)] for i, n in enumerate(names)]
+    with open(path, "w") as f:
+        for i in range(pairs):
+            f.write(json.dumps({"prompt": f"Question: what is {names[i]}?\nAnswer:", "chosen": texts[i],
+                                "rejected": texts[i + 1]}) + "\n")
