@@ -301,12 +301,16 @@ class SequenceData:
         """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
         return getattr(self, split)
 
-    def how_packed(self, one: str) -> str:
-        """How the units are laid out in rows; `one` names a unit without packing ("one", "one pair")."""
+    def described(self, units: str, one: str, left_out: str) -> str:
+        """describe()'s line, alike for every sequence kind: the entry's `units`, its train tokens and
+        the share of them trained, how the units are laid out in rows (`one` names a unit without
+        packing: "one", "one pair"), then what was `left_out`."""
         s = self.stats
-        return (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "
-                f"({s['packing_efficiency']:.1%} filled)" if s["packing"] else
-                f"{one} per row, each micro-batch padded to its longest (data.packing=false)")
+        packed = (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "
+                  f"({s['packing_efficiency']:.1%} filled)" if s["packing"] else
+                  f"{one} per row, each micro-batch padded to its longest (data.packing=false)")
+        return (f"{units}, {s['train_tokens']} train tokens of which {s['trained_token_share']:.1%} trained; "
+                f"{packed}; {left_out}")
 
 
 def _stream(path: Path, dtype, n: int) -> np.ndarray:
