@@ -94,6 +94,21 @@ def record_error(row: int, what: str) -> DataError:
     return DataError(f"record {row + 1}: {what}")
 
 
+def record_sequences(make, fields: tuple, row: int, counts: dict):
+    """What `make(*fields, row)` makes of record `row` (a kind's sequences: feedback_sequence,
+    pair_sequences), its fields' characters counted first (text_chars); None where the record is
+    left out, counted under why: the counter `make` returns, or the Skipped its messages raise."""
+    counts["text_chars"] += sum(map(field_chars, fields))
+    try:
+        made = make(*fields, row)
+    except Skipped as skip:
+        made = skip.counter
+    if isinstance(made, str):
+        counts[made] += 1
+        return None
+    return made
+
+
 def _tool_calls(calls, row: int) -> list[dict]:
     """An assistant turn's tool calls as chat templates read them: {type, function: {name, arguments}},
     with arguments as a mapping (OpenAI's files give a JSON string; templates write it with tojson)."""
