@@ -62,7 +62,7 @@ def gather_share(settings, micro, link: float) -> float:
     from cputrain.commands.plan import load_run_config
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time.step_time import plan_step_time
+    from cputrain.plan.time.step_time import StepSettings, plan_step_time
     from cputrain.training.choices import decide_for_plan
 
     vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
@@ -71,7 +71,7 @@ def gather_share(settings, micro, link: float) -> float:
     cfg = decide_for_plan(cfg, WORLD, vocab_size=vocab).config
     shape = make_plan(cfg, WORLD, nproc_per_node=1, vocab_size=vocab).shape
     hw = detect()
-    plan = plan_step_time(cfg, WORLD, 1, shape, link_gbit_s=link,
+    plan = plan_step_time(StepSettings.of_config(cfg), WORLD, 1, shape, link_gbit_s=link,
                           peak_flops_per_s=hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, mfu=0.5,
                           gloo_cpu_capped=True)
     gathers = sum(c.seconds for c in plan.collectives if c.kind == "all_gather" and c.what.startswith("blocks"))

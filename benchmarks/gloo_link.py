@@ -256,7 +256,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
     nodes of one rank each."""
     from cputrain.plan.memory.build import make_plan
     from cputrain.commands.plan import load_run_config
-    from cputrain.plan.time.step_time import plan_step_time, rank_peak_flops_here
+    from cputrain.plan.time.step_time import StepSettings, plan_step_time, rank_peak_flops_here
     from cputrain.training.choices import decide_for_plan
 
     micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
@@ -265,7 +265,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
                                  f"train.global_batch_size={micro * world}"])
     cfg = decide_for_plan(cfg, world, vocab_size=vocab).config
     shape = make_plan(cfg, world, nproc_per_node=1, vocab_size=vocab).shape
-    return plan_step_time(cfg, world, 1, shape, link_gbit_s=link_gbit_s,
+    return plan_step_time(StepSettings.of_config(cfg), world, 1, shape, link_gbit_s=link_gbit_s,
                           peak_flops_per_s=rank_peak_flops_here(cfg.hardware.precision, 1), mfu=mfu, gloo_cpu_capped=True,
                           mfu_source="measured here: the same rank's step alone")
 

@@ -27,10 +27,12 @@ feedback/ was added:
 - tokenize.py: its spec (a frozen dataclass whose key() names everything that changes its tokens,
   with its own "format", so its keys never meet another kind's), its COUNTERS, and
   tokenize_rows(start, stop, held_out) made of the sequences module's pieces (init_worker's
-  state, string_sequence, chat_sequence, messages, ChunkSequences); what a sequence carries
-  beyond ids and mask (a label) is one more array in the chunk's parts;
-- kind.py: a SequenceKind with its what, counters, worker_module, spec and tokenizer, fields,
-  stats and open; its streams() those of every sequence kind plus that one;
+  state, string_sequence, chat_sequence, messages, record_sequences, ChunkSequences); what a
+  sequence carries beyond ids and mask (a label) is one more array in the chunk's parts;
+- kind.py: a SequenceKind with its what, worker_module (whose COUNTERS are its counters), spec
+  and tokenizer, fields, stats and open; its streams() those of every sequence kind plus that
+  one; a kind of TRL's records (pairs, feedback) is a RecordsKind, which gives its spec (spec_of)
+  the template for records and warns of what it left out;
 - rows.py: a SequenceRows that sets its bounds and cuts its batches (reading that stream beside
   the others), and a SequenceData that describes the entry, opened with sequences.open_rows.
 

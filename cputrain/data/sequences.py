@@ -32,17 +32,24 @@ longest row (right padding under a causal mask changes nothing before it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cputrain.data.chat_template import ROLES, answer_mask, assistant_spans, content_text, renders_tools
-from cputrain.data.kind import Worker
+from cputrain.data.chat_template import (ROLES, answer_mask, assistant_spans, content_text, renders_tools,
+                                         template_for_records, template_variables)
+from cputrain.data.kind import BuildFacts, Worker
 from cputrain.data.worker_corpus import WorkerCorpus
 from cputrain.errors import DataError
+
+if TYPE_CHECKING:  # annotations only: tokenizing workers import this module, and need no config
+    from cputrain.config import DataConfig
+
+log = logging.getLogger("cputrain")
 
 # --- tokenizing: what a worker of any sequence kind does ----------------------------------------
 
@@ -92,6 +99,21 @@ class Skipped(Exception):
 
 def record_error(row: int, what: str) -> DataError:
     return DataError(f"record {row + 1}: {what}")
+
+
+def record_sequences(make, fields: tuple, row: int, counts: dict):
+    """What `make(*fields, row)` makes of record `row` (a kind's sequences: feedback_sequence,
+    pair_sequences), its fields' characters counted first (text_chars); None where the record is
+    left out, counted under why: the counter `make` returns, or the Skipped its messages raise."""
+    counts["text_chars"] += sum(map(field_chars, fields))
+    try:
+        made = make(*fields, row)
+    except Skipped as skip:
+        made = skip.counter
+    if isinstance(made, str):
+        counts[made] += 1
+        return None
+    return made
 
 
 def _tool_calls(calls, row: int) -> list[dict]:
@@ -208,12 +230,17 @@ class ChunkSequences:
 
 class SequenceKind:
     """The DataKind methods every sequence kind has alike: its streams, its worker (init_worker,
-    then the kind's tokenize_rows), its spec as its part of the cache key, and the token figures
-    its stats.json ends with. A kind sets `spec`, `tokenizer` and `worker_module`."""
+    then the kind's tokenize_rows) and counters, its spec as its part of the cache key, and the
+    token figures its stats.json ends with. A kind sets `spec`, `tokenizer` and `worker_module`."""
 
     spec: Any  # how records become sequences (its key() is the kind's part of the cache key)
     tokenizer: Any
     worker_module: Any  # the kind's tokenize module: its tokenize_rows is what every worker runs
+
+    @property
+    def counters(self) -> tuple[str, ...]:
+        """What a worker counts of its chunk: its tokenize module's COUNTERS."""
+        return self.worker_module.COUNTERS
 
     def streams(self, token_dtype: str) -> dict[str, str]:
         return {f"{split}{suffix}": dtype for split in ("train", "val")
@@ -239,6 +266,37 @@ class SequenceKind:
             "trained_token_share": round(progress["trained_tokens"] / max(1, train_tokens), 4),
             "pad_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
         }
+
+
+# What `messages` leaves out of a conversation, and why, as the records kinds' warnings say it.
+MESSAGE_SKIPS = (("non_text_parts", "had content parts that are not text"),
+                 ("tools_unsupported", "had tool calls the chat template cannot write"))
+
+
+class RecordsKind(SequenceKind):
+    """A kind of TRL's records beside the examples (preference pairs, unpaired feedback): a prompt
+    that may be missing and its answers, strings or conversations, the conversations rendered with
+    the template for records, which the tokenizer then carries (chat_template.template_for_records).
+    A kind makes its spec from the data section and that template (spec_of)."""
+
+    def __init__(self, data_cfg: DataConfig, tokenizer):
+        template = template_for_records(tokenizer, data_cfg.chat_template)
+        self.spec = self.spec_of(data_cfg, template, template_variables(tokenizer))
+        self.tokenizer = tokenizer
+
+    def spec_of(self, data_cfg: DataConfig, template: str | None, variables: dict):
+        """The kind's spec: `data_cfg`'s fields, the template and the `variables` it is rendered with."""
+        raise NotImplementedError
+
+    @staticmethod
+    def warn_left_out(facts: BuildFacts, units: str, whys: tuple[tuple[str, str], ...]) -> None:
+        """A warning for each counter of `units` ("pair(s)") left out, with `whys` its reason: the
+        kind's own, then what `messages` left out."""
+        progress = facts.progress
+        for counter, why in (*whys, *MESSAGE_SKIPS):
+            if progress[counter]:
+                log.warning("data: %d %s of %s %s and were left out (stats.json: %s)", progress[counter], units,
+                            facts.data_cfg.source, why, counter)
 
 
 # --- rows: what the trainer's rows of any sequence kind stand on ---------------------------------
@@ -301,12 +359,16 @@ class SequenceData:
         """The rows of `split` ("train" or "val") the trainer and evaluation take batches from."""
         return getattr(self, split)
 
-    def how_packed(self, one: str) -> str:
-        """How the units are laid out in rows; `one` names a unit without packing ("one", "one pair")."""
+    def described(self, units: str, one: str, left_out: str) -> str:
+        """describe()'s line, alike for every sequence kind: the entry's `units`, its train tokens and
+        the share of them trained, how the units are laid out in rows (`one` names a unit without
+        packing: "one", "one pair"), then what was `left_out`."""
         s = self.stats
-        return (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "
-                f"({s['packing_efficiency']:.1%} filled)" if s["packing"] else
-                f"{one} per row, each micro-batch padded to its longest (data.packing=false)")
+        packed = (f"packed into {s['train_sequences']} train rows of {s['seq_len']} tokens "
+                  f"({s['packing_efficiency']:.1%} filled)" if s["packing"] else
+                  f"{one} per row, each micro-batch padded to its longest (data.packing=false)")
+        return (f"{units}, {s['train_tokens']} train tokens of which {s['trained_token_share']:.1%} trained; "
+                f"{packed}; {left_out}")
 
 
 def _stream(path: Path, dtype, n: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -55,16 +56,12 @@ class Trainer:
         self.run = RunFolder(cfg.output_dir)
         self.take_over_lock = take_over_lock
         self.recorded = recorded  # the run folder's config.yaml as the run's choices read it (None: read at setup)
-        self.converter = converter_for(cfg, ranks.is_main)  # full fine-tuning or LoRA, chosen once
-        check_objective(cfg.train.objective, cfg.data.format)
-        # lm, dpo, simpo, kto or reward, chosen once; DPO's and KTO's reference is the converter's (LoRA:
-        # adapters off), or for full weights computed once from the starting weights (setup, before the resume)
-        self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
         self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
         self.exported = False  # model/ written by this session (the worker then plots and samples)
         # Built by setup(), by its numbered parts:
+        self.converter = self.objective = None  # 0. full fine-tuning or LoRA; lm, dpo, simpo, kto or reward
         self.lock: RunLock | None = None  # 1. rank 0's, until release_lock()
         self.tokenizer = self.data = None  # 2. and the data the run's kind prepared (data.prepare: rows, describe())
         self.train_rows = self.val_rows = None  # 2. what batches are cut from (every kind's rows: data.rows.Rows)
@@ -83,6 +80,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, ranks = self.cfg, self.ranks
+        # 0. What the run trains, chosen once before any work. DPO's and KTO's reference is the converter's
+        #    (LoRA: adapters off), or for full weights computed once from the starting weights (5.).
+        self.converter = converter_for(cfg, ranks.is_main)
+        check_objective(cfg.train.objective, cfg.data.format)
+        self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
         check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
         self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
 
@@ -177,8 +179,6 @@ class Trainer:
             self.converter.record(self.run, source)  # LoRA: what the adapters are trained on, checked on resume
 
         if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
-            from pathlib import Path
-
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
             if ranks.is_main:
@@ -267,16 +267,16 @@ class Trainer:
         """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary.
         However the steps end (finished, stopped, diverged, failed), rank 0 writes summary.json
         with the ending's status, reason and exit code, for a pipeline to read."""
-        if self.step >= self.total_steps:
-            log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
-            self.metrics.end_progress(self.step, "finished")  # a TrainJob whose pods restarted after the end
-            return read_summary(self.run) or {}
-        try:
-            return self._fit()
-        except BaseException as err:
-            if self.ranks.is_main and self.metrics is not None:
-                write_ended(self.run, self.metrics, self.step, self.guard.skipped_steps if self.guard else 0, err)
-            raise
+        if self.step < self.total_steps:
+            try:
+                return self._fit()
+            except BaseException as err:
+                if self.ranks.is_main and self.metrics is not None:
+                    write_ended(self.run, self.metrics, self.step, self.guard.skipped_steps if self.guard else 0, err)
+                raise
+        log.info("the run is already complete at step %d; raise train.max_steps to continue it", self.step)
+        self.metrics.end_progress(self.step, "finished")  # a TrainJob whose pods restarted after the end
+        return read_summary(self.run) or {}
 
     def _fit(self) -> dict:
         self.guard = StepGuard(self.cfg.train, self.strategy, self.checkpoints, self.run, self.ranks.is_main)
@@ -315,9 +315,6 @@ class Trainer:
                                   "re-run the same command to resume")
         finally:
             self.stop_request.uninstall()
-        metrics.stop()
-        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
-                         rss_gib=metrics.step_peak_gib, peak_rss_gib=metrics.step_peak_gib)
         return self._finish()
 
     def _save_unless_in_a_bad_streak(self) -> bool:
@@ -343,7 +340,10 @@ class Trainer:
                         "data.max_documents to validate", len(self.train_rows), self.cfg.data.val_fraction)
 
     def _finish(self) -> dict:
-        # The export (and a run counted as finished) holds finite weights only.
+        """The steps are done: their clock stops; the export (and a finished run) holds finite weights only."""
+        self.metrics.stop()
+        self.phases.mark("training step peak", model=self.model, optimizer=self.optimizer,
+                         rss_gib=self.metrics.step_peak_gib, peak_rss_gib=self.metrics.step_peak_gib)
         if not self.strategy.weights_finite_on_every_rank(self.model):
             self.guard.diverged(f"the weights are not finite at step {self.step}, the end of the run: nothing is "
                                 "exported")

@@ -29,6 +29,9 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     bound = ranks.launcher == "mpirun" and bool(hw.affinity_narrowed) and ranks.local_world_size > 1
     res = resolve(cfg, hw, ranks.world_size, ranks.local_world_size, bound_by_launcher=bound)
     check_agent_agrees(res.config)
+    # Whether this rank forms a process group, read off the resolved config with its checks: several
+    # ranks, or one of a strategy that runs collectives anyway (every one but single).
+    needs_group = ranks.distributed or needs_process_group(res.config.parallel.strategy)
     # The run folder's config.yaml, read once: a resumed run keeps what it recorded (the choices
     # below, and the trainer's check of the folder).
     recorded = read_recorded(RunFolder(cfg.output_dir))
@@ -54,7 +57,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     # right threads, and the attention kernel is timed (by rank 0) on them.
     cpus = cpus_for_rank(hw, ranks.local_rank, ranks.local_world_size, res.config) if res.config.hardware.pin_cores else None
     pg.set_threads(res.config.hardware.threads, cpus)
-    if ranks.distributed or needs_process_group(res.config.parallel.strategy):
+    if needs_group:
         pg.init_process_group(res.config.parallel.backend, ranks.world_size, res.config.parallel.timeout_s)
     if ranks.distributed and res.config.launch.nnodes > 1:
         # Which node each rank runs on, so a collective failed by a lost node names it.

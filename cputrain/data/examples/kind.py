@@ -51,7 +51,6 @@ def example_spec(data_cfg: DataConfig, data_format: str, tokenizer) -> ExampleSp
 
 class ExampleKind(SequenceKind):
     what = "examples"
-    counters = tokenize.COUNTERS
     worker_module = tokenize
 
     def __init__(self, data_cfg: DataConfig, data_format: str, tokenizer):

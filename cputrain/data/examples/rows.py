@@ -58,10 +58,9 @@ class ExampleRows(SequenceRows):
 class ExampleData(SequenceData):
     def describe(self) -> str:
         s = self.stats
-        return (f"{s['format']}: {s['train_examples']} train + {s['val_examples']} validation examples, "
-                f"{s['train_tokens']} train tokens of which {s['trained_token_share']:.1%} trained; "
-                f"{self.how_packed('one')}; skipped {s['skipped_no_answer']} without an answer{self._other_skips()}, "
-                f"dropped {s['dropped_long']} longer than data.seq_len, truncated {s['truncated']}")
+        return self.described(f"{s['format']}: {s['train_examples']} train + {s['val_examples']} validation examples",
+                              "one", f"skipped {s['skipped_no_answer']} without an answer{self._other_skips()}, "
+                              f"dropped {s['dropped_long']} longer than data.seq_len, truncated {s['truncated']}")
 
     def _other_skips(self) -> str:
         """The conversations left out for their content, where there were any (caches before these

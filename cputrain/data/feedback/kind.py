@@ -6,7 +6,6 @@ its KL sequences)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
@@ -14,24 +13,17 @@ from cputrain.data.feedback import tokenize
 from cputrain.data.feedback.rows import FeedbackData, open_feedback
 from cputrain.data.feedback.tokenize import FeedbackSpec
 from cputrain.data.kind import BuildFacts
-from cputrain.data.sequences import SequenceKind
+from cputrain.data.sequences import RecordsKind
 from cputrain.errors import DataError
 
-log = logging.getLogger("cputrain")
 
-
-class FeedbackKind(SequenceKind):
+class FeedbackKind(RecordsKind):
     what = "feedback examples"
-    counters = tokenize.COUNTERS
     worker_module = tokenize
 
-    def __init__(self, data_cfg: DataConfig, tokenizer):
-        from cputrain.data import chat_template
-
-        template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
-        self.spec = FeedbackSpec(data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field, template,
-                                 chat_template.template_variables(tokenizer), data_cfg.seq_len, data_cfg.truncation)
-        self.tokenizer = tokenizer
+    def spec_of(self, data_cfg: DataConfig, template: str | None, variables: dict) -> FeedbackSpec:
+        return FeedbackSpec(data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field, template,
+                            variables, data_cfg.seq_len, data_cfg.truncation)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -46,14 +38,10 @@ class FeedbackKind(SequenceKind):
 
     def stats(self, facts: BuildFacts) -> dict:
         data_cfg, progress = facts.data_cfg, facts.progress
-        for counter, what in (("skipped_empty", "had an empty answer"),
-                              ("no_answer", "were conversations that do not end with an assistant turn"),
-                              ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len}"),
-                              ("non_text_parts", "had content parts that are not text"),
-                              ("tools_unsupported", "had tool calls the chat template cannot write")):
-            if progress[counter]:
-                log.warning("data: %d record(s) of %s %s and were left out (stats.json: %s)", progress[counter],
-                            data_cfg.source, what, counter)
+        self.warn_left_out(facts, "record(s)", (
+            ("skipped_empty", "had an empty answer"),
+            ("no_answer", "were conversations that do not end with an assistant turn"),
+            ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len}")))
         if progress["train_examples"] == 0:
             raise DataError(
                 f"no training example in '{data_cfg.source}': {progress['skipped_empty']} had an empty answer, "

@@ -154,11 +154,11 @@ class FeedbackRows(SequenceRows):
 class FeedbackData(SequenceData):
     def describe(self) -> str:
         s = self.stats
-        return (f"unpaired: {s['train_examples']} train examples ({s['desirable']} desirable, {s['undesirable']} "
-                f"undesirable) + {s['val_examples']} validation, {s['train_tokens']} train tokens of which "
-                f"{s['trained_token_share']:.1%} trained; {self.how_packed('one')}; skipped {s['skipped_empty']} with "
-                f"an empty answer and {s['skipped_no_answer']} without a closing assistant turn, dropped "
-                f"{s['dropped_long']} longer than data.seq_len, truncated {s['truncated']}")
+        return self.described(f"unpaired: {s['train_examples']} train examples ({s['desirable']} desirable, "
+                              f"{s['undesirable']} undesirable) + {s['val_examples']} validation", "one",
+                              f"skipped {s['skipped_empty']} with an empty answer and {s['skipped_no_answer']} "
+                              f"without a closing assistant turn, dropped {s['dropped_long']} longer than "
+                              f"data.seq_len, truncated {s['truncated']}")
 
 
 def open_feedback(folder: Path, packing: bool) -> FeedbackData:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cputrain.data import sequences
-from cputrain.data.sequences import ChunkSequences, SequenceChunk, Skipped, record_error
+from cputrain.data.sequences import ChunkSequences, SequenceChunk, record_error
 from cputrain.errors import DataError
 
 COUNTERS = ("train_examples", "val_examples", "desirable", "undesirable", "val_desirable", "val_undesirable",
@@ -109,14 +109,8 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
                                 f"'{spec.completion_field}' and '{spec.label_field}' (data.completion_field, "
                                 "data.label_field)")
         label = _label(labels[i], row, spec.label_field)
-        counts["text_chars"] += sum(map(sequences.field_chars, (prompt, completion)))
-        try:
-            sequence = feedback_sequence(prompt, completion, row)
-        except Skipped as skip:
-            counts[skip.counter] += 1
-            continue
-        if isinstance(sequence, str):
-            counts[sequence] += 1
+        sequence = sequences.record_sequences(feedback_sequence, (prompt, completion), row, counts)
+        if sequence is None:
             continue
         ids, mask = sequence
         mask[0] = 0  # a sequence's first token is predicted from nothing of its own: never a target

@@ -5,7 +5,6 @@ whole pairs packed into rows."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from cputrain.config import DataConfig
@@ -13,10 +12,8 @@ from cputrain.data.kind import BuildFacts
 from cputrain.data.preference import tokenize
 from cputrain.data.preference.rows import PreferenceData, open_pairs
 from cputrain.data.preference.tokenize import PreferenceSpec
-from cputrain.data.sequences import SequenceKind
+from cputrain.data.sequences import RecordsKind
 from cputrain.errors import DataError
-
-log = logging.getLogger("cputrain")
 
 
 def shared_prompt(data_cfg: DataConfig) -> bool:
@@ -25,19 +22,13 @@ def shared_prompt(data_cfg: DataConfig) -> bool:
     return data_cfg.shared_prompt in (True, "auto")
 
 
-class PreferenceKind(SequenceKind):
+class PreferenceKind(RecordsKind):
     what = "preference pairs"
-    counters = tokenize.COUNTERS
     worker_module = tokenize
 
-    def __init__(self, data_cfg: DataConfig, tokenizer):
-        from cputrain.data import chat_template
-
-        template = chat_template.template_for_records(tokenizer, data_cfg.chat_template)
-        self.spec = PreferenceSpec(data_cfg.prompt_field, data_cfg.chosen_field, data_cfg.rejected_field, template,
-                                   chat_template.template_variables(tokenizer), data_cfg.seq_len,
-                                   shared_prompt(data_cfg), data_cfg.margin_field)
-        self.tokenizer = tokenizer
+    def spec_of(self, data_cfg: DataConfig, template: str | None, variables: dict) -> PreferenceSpec:
+        return PreferenceSpec(data_cfg.prompt_field, data_cfg.chosen_field, data_cfg.rejected_field, template,
+                              variables, data_cfg.seq_len, shared_prompt(data_cfg), data_cfg.margin_field)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -55,15 +46,11 @@ class PreferenceKind(SequenceKind):
 
     def stats(self, facts: BuildFacts) -> dict:
         data_cfg, progress = facts.data_cfg, facts.progress
-        for counter, what in (("skipped_identical", "had the same chosen and rejected answer"),
-                              ("skipped_empty", "had an empty answer"),
-                              ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len} as laid out in a "
-                                               "row (a pair is packed whole into one row)"),
-                              ("non_text_parts", "had content parts that are not text"),
-                              ("tools_unsupported", "had tool calls the chat template cannot write")):
-            if progress[counter]:
-                log.warning("data: %d pair(s) of %s %s and were left out (stats.json: %s)", progress[counter],
-                            data_cfg.source, what, counter)
+        self.warn_left_out(facts, "pair(s)", (
+            ("skipped_identical", "had the same chosen and rejected answer"),
+            ("skipped_empty", "had an empty answer"),
+            ("dropped_long", f"were longer than data.seq_len={data_cfg.seq_len} as laid out in a row (a pair is "
+                             "packed whole into one row)")))
         if progress["train_pairs"] == 0:
             raise DataError(
                 f"no training pair in '{data_cfg.source}': {progress['skipped_identical']} had identical answers, "

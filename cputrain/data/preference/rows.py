@@ -213,10 +213,10 @@ class PreferenceData(SequenceData):
         shared = (f"the shared prompt (data.shared_prompt) saved {s['shared_prompt_saved_tokens']} tokens, "
                   f"{s['shared_prompt_saved_share']:.1%} of the pairs' two sequences" if s.get("shared_prompt") else
                   "each pair's prompt laid out twice (data.shared_prompt=false)")
-        return (f"preference: {s['train_pairs']} train + {s['val_pairs']} validation pairs, {s['train_tokens']} train "
-                f"tokens of which {s['trained_token_share']:.1%} trained; {self.how_packed('one pair')}; {shared}; "
-                f"skipped {s['skipped_identical']} with identical answers and {s['skipped_empty']} with an empty one, "
-                f"dropped {s['dropped_long']} longer than data.seq_len as laid out in a row")
+        return self.described(f"preference: {s['train_pairs']} train + {s['val_pairs']} validation pairs", "one pair",
+                              f"{shared}; skipped {s['skipped_identical']} with identical answers and "
+                              f"{s['skipped_empty']} with an empty one, dropped {s['dropped_long']} longer than "
+                              "data.seq_len as laid out in a row")
 
 
 def open_pairs(folder: Path, packing: bool, shared_prompt: bool = False) -> PreferenceData:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cputrain.data import sequences
-from cputrain.data.sequences import ChunkSequences, SequenceChunk, Skipped, record_error
+from cputrain.data.sequences import ChunkSequences, SequenceChunk, record_error
 from cputrain.errors import DataError
 
 COUNTERS = ("train_pairs", "val_pairs", "skipped_identical", "skipped_empty", "dropped_long", "trained_tokens",
@@ -137,14 +137,8 @@ def tokenize_rows(start: int, stop: int, held_out: np.ndarray) -> SequenceChunk:
             missing = spec.chosen_field if chosen is None else spec.rejected_field
             raise DataError(f"record {row + 1}: field '{missing}' is missing; every preference record needs "
                             f"'{spec.chosen_field}' and '{spec.rejected_field}' (data.chosen_field, data.rejected_field)")
-        counts["text_chars"] += sum(map(sequences.field_chars, (prompt, chosen, rejected)))
-        try:
-            pair = pair_sequences(prompt, chosen, rejected, row)
-        except Skipped as skip:
-            counts[skip.counter] += 1
-            continue
-        if isinstance(pair, str):
-            counts[pair] += 1
+        pair = sequences.record_sequences(pair_sequences, (prompt, chosen, rejected), row, counts)
+        if pair is None:
             continue
         for _, mask in pair:
             mask[0] = 0  # a sequence's first token is predicted from nothing of its own: never a target

@@ -83,6 +83,10 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
     shape = with_weight_files(shape, cfg.model)  # what loading reads, and in which dtype
     parallel = cfg.parallel
     fsdp = parallel.strategy == "fsdp"
+    # What the strategies take from below the plan, read before the inputs are put together:
+    # DeepSpeed's own thresholds (zero3) and the reduce-scatter the backend runs.
+    zero3 = _zero3_settings(cfg, world_size, shape)
+    reduce_scatter = reduce_scatter_in_use(parallel.reduce_scatter, parallel.backend)
     inputs = plan_inputs(
         cfg.parallel.strategy, cfg.hardware.precision, world_size,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
@@ -93,11 +97,11 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         chunked_loss=cfg.model.chunked_loss,
         eager_attention=cfg.model.attn_implementation == "eager",
         layout=parallel.layout if fsdp else "full_shard", reduce_dtype=parallel.reduce_dtype if fsdp else None,
-        reduce_scatter=reduce_scatter_in_use(parallel.reduce_scatter, parallel.backend),
+        reduce_scatter=reduce_scatter,
         prefetch=parallel.strategy == "fsdp" and parallel.prefetch,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         extra_forwards=EXTRA_FORWARDS.get(cfg.train.objective, 0),
-        **_zero3_settings(cfg, world_size, shape),
+        **zero3,
     )
     if fsdp and ranks_per_node:
         from cputrain.parallel.fsdp_layouts import layout_error

@@ -211,13 +211,13 @@ def node_link_gbit_s(link_gbit_s: float, flows: int, flow_cap_gbit_s: float | No
     return min(link_gbit_s, flows * flow_cap_gbit_s)
 
 
-def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: int, shape: ModelShape, *,
+def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape: ModelShape, *,
                    link_gbit_s: float | None, peak_flops_per_s: float, mfu: float,
                    efficiency: float | EfficiencyTable | None = None, overlap: float | None = None,
                    mfu_source: str = "given", flow_cap_gbit_s: float | None = None, flow_cap_source: str = "",
                    gloo_cpu_capped: bool = False) -> StepTimePlan:
-    """One optimizer step of `cfg` (a decided config, or StepSettings) on `world_size` ranks,
-    `nproc_per_node` to a node.
+    """One optimizer step of `s` (a plan's settings, StepSettings.of_plan; a decided config's,
+    StepSettings.of_config) on `world_size` ranks, `nproc_per_node` to a node.
 
     `peak_flops_per_s`: one rank's theoretical peak (its share of the node's cores; for this
     machine cputrain.hardware.detect().peak_flops[precision] × threads ÷ cores). `mfu`: the share
@@ -232,7 +232,6 @@ def plan_step_time(cfg: Config | StepSettings, world_size: int, nproc_per_node: 
     `gloo_cpu_capped`: the ranks run on the CPU the efficiency table was measured on (one core per
     rank), so gloo's collectives are also limited by what that CPU pushed through unshaped, and
     that CPU time, taken from the cores the compute runs on, is never hidden."""
-    s = cfg if isinstance(cfg, StepSettings) else StepSettings.of_config(cfg)
     if world_size < 1 or nproc_per_node < 1 or world_size % nproc_per_node:
         raise ConfigError(f"world size {world_size} must be a positive multiple of the ranks per node ({nproc_per_node})")
     if not peak_flops_per_s > 0:
