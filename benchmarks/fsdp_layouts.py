@@ -12,9 +12,11 @@ a link rate chosen so that the time plan gives that layout the seeds' share of n
 
 Then every layout runs over that link, and its measured step (median after the first steps) is set
 against the time plan's figure for it. The plan is given the compute it cannot know: the MFU of one
-rank of the same shape run alone on one core (the single strategy, the same micro-batches), shared
-by the node's 2 ranks; the network time, the efficiency of each collective (gloo_link's table) and
-gloo's CPU time are the plan's own. Writes block `fsdp_layouts` of docs/benchmarks/network.md.
+FSDP rank of the same shape run alone on one core (nothing to communicate, FSDP2's own casts and
+copies included; the same micro-batches), shared by the node's 2 ranks; the network time, the
+efficiency of each collective (gloo_link's table), gloo's CPU time and the node's own collectives
+over loopback are the plan's own. The single strategy alone is run too, to say what FSDP2's own
+work costs a rank. Writes block `fsdp_layouts` of docs/benchmarks/network.md.
 """
 
 from __future__ import annotations
@@ -57,10 +59,15 @@ def overrides(case: dict) -> list[str]:
     return [f"{k}={v}" for k, v in case.items()]
 
 
-def train_alone(settings: list[str], micro: int, run_dir: Path) -> None:
-    """One rank of the single strategy on core 0, the same micro-batches a layout's rank takes."""
+# one rank alone, nothing to communicate: FSDP2 on a world of one still casts, copies and reduces
+ALONE = {"single": ["parallel.strategy=single"],
+         "fsdp": ["parallel.strategy=fsdp", *overrides(NOW), "--nproc-per-node", "1"]}
+
+
+def train_alone(settings: list[str], micro: int, strategy: str, run_dir: Path) -> None:
+    """One rank of `strategy` on core 0, the same micro-batches a layout's rank takes."""
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "cputrain", "train", *settings,
-           f"train.global_batch_size={micro * MICRO_BATCHES}", "parallel.strategy=single", f"output_dir={run_dir}"]
+           f"train.global_batch_size={micro * MICRO_BATCHES}", *ALONE[strategy], f"output_dir={run_dir}"]
     proc = subprocess.run(cmd, env=_clean_env(in_namespace=False), cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -97,8 +104,8 @@ def planned(settings: list[str], case: dict, link_gbit_s: float | None, mfu: flo
     peak = hw.peak_flops[cfg.hardware.precision] / hw.physical_cores / RANKS_PER_NODE
     # a veth pair: no per-flow cap (EC2's is the plan's for instances, not this link's)
     return plan_step_time(StepSettings.of_config(cfg), WORLD, RANKS_PER_NODE, shape, link_gbit_s=link_gbit_s,
-                          peak_flops_per_s=peak, mfu=mfu, gloo_cpu_capped=True,
-                          mfu_source="measured here: one rank alone on one core")
+                          peak_flops_per_s=peak, mfu=mfu, gloo_cpu_capped=True, rank_core_share=1 / RANKS_PER_NODE,
+                          mfu_source="measured here: one FSDP rank alone on one core")
 
 
 def regime_link(settings: list[str], mfu: float) -> float:
@@ -111,18 +118,18 @@ def regime_link(settings: list[str], mfu: float) -> float:
     return round((low * high) ** 0.5, 3)
 
 
-def measure(quick: bool, tmp: Path) -> tuple[float, float, list[dict]]:
+def measure(quick: bool, tmp: Path) -> tuple[float, float, dict[str, float], list[dict]]:
     model, seq_len, micro, steps = (MODEL_TINY, 32, 2, 4) if quick else (MODEL_34M, 512, 2, 6)
     settings = run_settings(model, seq_len, micro, steps, tmp / "cache")
-    alone = tmp / "alone"
-    train_alone(settings, micro, alone)
-    alone_s = median_step_s(alone)
-    # the share of one core's peak the rank reached alone: a single-strategy plan of 1 rank at MFU 1, ÷ measured
+    alone_s = {}
+    for strategy in ALONE:
+        train_alone(settings, micro, strategy, tmp / f"alone-{strategy}")
+        alone_s[strategy] = median_step_s(tmp / f"alone-{strategy}")
+    # the share of one core's peak the FSDP rank reached alone: a plan of its step at MFU 1, ÷ measured
     from cputrain.hardware import detect
 
     one_core = detect()
-    single = planned_single(settings, micro, one_core)
-    mfu = single / alone_s
+    mfu = planned_single(settings, micro, one_core) / alone_s["fsdp"]
     link = regime_link(settings, mfu)
     rows = []
     with two_nodes() as names:
@@ -134,15 +141,17 @@ def measure(quick: bool, tmp: Path) -> tuple[float, float, list[dict]]:
             plan = planned(settings, case, link, mfu)
             rows.append({"layout": name, "measured_step_s": measured, "planned_step_s": plan.step_s,
                          "planned_share": plan.network_share, "link_bytes": sum(plan.link_bytes_by_kind.values()),
+                         "in_node_s": plan.in_node_s,
                          "comm_s": median_step_s(run_dir, "comm_time_s")})
             print(f"{name}: measured {measured:.2f} s, planned {plan.step_s:.2f} s (network "
                   f"{plan.network_share:.0%})", flush=True)
         shape_link(names, None)
-    return link, mfu, rows
+    return link, mfu, alone_s, rows
 
 
 def planned_single(settings: list[str], micro: int, hw) -> float:
-    """The compute seconds of one rank's step at MFU 1 on one core (the alone run's shape)."""
+    """The compute seconds of one rank's step at MFU 1 on one core (the alone runs' shape: the same
+    FLOPs under FSDP on a world of one as under the single strategy)."""
     from cputrain.commands.plan import load_run_config
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.time.step_time import StepSettings, plan_step_time
@@ -158,7 +167,7 @@ def planned_single(settings: list[str], micro: int, hw) -> float:
                           mfu=1.0).compute_s
 
 
-def write(link: float, mfu: float, rows: list[dict], quick: bool) -> None:
+def write(link: float, mfu: float, alone_s: dict[str, float], rows: list[dict], quick: bool) -> None:
     from benchmarks.report import machine_line, write_block
 
     today = rows[0]["measured_step_s"]
@@ -167,14 +176,18 @@ def write(link: float, mfu: float, rows: list[dict], quick: bool) -> None:
              f"core, one thread each), {'a tiny smoke model' if quick else 'a ~34M Llama'}, precision auto, "
              f"{MICRO_BATCHES} micro-batches per rank per step, over a veth link shaped by `tc` to {link:g} Gbit/s: the "
              f"rate at which the time plan gives FSDP as built before layouts {TARGET_SHARE:.0%} of its step on the "
-             "network (the seeds' 8B case: 69%). The plan is given the compute (one rank alone on one core reached "
-             f"{mfu:.1%} of the core's peak; a node's 2 ranks share it) and plans the rest itself. Median step of "
-             f"the steps after the {WARMUP_STEPS} first.", "",
-             "| layout | bytes through the link / step (plan) | planned network share | planned step | measured step | "
-             "measured ÷ planned | speed-up over as before |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "network (the seeds' 8B case: 69%). The plan is given the compute (one FSDP rank alone on one core, "
+             f"nothing to communicate, reached {mfu:.1%} of the core's peak; a node's 2 ranks share it) and plans the "
+             "rest itself: the link's time, gloo's CPU time and the node's own collectives over loopback, each rank "
+             f"with half a core. Median step of the steps after the {WARMUP_STEPS} first. One rank alone: "
+             f"{alone_s['fsdp']:.2f} s a step under FSDP, {alone_s['single']:.2f} s under the single strategy "
+             f"(FSDP2's own work on a rank: {alone_s['fsdp'] / alone_s['single']:.2f}×).", "",
+             "| layout | bytes through the link / step (plan) | planned: in the node | planned network share | "
+             "planned step | measured step | measured ÷ planned | speed-up over as before |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['link_bytes'] / 2**20:,.0f} MiB | {r['planned_share']:.0%} | "
+        lines.append(f"| {r['layout']} | {r['link_bytes'] / 2**20:,.0f} MiB | {r['in_node_s']:.2f} s | "
+                     f"{r['planned_share']:.0%} | "
                      f"{r['planned_step_s']:.2f} s | {r['measured_step_s']:.2f} s | "
                      f"{r['measured_step_s'] / r['planned_step_s']:.2f} | {today / r['measured_step_s']:.2f}× |")
     within = sum(abs(r["measured_step_s"] / r["planned_step_s"] - 1) <= 0.2 for r in rows)
@@ -191,11 +204,11 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print, do not write the block")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cputrain-fsdp-layouts-") as tmp:
-        link, mfu, rows = measure(args.quick, Path(tmp))
+        link, mfu, alone_s, rows = measure(args.quick, Path(tmp))
     if args.no_write:
-        print(json.dumps({"link_gbit_s": link, "mfu": mfu, "rows": rows}, indent=1))
+        print(json.dumps({"link_gbit_s": link, "mfu": mfu, "alone_s": alone_s, "rows": rows}, indent=1))
         return
-    write(link, mfu, rows, args.quick)
+    write(link, mfu, alone_s, rows, args.quick)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from cputrain.errors import ConfigError
 from cputrain.plan.instances import FLOW_GBIT_S, FLOW_GBIT_S_IN_PLACEMENT_GROUP, flow_cap
 from cputrain.plan.model_shape import ModelShape, ParamInfo
 from cputrain.plan.time.comm_volume import comm_pattern
@@ -139,3 +140,37 @@ def test_measured_all_to_all_rows_replace_the_assumption():
     step = _step("gather_once", None, "all_to_all", table)
     assert next(c.efficiency for c in step.collectives if c.kind == "reduce_scatter") == pytest.approx(0.8)
     assert "assumed" not in step.source["efficiency"]
+
+
+def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_are_said_elsewhere():
+    """hybrid's in-node gathers and reduce-scatters cross no link, but gloo runs them on the cores:
+    on the measuring machine at its unshaped rate × each rank's share of a core, none hidden; for
+    an instance not planned, and the plan says so."""
+    caps = {"all_gather": 1e-4, "all_to_all": 2e-4, "all_reduce": 1e-4}  # Gbit/s
+    table = parse_table({"machine": "test", "measured": "2026-01-01", "rows": [
+        {"collective": k, "link_gbit_s": 1e-3, "message_bytes": 1, "efficiency": 1.0} for k in caps],
+        "cpu_cap_rows": [{"collective": k, "message_bytes": 1, "gbit_s": v} for k, v in caps.items()]}, "test")
+    s = StepSettings("fsdp", "bf16", 1, 16, W * M, False, layout="hybrid", reduce_dtype="fp32",
+                     reduce_scatter="all_to_all")
+
+    def hybrid(capped: bool, share: float = 1.0):
+        return plan_step_time(s, W, P, shape(), link_gbit_s=1e-3, peak_flops_per_s=1e9, mfu=0.5, efficiency=table,
+                              gloo_cpu_capped=capped, rank_core_share=share)
+
+    gathered = (M * 2 * L * BLOCK + ROOT) * 2 * ring(P)  # bf16 blocks for each pass, the root once
+    reduced = M * GRADS * 4 * ring(P)  # fp32 gradients, the all-to-all's bytes
+    in_node_s = gathered * 8 / (caps["all_gather"] * 1e9) + reduced * 8 / (caps["all_to_all"] * 1e9)
+    whole, half, instance = hybrid(True), hybrid(True, 0.5), hybrid(False)
+    assert whole.in_node_s == pytest.approx(in_node_s)
+    assert half.in_node_s == pytest.approx(2 * in_node_s)  # two ranks on one core: each at half the rate
+    across = sum(c.seconds for c in whole.collectives if c.link_bytes)
+    assert whole.network_s == pytest.approx(across)
+    assert whole.exposed_network_s == pytest.approx(across + in_node_s)  # FSDP hides none; the node's own never
+    assert whole.step_s == pytest.approx(whole.compute_s + across + in_node_s)
+    assert instance.in_node_s == 0 and "not planned" in instance.source["in_node"]
+    assert instance.step_s < whole.step_s
+    full_shard = plan_step_time(StepSettings("fsdp", "bf16", 1, 16, W * M, False, layout="full_shard"), W, P, shape(),
+                                link_gbit_s=1e-3, peak_flops_per_s=1e9, mfu=0.5, efficiency=table, gloo_cpu_capped=True)
+    assert full_shard.in_node_s == 0 and "in_node" not in full_shard.source  # every collective crosses the link
+    with pytest.raises(ConfigError, match="share of a core"):
+        hybrid(True, 0.0)

@@ -95,9 +95,11 @@ class EfficiencyTable:
         points = sorted((c.message_bytes, c.gbit_s) for c in self.cpu_caps if c.collective == collective)
         return _interpolate(points, message_bytes) if points else None
 
-    def efficiency(self, collective: str, message_bytes: float, link_gbit_s: float, cpu_capped: bool = True) -> float:
+    def efficiency(self, collective: str, message_bytes: float, link_gbit_s: float, cpu_capped: bool = True,
+                   core_share: float = 1.0) -> float:
         """`cpu_capped=False`: the protocol's share only, for a machine whose CPU limit for gloo
-        is not the measuring machine's (an instance of a cluster)."""
+        is not the measuring machine's (an instance of a cluster). `core_share`: the share of one
+        of its cores each rank has (ranks sharing a core each get that share of the cap)."""
         rows = [r for r in self.rows if r.collective == collective]
         if not rows:
             return 1.0  # a collective the benchmark did not measure: the line rate
@@ -112,7 +114,7 @@ class EfficiencyTable:
                 else min(rates, key=lambda g: (abs(math.log(g / link_gbit_s)), g)))
         share = _interpolate(sorted((r.message_bytes, r.efficiency) for r in rows if r.link_gbit_s == rate),
                              message_bytes)
-        return share if cap_gbit_s is None else min(share, cap_gbit_s / link_gbit_s)
+        return share if cap_gbit_s is None else min(share, cap_gbit_s * core_share / link_gbit_s)
 
 
 def parse_table(doc: object, where: str) -> EfficiencyTable:

@@ -102,6 +102,11 @@ def time_lines(tp: TimePlan) -> list[str]:
                      f"{s.overlap_source})")
     else:
         lines.append(f"  network          {_s(0)}   ({s.source['link']})")
+    if s.in_node_s:
+        lines.append(f"  in the node      {_s(s.in_node_s)}   (gloo over loopback at the CPU rate it was measured at; none "
+                     "hides)")
+    elif "in_node" in s.source:
+        lines.append(f"  in the node      {s.source['in_node']}")
     lines.append(f"  step             {_s(s.step_s)}   network {s.network_share:.0%} of it; "
                  f"{s.tokens_per_s_per_rank:,.0f} tokens/s per rank, {s.tokens_per_s:,.0f} for the cluster; "
                  f"MFU {s.mfu:.1%}")

@@ -22,10 +22,16 @@ behind the next block's backward, so each block exposes max(0, its communication
 plus the first gather of a pass and the last reduce-scatter, which never hide. DDP's bucketed
 all-reduce runs behind the last micro-batch's backward, all but its last bucket (measured within
 10% at 1 Gbit/s). A measured overlap (the share of network time hidden, 0 to 1) replaces these
-where a benchmark has one. Within one node no link is used: collectives there are memory copies,
-not planned as network time. Planned for the machine the efficiency table was measured on
-(`gloo_cpu_capped`), gloo's CPU time (its bytes at the rate it reached unshaped) never hides: it
-comes out of the cores the compute keeps busy.
+where a benchmark has one. Planned for the machine the efficiency table was measured on
+(`gloo_cpu_capped`), gloo's CPU time (its bytes at the rate it reached unshaped, times each rank's
+share of a core) never hides: it comes out of the cores the compute keeps busy.
+
+A node's own collectives (hybrid's gathers and reduce-scatters, node_reshard's backward gathers,
+every collective of a one-node run) use no link, but gloo still runs them over loopback TCP on the
+cores: on the measuring machine (`gloo_cpu_capped`) each takes its bytes at the rate gloo reached
+there unshaped, times the rank's share of a core, and none of it hides (measured with them:
+block fsdp_layouts of docs/benchmarks/network.md, 2 ranks sharing each core). For a cluster's
+instances gloo's loopback rate is not measured: their time is not planned, and the plan says so.
 """
 
 from __future__ import annotations
@@ -112,7 +118,7 @@ class StepTimePlan:
     message_bytes_by_kind: dict[str, int]
     efficiency_by_kind: dict[str, float]
     network_s: float
-    exposed_network_s: float
+    exposed_network_s: float  # the link's time no compute hides, and the node's own collectives (in_node_s)
     overlap: float  # share of the network time hidden behind compute
     overlap_source: str  # "given", "modelled", or for FSDP2 "measured on CPU: none hides"
     step_s: float
@@ -128,6 +134,7 @@ class StepTimePlan:
     reduce_dtype: str = ""  # fsdp and zero3: the dtype gradients are reduced in
     reduce_scatter: str = ""  # fsdp and zero3: native (gloo's all-reduce) or all_to_all
     flow_cap_gbit_s: float | None = None  # what one TCP flow gets at most (None: no cap)
+    in_node_s: float = 0.0  # a node's own collectives over loopback (planned where gloo_cpu_capped), never hidden
     collectives: list[CollectiveTime] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -215,7 +222,7 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
                    link_gbit_s: float | None, peak_flops_per_s: float, mfu: float,
                    efficiency: float | EfficiencyTable | None = None, overlap: float | None = None,
                    mfu_source: str = "given", flow_cap_gbit_s: float | None = None, flow_cap_source: str = "",
-                   gloo_cpu_capped: bool = False) -> StepTimePlan:
+                   gloo_cpu_capped: bool = False, rank_core_share: float = 1.0) -> StepTimePlan:
     """One optimizer step of `s` (a plan's settings, StepSettings.of_plan; a decided config's,
     StepSettings.of_config) on `world_size` ranks, `nproc_per_node` to a node.
 
@@ -231,7 +238,8 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
     machine's veth), `flow_cap_source` what it is, for the plan's words.
     `gloo_cpu_capped`: the ranks run on the CPU the efficiency table was measured on (one core per
     rank), so gloo's collectives are also limited by what that CPU pushed through unshaped, and
-    that CPU time, taken from the cores the compute runs on, is never hidden."""
+    that CPU time, taken from the cores the compute runs on, is never hidden; `rank_core_share`
+    is each rank's share of one core there (the benchmarks' 2 ranks on one core: 0.5)."""
     if world_size < 1 or nproc_per_node < 1 or world_size % nproc_per_node:
         raise ConfigError(f"world size {world_size} must be a positive multiple of the ranks per node ({nproc_per_node})")
     if not peak_flops_per_s > 0:
@@ -242,6 +250,8 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         raise ConfigError(f"--link-gbit-s must be a positive number of Gbit/s (got {link_gbit_s})")
     if flow_cap_gbit_s is not None and not flow_cap_gbit_s > 0:
         raise ConfigError(f"the per-flow cap must be a positive number of Gbit/s (got {flow_cap_gbit_s})")
+    if not 0 < rank_core_share <= 1:
+        raise ConfigError(f"a rank's share of a core must be in (0, 1] (got {rank_core_share})")
     if overlap is not None and not 0 <= overlap <= 1:
         raise ConfigError(f"overlap must be in [0, 1] (got {overlap})")
     if s.global_batch % (s.micro_batch * world_size):
@@ -301,7 +311,7 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         if table is None or not planned:
             return fixed
         row, factor = table_row_of(c, table)
-        return factor * table.efficiency(row, c.message_bytes, rate_of(c), gloo_cpu_capped)
+        return factor * table.efficiency(row, c.message_bytes, rate_of(c), gloo_cpu_capped, rank_core_share)
 
     def seconds(c: Collective, nbytes: float) -> float:
         if not planned or nbytes <= 0:
@@ -314,13 +324,32 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
             return 0.0
         row, factor = table_row_of(c, table)
         cap = table.cpu_cap_gbit_s(row, c.message_bytes)
-        return nbytes * 8 / (factor * cap * 1e9) if cap else 0.0
+        return nbytes * 8 / (factor * cap * rank_core_share * 1e9) if cap else 0.0
+
+    def in_node_seconds(c: Collective, planned_here: bool = gloo_cpu_capped) -> float:
+        """A collective that crosses no link: what one rank sends over loopback, at gloo's CPU rate."""
+        if c.link_bytes(world_size, nnodes) or not (planned_here and table):
+            return 0.0
+        row, factor = table_row_of(c, table)
+        cap = table.cpu_cap_gbit_s(row, c.message_bytes)
+        nbytes = c.rank_bytes(world_size, pattern.ranks_per_node)
+        return nbytes * 8 / (factor * cap * rank_core_share * 1e9) if cap and nbytes > 0 else 0.0
 
     timed = [CollectiveTime(c.kind, c.what, c.via, c.span, c.rank_bytes(world_size, pattern.ranks_per_node),
                             c.link_bytes(world_size, nnodes), c.message_bytes, c.flows(world_size, nnodes),
-                            rate_of(c), efficiency_of(c), seconds(c, c.link_bytes(world_size, nnodes)))
+                            rate_of(c), efficiency_of(c), seconds(c, c.link_bytes(world_size, nnodes))
+                            or in_node_seconds(c))
              for c in pattern.collectives]
-    network_s = sum(t.seconds for t in timed)
+    in_node_s = sum(in_node_seconds(c) for c in pattern.collectives)
+    network_s = sum(t.seconds for t in timed) - in_node_s
+    in_node_rank_bytes = sum(t.rank_bytes for t in timed if not t.link_bytes)
+    if in_node_rank_bytes and not in_node_s:
+        source["in_node"] = (f"{in_node_rank_bytes / 2**30:,.1f} GiB a rank per step in the node's own collectives: not "
+                             "planned (gloo's loopback rate on this CPU kind is not measured")
+        at_measured_s = sum(in_node_seconds(c, planned_here=True) for c in pattern.collectives)
+        if at_measured_s:  # what they would take at the one core per rank the table was measured on: a bound
+            source["in_node"] += f"; at the rate one {table.machine.split(',')[0]} core reached, {at_measured_s:,.0f} s"
+        source["in_node"] += ")"
     gloo_cpu_s = sum(cpu_seconds(c, t.link_bytes) for c, t in zip(pattern.collectives, timed))
     # by kind, as plan.json had them: the message and efficiency of the kind's largest flow through the link
     messages, efficiencies = {}, {}
@@ -342,7 +371,8 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         exposed = network_s
         if s.prefetch:
             layers = max(shape.layers, 1)
-            block_gathers_s = sum(t.seconds for t in timed if t.kind == "all_gather" and t.what.startswith("blocks"))
+            block_gathers_s = sum(t.seconds for t in timed  # through the link: the node's own ones are CPU work
+                                  if t.kind == "all_gather" and t.what.startswith("blocks") and t.link_bytes)
             exposed -= PREFETCH_HIDDEN_SHARE * min(block_gathers_s * (layers - 1) / layers, compute_s)
     else:
         exposed = 0.0
@@ -368,8 +398,9 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         # rest of the wait (the link's) hides as the model above says
         if gloo_cpu_s:
             exposed = gloo_cpu_s + (network_s - gloo_cpu_s) * exposed / network_s
-    step_s = compute_s + exposed
     hidden = 1 - exposed / network_s if network_s else 1.0
+    exposed += in_node_s  # gloo's loopback work on the cores the compute uses: none of it hides
+    step_s = compute_s + exposed
     return StepTimePlan(
         world_size=world_size, nnodes=nnodes, micro_batches=micro_batches, tokens_per_rank=tokens,
         model_flops_per_rank=model_ft * tokens, recompute_flops_per_rank=recompute_ft * tokens,
@@ -386,4 +417,4 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         link_gbit_s=link_gbit_s, peak_flops_per_s=peak_flops_per_s,
         whole_parameter_bytes=pattern.whole_parameter_bytes, source=source,
         layout=pattern.layout, reduce_dtype=pattern.reduce_dtype, reduce_scatter=pattern.reduce_scatter,
-        flow_cap_gbit_s=flow_cap_gbit_s, collectives=timed)
+        flow_cap_gbit_s=flow_cap_gbit_s, in_node_s=in_node_s, collectives=timed)
