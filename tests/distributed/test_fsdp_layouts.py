@@ -25,9 +25,10 @@ from dist_helpers import assert_no_survivors, free_port
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
+STEPS = 10  # the layouts' losses against one rank's over 10 steps
+SAVED_AT = 5  # the hybrid checkpoint one rank resumes
 SETTINGS = {"train.max_steps": STEPS, "train.global_batch_size": 16, "train.micro_batch_size": 2,
-            "train.grad_clip": 0.5, "train.checkpoint_every": 2, "train.keep_last": 2, "train.eval_every": 100}
+            "train.grad_clip": 0.5, "train.checkpoint_every": SAVED_AT, "train.keep_last": 2, "train.eval_every": 100}
 
 
 def rows(run_dir) -> dict[int, dict]:
@@ -86,10 +87,10 @@ def test_node_layouts_on_two_nodes_equal_one_rank(one_rank, tmp_path, cache_dir,
     out = tmp_path / "run"
     two_nodes(out, cache_dir, layout)
     assert_same_steps(out, one_rank)
-    if layout == "hybrid":  # its checkpoint of step 2, resumed by one rank, goes on as one rank did
+    if layout == "hybrid":  # its checkpoint of step SAVED_AT, resumed by one rank, goes on as one rank did
         resumed = tmp_path / "resumed"
-        shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("step-000004"))
+        shutil.copytree(out, resumed, ignore=shutil.ignore_patterns(f"step-{STEPS:06d}"))
         overrides = tiny_overrides(resumed, cache_dir, **SETTINGS)
         result = run_cli("train", *overrides, check=True)
-        assert "resumed from" in result.stderr and "step 2" in result.stderr
-        assert_same_steps(resumed, one_rank, steps=range(3, STEPS + 1))
+        assert "resumed from" in result.stderr and f"step {SAVED_AT}" in result.stderr
+        assert_same_steps(resumed, one_rank, steps=range(SAVED_AT + 1, STEPS + 1))
