@@ -168,6 +168,7 @@ def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_a
     assert whole.exposed_network_s == pytest.approx(across + in_node_s)  # FSDP hides none; the node's own never
     assert whole.step_s == pytest.approx(whole.compute_s + across + in_node_s)
     assert instance.in_node_s == 0 and "not planned" in instance.source["in_node"]
+    assert "at the rate one test core reached" in instance.source["in_node"]  # the bound, at the measured rate
     assert instance.step_s < whole.step_s
     full_shard = plan_step_time(StepSettings("fsdp", "bf16", 1, 16, W * M, False, layout="full_shard"), W, P, shape(),
                                 link_gbit_s=1e-3, peak_flops_per_s=1e9, mfu=0.5, efficiency=table, gloo_cpu_capped=True)

@@ -318,30 +318,30 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
             return 0.0
         return nbytes * 8 / (rate_of(c) * 1e9 * efficiency_of(c))
 
-    def cpu_seconds(c: Collective, nbytes: float) -> float:
-        """The time gloo's transfers and reductions hold a core: the bytes at the unshaped rate."""
-        if not (planned and gloo_cpu_capped and table) or nbytes <= 0:
-            return 0.0
+    def at_gloo_cpu_rate(c: Collective, nbytes: float) -> float:
+        """`nbytes` of `c` at the rate gloo reached unshaped on the table's CPU, a rank holding
+        rank_core_share of a core: the time gloo's transfers and reductions hold the cores."""
         row, factor = table_row_of(c, table)
         cap = table.cpu_cap_gbit_s(row, c.message_bytes)
-        return nbytes * 8 / (factor * cap * rank_core_share * 1e9) if cap else 0.0
+        return nbytes * 8 / (factor * cap * rank_core_share * 1e9) if cap and nbytes > 0 else 0.0
+
+    def cpu_seconds(c: Collective, nbytes: float) -> float:
+        """A collective through the link: gloo's CPU time for its bytes, where the table's CPU runs it."""
+        return at_gloo_cpu_rate(c, nbytes) if planned and gloo_cpu_capped and table else 0.0
 
     def in_node_seconds(c: Collective, planned_here: bool = gloo_cpu_capped) -> float:
         """A collective that crosses no link: what one rank sends over loopback, at gloo's CPU rate."""
         if c.link_bytes(world_size, nnodes) or not (planned_here and table):
             return 0.0
-        row, factor = table_row_of(c, table)
-        cap = table.cpu_cap_gbit_s(row, c.message_bytes)
-        nbytes = c.rank_bytes(world_size, pattern.ranks_per_node)
-        return nbytes * 8 / (factor * cap * rank_core_share * 1e9) if cap and nbytes > 0 else 0.0
+        return at_gloo_cpu_rate(c, c.rank_bytes(world_size, pattern.ranks_per_node))
 
+    link_s = [seconds(c, c.link_bytes(world_size, nnodes)) for c in pattern.collectives]
+    node_s = [in_node_seconds(c) for c in pattern.collectives]
     timed = [CollectiveTime(c.kind, c.what, c.via, c.span, c.rank_bytes(world_size, pattern.ranks_per_node),
                             c.link_bytes(world_size, nnodes), c.message_bytes, c.flows(world_size, nnodes),
-                            rate_of(c), efficiency_of(c), seconds(c, c.link_bytes(world_size, nnodes))
-                            or in_node_seconds(c))
-             for c in pattern.collectives]
-    in_node_s = sum(in_node_seconds(c) for c in pattern.collectives)
-    network_s = sum(t.seconds for t in timed) - in_node_s
+                            rate_of(c), efficiency_of(c), through_link + in_node)
+             for c, through_link, in_node in zip(pattern.collectives, link_s, node_s)]
+    network_s, in_node_s = sum(link_s), sum(node_s)
     in_node_rank_bytes = sum(t.rank_bytes for t in timed if not t.link_bytes)
     if in_node_rank_bytes and not in_node_s:
         source["in_node"] = (f"{in_node_rank_bytes / 2**30:,.1f} GiB a rank per step in the node's own collectives: not "
