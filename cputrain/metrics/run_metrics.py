@@ -53,7 +53,7 @@ class RunMetrics:
         share = cfg.hardware.threads / max(1, hw.physical_cores)
         self.peak_flops = hw.peak_flops[cfg.hardware.precision] * min(1.0, share) * ranks.world_size
         measured, self.measured_peak_how = measured_peak_flops(hw.cpu_model, hw.flags, cfg.hardware.threads,
-                                                               cfg.hardware.dtype)
+                                                               cfg.hardware.dtype, apart=True)
         self.measured_peak_flops = measured * ranks.world_size
         self.start_step = self._step = 0
         self.steps_this_session = 0

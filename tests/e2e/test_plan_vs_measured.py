@@ -48,6 +48,16 @@ LAYOUTS = {"tiny": [("single", 1, False), ("fsdp", 1, False), ("zero3", 1, False
 CASES = [(s, st, n, off) for s in SIZES for st, n, off in LAYOUTS[s]]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cold_machine_cache(tmp_path_factory):
+    """Every run here starts from an empty machine cache (the matmul peak each run's MFU is measured
+    against): a run that times that product must reach the same step peak as one that reads it, or
+    this file's result would depend on which test had timed that dtype first on this machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CPUTRAIN_CACHE_HOME", str(tmp_path_factory.mktemp("machine-cache")))
+        yield
+
+
 def _train_and_compare(overrides: list[str], ranks: int, run_dir, timeout: int) -> tuple[list[dict], str]:
     """Train on `ranks` ranks, then each rank's plan-vs-measured row (stored bytes must be equal)."""
     launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
