@@ -1,8 +1,8 @@
 """A node lost in the middle of a run, on two hosts made of network namespaces (root and `ip`).
 
-Node 0 (10.77.0.1) hosts the rendezvous; node 1 (10.77.0.2) is the one lost: (a) all its
-processes killed with SIGKILL, then started again; (b) its link down for 10 s, then up; (c) its
-link down for good. Each case prints the time from the fault to what node 0 does, and the
+Node 0 (10.77.0.1) hosts the rendezvous; node 1 (10.77.0.2) is the one lost: (b) its link down for
+10 s, then up, and later in the same run (a) all its processes killed with SIGKILL, then started
+again; (c) its link down for good. Each case prints the time from the fault to what node 0 does, and the
 figures are in docs/guides/faults-and-resume.md. The bounds come from the settings the nodes run
 with: a collective waits parallel.timeout_s (20 s) for a silent peer, a restarted group waits
 launch.rdzv_timeout_s for every node to rejoin; every run ends with the losses of one straight
@@ -91,56 +91,29 @@ def _finish(hosts, nodes) -> None:
         set_link(ns, up=True)
 
 
-def test_a_node_killed_mid_run_is_named_and_rejoins_from_the_last_checkpoint(hosts, straight, tmp_path, cache_dir):
-    """Every process of node 1 killed (SIGKILL): the kernel closes its sockets, so node 0's next
-    collective fails at once and its rank names node 1; with launch.max_restarts=1 node 0's agent
-    waits launch.rdzv_timeout_s for it. Node 1 started again: both resume from the newest
-    checkpoint and end with the straight run's losses."""
-    out = tmp_path / "run"
-    nodes = _start(hosts, out, cache_dir, 29561, **{"launch.max_restarts": 1, "launch.rdzv_timeout_s": 30})
-    try:
-        _after_checkpoint(out, nodes)
-        killed = kill_netns(hosts[1][0])
-        fault = time.monotonic()
-        assert killed, "node 1 had no process to kill"
-        named = nodes[0].wait_for_line("stopped: node 1 (10.77.0.2, rank 1) is gone", TIMEOUT_S, since=fault)
-        assert named, nodes[0].output()[-3000:]
-        assert "the group restarts once every node has rejoined" in named[1], named[1]
-        newest = _newest_checkpoint(out)  # nothing is saved once a rank is gone
-        assert nodes[0].ended_at is None, "node 0 ended instead of waiting for node 1:\n" + nodes[0].output()[-3000:]
-        restarted = Node(hosts[1][0], 1, 2, f"{HOST_ADDRS[0]}:29561",
-                         _overrides(out, cache_dir, **{"launch.max_restarts": 1, "launch.rdzv_timeout_s": 30}))
-        nodes.append(restarted)
-        resumed = nodes[0].wait_for_line(f"(step {newest})", START_S, since=named[0])
-        assert resumed and "resumed from" in resumed[1], nodes[0].output()[-3000:]
-        assert nodes[0].wait(START_S) == 0, nodes[0].output()[-3000:]
-        assert restarted.wait(60) == 0, restarted.output()[-3000:]
-        print(f"\n(a) node 1 killed after step {newest}'s checkpoint: node 0 named it {named[0] - fault:.2f} s "
-              f"after the kill; node 1 started again, the group resumed from step {newest} "
-              f"{resumed[0] - fault:.1f} s after the kill")
-        for node in nodes[:1] + nodes[2:]:
-            assert "Traceback" not in node.output(), node.output()[-3000:]
-        _same_as_straight(out, straight)
-    finally:
-        _finish(hosts, nodes)
+def test_a_link_down_10_s_then_a_node_killed_the_run_goes_on_then_rejoins(hosts, straight, tmp_path, cache_dir):
+    """Two faults in one run (one run's start paid once).
 
-
-def test_b_link_down_for_10_s_the_run_goes_on_and_loses_only_the_outage(hosts, straight, tmp_path, cache_dir):
-    """Node 1's link down for 10 s, less than parallel.timeout_s: the collective in flight waits,
-    TCP delivers what was sent once the link is back, and the run goes on where it was, no
-    restart, nothing trained again; the time lost is the outage's."""
+    (b) Node 1's link down for 10 s after step 10's checkpoint, less than parallel.timeout_s: the
+    collective in flight waits, TCP delivers what was sent once the link is back, and the run goes
+    on where it was, no restart, nothing trained again; the time lost is the outage's.
+    (a) Then, after step 20's checkpoint, every process of node 1 killed (SIGKILL): the kernel
+    closes its sockets, so node 0's next collective fails at once and its rank names node 1; with
+    launch.max_restarts=1 node 0's agent waits launch.rdzv_timeout_s for it. Node 1 started again:
+    both resume from the newest checkpoint and end with the straight run's losses."""
     out = tmp_path / "run"
-    nodes = _start(hosts, out, cache_dir, 29562, **{"launch.max_restarts": 1})
+    launch = {"launch.max_restarts": 1, "launch.rdzv_timeout_s": 30}
+    nodes = _start(hosts, out, cache_dir, 29561, **launch)
     try:
+        # (b) the link down for 10 s
         _after_checkpoint(out, nodes)
         set_link(hosts[1][0], up=False)
         down = time.monotonic()
         time.sleep(10)
         set_link(hosts[1][0], up=True)
         up = time.monotonic()
-        assert nodes[0].wait(START_S) == 0, nodes[0].output()[-3000:]
-        assert nodes[1].wait(60) == 0, nodes[1].output()[-3000:]
-        steps = [t for t, line in nodes[0].lines if "] step " in line and "loss" in line]
+        _after_checkpoint(out, nodes, step=20)
+        steps = [t for t, line in list(nodes[0].lines) if "] step " in line and "loss" in line]
         gaps = [b - a for a, b in zip(steps, steps[1:])]
         stalled = max(gaps)
         assert stalled >= up - down - 1.0, f"no step waited for the link ({stalled:.2f} s at most): the fault missed"
@@ -148,7 +121,27 @@ def test_b_link_down_for_10_s_the_run_goes_on_and_loses_only_the_outage(hosts, s
         print(f"\n(b) link down {up - down:.1f} s: one step took {stalled:.1f} s (the others "
               f"{statistics.median(gaps):.2f} s): {stalled - statistics.median(gaps):.1f} s lost, the run went on; "
               f"the first step after the link came back ended {stalled - (up - down):.2f} s after it")
-        for node in nodes:
+
+        # (a) node 1 killed, then started again
+        killed = kill_netns(hosts[1][0])
+        fault = time.monotonic()
+        assert killed, "node 1 had no process to kill"
+        named = nodes[0].wait_for_line("stopped: node 1 (10.77.0.2, rank 1) is gone", TIMEOUT_S, since=fault)
+        assert named, nodes[0].output()[-3000:]
+        assert "the group restarts once every node has rejoined" in named[1], named[1]
+        newest = _newest_checkpoint(out)  # nothing is saved once a rank is gone
+        assert newest >= 20, f"the newest checkpoint is step {newest}, before the kill's"
+        assert nodes[0].ended_at is None, "node 0 ended instead of waiting for node 1:\n" + nodes[0].output()[-3000:]
+        restarted = Node(hosts[1][0], 1, 2, f"{HOST_ADDRS[0]}:29561", _overrides(out, cache_dir, **launch))
+        nodes.append(restarted)
+        resumed = nodes[0].wait_for_line(f"(step {newest})", START_S, since=named[0])
+        assert resumed and "resumed from" in resumed[1], nodes[0].output()[-3000:]
+        assert nodes[0].wait(START_S) == 0, nodes[0].output()[-3000:]
+        assert restarted.wait(60) == 0, restarted.output()[-3000:]
+        print(f"(a) node 1 killed after step {newest}'s checkpoint: node 0 named it {named[0] - fault:.2f} s "
+              f"after the kill; node 1 started again, the group resumed from step {newest} "
+              f"{resumed[0] - fault:.1f} s after the kill")
+        for node in nodes[:1] + nodes[2:]:
             assert "Traceback" not in node.output(), node.output()[-3000:]
         _same_as_straight(out, straight)
     finally:
