@@ -135,14 +135,12 @@ def test_the_check_names_what_to_add_and_remove(tmp_path):
     """The check itself can fail: a module missing from the page, a row for no module, layers out of
     order and a long cell are each reported, naming the path or the line."""
     package = tmp_path / "cputrain"
-    (package / "model").mkdir(parents=True)
-    (package / "__init__.py").write_text('"""the package"""\n__version__ = "0"\n')
-    (package / "model" / "__init__.py").write_text('"""the model"""\n')
-    (package / "kernels").mkdir()
-    (package / "kernels" / "__init__.py").write_text('"""kernels"""\nfrom x import y\n')
-    (package / "model" / "skeleton.py").write_text("")
-    (package / "model" / "new_part.py").write_text("")
-    (package / "errors.py").write_text("")
+    tree = {"__init__.py": '"""the package"""\n__version__ = "0"\n', "errors.py": "",
+            "kernels/__init__.py": '"""kernels"""\nfrom x import y\n', "model/__init__.py": '"""the model"""\n',
+            "model/skeleton.py": "", "model/new_part.py": ""}
+    for rel, text in tree.items():
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_text(text)
     layers = [["errors", "kernels"], ["model"]]
     page = ("## Layer 2: model\n\n| module | what |\n| --- | --- |\n| `model/skeleton.py` | the skeleton |\n"
             "| `model/gone.py` | a module no longer there |\n\n"
