@@ -140,3 +140,30 @@ def test_readme_stays_short_and_keeps_the_commands_ci_and_users_run():
     assert "(tests/harness/README.md)" in tests
     assert "the README's test command" in (REPO / ".ci" / "run").read_text()
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+# A file of the project cited by its path from the repository's root, in prose, code spans or fences.
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:cputrain|tests|benchmarks)/[\w/.-]*?\.py)\b")
+
+
+def missing_cited_paths(path: Path, root: Path = REPO) -> list[str]:
+    """Every `cputrain/…py`, `tests/…py` and `benchmarks/…py` a page cites that is not in the tree."""
+    return [f"{path.relative_to(root)}:{number}: {cited} does not exist"
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            for cited in CITED_PATH.findall(line) if not (root / cited).exists()]
+
+
+def test_the_path_check_finds_a_moved_file(tmp_path):
+    (tmp_path / "cputrain" / "plan" / "time").mkdir(parents=True)
+    (tmp_path / "cputrain" / "plan" / "time" / "step_time.py").write_text("")
+    page = tmp_path / "page.md"
+    page.write_text("The step (`cputrain/plan/time/step_time.py`), once cputrain/plan/step_time.py.\n"
+                    "```\npython benchmarks/gone.py\n```\nnot a path: src/cputrain/x.py, mycputrain/x.py\n")
+    assert missing_cited_paths(page, root=tmp_path) == [
+        "page.md:1: cputrain/plan/step_time.py does not exist", "page.md:3: benchmarks/gone.py does not exist"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_cited_file_exists(page):
+    missing = missing_cited_paths(page)
+    assert not missing, "files cited that are not in the tree (moved or renamed?):\n" + "\n".join(missing)
