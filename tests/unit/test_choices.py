@@ -81,7 +81,7 @@ def test_a_plan_decides_the_lora_keys_as_a_run_does(tiny_model, tmp_path, files)
     assert plan.config.model.lora.base_dtype == files
 
 
-def test_cputrain_plan_reads_what_run_choices_decided(tiny_model, tmp_path):
+def test_cputrain_plan_reads_what_the_choices_decided(tiny_model, tmp_path):
     """`cputrain plan` on a LoRA config with every key left auto: each key the plan reads is decided
     by choices.decide_for_plan and printed with its reason; the plan is made of those values.
     The data is not read (its file is not on this machine): its keys are the run's to decide."""
