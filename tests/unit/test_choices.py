@@ -123,17 +123,21 @@ def test_a_known_hub_id_is_planned_from_its_bf16_files_without_the_hub():
     assert "the files hold bf16" in {key: why for key, _, why in decided.reasons}["model.lora.base_dtype"]
 
 
-def test_a_resumed_lora_rank_builds_one_skeleton_and_reads_config_yaml_once(tiny_model, tmp_path, monkeypatch):
+def test_a_resumed_lora_rank_builds_one_skeleton_plans_once_and_reads_config_yaml_once(tiny_model, tmp_path,
+                                                                                         monkeypatch):
     """A LoRA run with model.lora.target_modules=auto and model.activation_checkpointing=auto,
     resumed in one process as `cputrain train` runs it: the checks before any work, LoRA's targets,
     the plan of activation checkpointing and the trainer take one meta skeleton between them (one
-    build), and the run folder's config.yaml is read once (the choices and the folder's check)."""
+    build); the memory plan is made once for each thing it decides or records (activation
+    checkpointing's choice: none fits this node, from the config; plan.json: from the trainer's
+    skeleton); and the run folder's config.yaml is read once (the choices and the folder's check)."""
     import gc
 
     from harness.run_cli_here import _process_state
 
     from cputrain.config.file import load_config
     from cputrain.model import skeleton
+    from cputrain.plan.memory import build as plan_build
     from cputrain.run_folder.layout import RunFolder
     from cputrain.training.preflight import check_before_work
     from cputrain.training.worker import run_worker
@@ -149,12 +153,15 @@ def test_a_resumed_lora_rank_builds_one_skeleton_and_reads_config_yaml_once(tiny
 
     with _process_state(None, None):
         run_worker(config(1))
-    builds, reads = [], []
-    build, read_text = skeleton._from_config, RunFolder.read_text
+    builds, reads, plans = [], [], []
+    build, read_text, plan = skeleton._from_config, RunFolder.read_text, plan_build._plan
     monkeypatch.setattr(skeleton, "_built", None)  # this process built it for the first session
     monkeypatch.setattr(skeleton, "_from_config", lambda *args: builds.append(args) or build(*args))
     monkeypatch.setattr(RunFolder, "read_text",
                         lambda self, *parts: reads.append(parts) or read_text(self, *parts))
+    # every memory plan, make_plan's and plan_of_built's, is made by build._plan
+    monkeypatch.setattr(plan_build, "_plan", lambda cfg, *args: plans.append(
+        cfg.model.activation_checkpointing) or plan(cfg, *args))
     try:
         with _process_state(None, None):
             cfg = config(2)
@@ -164,4 +171,5 @@ def test_a_resumed_lora_rank_builds_one_skeleton_and_reads_config_yaml_once(tiny
         gc.unfreeze()  # the worker froze what this process had made
     assert summary["status"] == "finished" and summary["final_step"] == 2
     assert len(builds) == 1, f"{len(builds)} skeleton builds in one rank"
+    assert plans == [False, False], f"memory plans made in one rank, by activation checkpointing: {plans}"
     assert reads.count(("config.yaml",)) == 1, reads
