@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.base_model import make_base  # noqa: E402
 from benchmarks.runner.hf_trainer_clock import trainer_step_clock  # noqa: E402
 from benchmarks.runner.machine import physical_cores  # noqa: E402
-from benchmarks.runner.processes import run_child, run_measured  # noqa: E402
+from benchmarks.runner.processes import run_child, run_measured, run_measured_child  # noqa: E402
 from benchmarks.runner.timing import steady_median, time_steps  # noqa: E402
 from benchmarks.step_time.layer_mfu import layers_step  # noqa: E402
 from benchmarks.vs_hf_trainer.vs_hf_trainer import RowsDataset, corpus_documents, packed_rows  # noqa: E402
@@ -175,10 +175,7 @@ def peft_child(opts: dict) -> dict:
 def run_peft(base: str, steps: int, warmup: int, seq_len: int, source: str, bf16: bool, base_dtype: str) -> dict:
     opts = {"base": base, "steps": steps, "warmup": warmup, "seq_len": seq_len, "source": source, "bf16": bf16,
             "base_dtype": base_dtype}
-    stdout, stderr, code, process_peak = run_measured([sys.executable, __file__, "--child", "peft", json.dumps(opts)])
-    if code:
-        raise RuntimeError(f"peft + Trainer failed:\n{stderr[-3000:]}")
-    return {**json.loads(stdout.strip().splitlines()[-1]), "process_peak_rss_gib": process_peak}
+    return run_measured_child("peft + Trainer", __file__, "peft", json.dumps(opts))[0]
 
 
 # ------------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.network.models import MODEL_34M, MODEL_TINY  # noqa: E402
+
 EFFICIENCY_FILE = REPO / "cputrain" / "plan" / "time" / "gloo_link_efficiency.json"
 ADDRS = ("10.78.0.1", "10.78.0.2")
 LINK = "gllink"
@@ -200,12 +202,6 @@ def collectives(names: list[str], rates: list[float | None], sizes_mib: list[int
 
 # ---- part 2: runs against the time plan ---------------------------------------------------
 
-# ~34M parameters (8 blocks of hidden 512, a tied 16k × 512 embedding), as benchmarks/network/scale_out.py
-MODEL_34M = ["model.arch.hidden_size=512", "model.arch.intermediate_size=1376", "model.arch.num_hidden_layers=8",
-             "model.arch.num_attention_heads=8", "model.arch.num_key_value_heads=8",
-             "model.tokenizer_vocab_size=16384"]
-MODEL_TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
-              "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.tokenizer_vocab_size=512"]
 WARMUP_STEPS = 2  # steps left out of the median: the first step builds buffers and connections
 
 

@@ -28,15 +28,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.runner.timing import median  # noqa: E402
+from benchmarks.network.models import MODEL_34M, MODEL_TINY  # noqa: E402
 
 GIB = 2**30
 
-# ~34M parameters (8 blocks of hidden 512 and a tied 16k × 512 embedding), as in strategies.py
-MODEL_34M = ["model.arch.hidden_size=512", "model.arch.intermediate_size=1376", "model.arch.num_hidden_layers=8",
-             "model.arch.num_attention_heads=8", "model.arch.num_key_value_heads=8",
-             "model.tokenizer_vocab_size=16384"]
-MODEL_TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
-              "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.tokenizer_vocab_size=512"]
 
 # (label, ranks, threads per rank, strategy)
 CASES = [

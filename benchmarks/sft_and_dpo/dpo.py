@@ -35,7 +35,6 @@ loss is ln 2 = 0.6931 on both sides (the policy is its reference before any upda
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -49,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import run_measured  # noqa: E402
+from benchmarks.runner.processes import comparison_args, run_measured, run_measured_child  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -177,23 +176,15 @@ def run_trl(base: str, data: Path, lora: bool, precompute: bool, steps: int, war
             pairs_per_step: float) -> dict:
     opts = {"base": base, "data": str(data), "lora": lora, "precompute": precompute, "steps": steps,
             "warmup": warmup, "bf16": bf16, "micro_pairs": max(1, math.ceil(pairs_per_step / ACCUM))}
-    stdout, stderr, code, process_peak = run_measured([sys.executable, __file__, "--child", json.dumps(opts)])
-    if code:
-        raise RuntimeError(f"TRL failed:\n{stderr[-3000:]}")
-    return {**json.loads(stdout.strip().splitlines()[-1]), "process_peak_rss_gib": process_peak}
+    return run_measured_child("TRL", __file__, json.dumps(opts))[0]
 
 
 # ------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--child")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(trl_child(json.loads(args.child))))
+    args = comparison_args(2, trl_child)
+    if args is None:  # this process was TRL's side
         return
     from cputrain.hardware import detect
 

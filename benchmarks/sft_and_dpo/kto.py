@@ -34,7 +34,6 @@ callback on TRL's side). The first-step KTO loss is 0.5 on both sides (policy = 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -49,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.sft_and_dpo.dpo import write_pairs  # noqa: E402
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import run_measured  # noqa: E402
+from benchmarks.runner.processes import comparison_args, run_measured, run_measured_child  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -183,23 +182,15 @@ def run_trl(objective: str, base: str, data: Path, steps: int, warmup: int, bf16
     least = 2 if objective == "kto" else 1
     opts = {"objective": objective, "base": base, "data": str(data), "steps": steps, "warmup": warmup, "bf16": bf16,
             "micro_items": max(least, math.ceil(items_per_step / ACCUM))}
-    stdout, stderr, code, process_peak = run_measured([sys.executable, __file__, "--child", json.dumps(opts)])
-    if code:
-        raise RuntimeError(f"TRL failed:\n{stderr[-3000:]}")
-    return {**json.loads(stdout.strip().splitlines()[-1]), "process_peak_rss_gib": process_peak}
+    return run_measured_child("TRL", __file__, json.dumps(opts))[0]
 
 
 # ------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--child")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(trl_child(json.loads(args.child))))
+    args = comparison_args(3, trl_child)
+    if args is None:  # this process was TRL's side
         return
     from cputrain.hardware import detect
 

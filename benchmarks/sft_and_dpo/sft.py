@@ -30,7 +30,6 @@ conversations (packed rows against 16 padded conversations), so the losses diffe
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -43,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import run_measured  # noqa: E402
+from benchmarks.runner.processes import comparison_args, run_measured, run_measured_child  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -165,10 +164,8 @@ def trl_child(opts: dict) -> dict:
 def run_trl(base: str, data: Path, lora: bool, packing: bool, steps: int, warmup: int, bf16: bool) -> dict:
     opts = {"base": base, "data": str(data), "lora": lora, "packing": packing, "steps": steps, "warmup": warmup,
             "bf16": bf16}
-    stdout, stderr, code, process_peak = run_measured([sys.executable, __file__, "--child", json.dumps(opts)])
-    if code:
-        raise RuntimeError(f"TRL failed:\n{stderr[-3000:]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
+    result, stderr = run_measured_child("TRL", __file__, json.dumps(opts))
+    process_peak = result.pop("process_peak_rss_gib")  # kept last, after the warnings
     result["warnings"] = sorted({line.split("]")[-1].strip()[:160] for line in stderr.splitlines()
                                  if "packing" in line.lower() and "warn" in line.lower()})
     return {**result, "process_peak_rss_gib": process_peak}
@@ -178,13 +175,8 @@ def run_trl(base: str, data: Path, lora: bool, packing: bool, steps: int, warmup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--child")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(trl_child(json.loads(args.child))))
+    args = comparison_args(2, trl_child)
+    if args is None:  # this process was TRL's side
         return
     from cputrain.hardware import detect
 
