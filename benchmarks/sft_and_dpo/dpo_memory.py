@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.sft_and_dpo.dpo import BETA, SEED, SEQ_LEN, write_pairs  # noqa: E402
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import run_measured  # noqa: E402
+from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.sft_and_dpo.sft import ARCH_100M, QUICK_ARCH  # noqa: E402
@@ -70,13 +70,8 @@ def run(base: str, data: Path, cache_dir: Path, steps: int, precision: str, obje
                      f"data.shared_prompt={str(shared_prompt).lower()}"]
     else:
         settings += ["data.format=prompt_completion"]
-    with tempfile.TemporaryDirectory(prefix="cputrain-dpo-memory-") as out:
-        _, stderr, code, process_peak = run_measured([sys.executable, "-m", "cputrain", "train",
-                                                      f"output_dir={out}", *settings])
-        if code:
-            raise RuntimeError(f"cputrain {objective} failed:\n{stderr[-3000:]}")
-        phases = json.loads((Path(out) / "memory.json").read_text())["ranks"][0]["phases"]
-    peak = next(p for p in phases if p["phase"] == "training step peak")
+    run = train_measured(settings, f"cputrain {objective}", prefix="cputrain-dpo-memory-")
+    peak, process_peak = run.step_peak, run.process_peak_rss_gib
     stats = json.loads(next(cache_dir.glob("packed/*/stats.json")).read_text())
     files = list(cache_dir.glob("packed/*/reference-*.safetensors"))
     pairs = stats.get("train_pairs", 0) + stats.get("val_pairs", 0)

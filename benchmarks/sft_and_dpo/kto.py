@@ -48,7 +48,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.sft_and_dpo.dpo import write_pairs  # noqa: E402
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import comparison_args, run_measured, run_measured_child  # noqa: E402
+from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
+from benchmarks.runner.processes import comparison_args, run_measured_child  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -89,24 +90,16 @@ def write_feedback(path: Path, n: int, seed: int = SEED) -> None:
 
 def run_cputrain(objective: str, base: str, data: Path, steps: int, warmup: int, cache_dir: str) -> dict:
     fmt = "unpaired" if objective == "kto" else "preference"
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "cputrain", "train", f"output_dir={out}", f"model.name_or_path={base}",
-               f"data.source={data}", f"data.format={fmt}", f"data.seq_len={SEQ_LEN}", "data.val_fraction=0",
-               f"data.cache_dir={cache_dir}", f"train.objective={objective}", f"train.kto_beta={BETA}",
-               f"train.max_steps={steps}", f"train.global_batch_size={ROWS_PER_STEP}",
-               f"train.micro_batch_size={ROWS_PER_STEP // ACCUM}", f"train.lr={LR}", "train.warmup_steps=0",
-               "train.log_every=1", "train.eval_every=100000", "train.checkpoint_every=100000",
-               "train.sample_tokens=0", f"seed={SEED}", "model.lora.enabled=true", f"model.lora.rank={RANK}",
-               f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.0", f"model.lora.target_modules=[{','.join(TARGETS)}]"]
-        t0 = time.perf_counter()
-        stdout, stderr, code, process_peak = run_measured(cmd)
-        wall_s = time.perf_counter() - t0
-        if code:
-            raise RuntimeError(f"cputrain failed:\n{stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "step_time_s" in r]
-        phases = json.loads((Path(out) / "memory.json").read_text())["ranks"][0]["phases"]
-        step_peak = next(p["rss_gib"] for p in phases if p["phase"] == "training step peak")
+    run = train_measured([
+        f"model.name_or_path={base}", f"data.source={data}", f"data.format={fmt}", f"data.seq_len={SEQ_LEN}",
+        "data.val_fraction=0", f"data.cache_dir={cache_dir}", f"train.objective={objective}", f"train.kto_beta={BETA}",
+        f"train.max_steps={steps}", f"train.global_batch_size={ROWS_PER_STEP}",
+        f"train.micro_batch_size={ROWS_PER_STEP // ACCUM}", f"train.lr={LR}", "train.warmup_steps=0",
+        "train.log_every=1", "train.eval_every=100000", "train.checkpoint_every=100000",
+        "train.sample_tokens=0", f"seed={SEED}", "model.lora.enabled=true", f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.0", f"model.lora.target_modules=[{','.join(TARGETS)}]"])
+    rows = [r for r in run.metrics_rows if "step_time_s" in r]
+    wall_s, step_peak, process_peak = run.wall_s, run.step_peak["rss_gib"], run.process_peak_rss_gib
     # a reward model's loss reads every position (padding at a row's end included); KTO's the answers' tokens
     rate_key = "tokens_per_s" if objective == "reward" else "trained_tokens_per_s"
     step_s = sum(r["step_time_s"] for r in rows)

@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import comparison_args, run_measured, run_measured_child  # noqa: E402
+from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
+from benchmarks.runner.processes import comparison_args, run_measured_child  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -86,24 +87,19 @@ def write_chats(path: Path, n: int, seed: int = SEED) -> None:
 
 
 def run_cputrain(base: str, data: Path, template: Path, lora: bool, steps: int, warmup: int, cache_dir: str) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "cputrain", "train", f"output_dir={out}", f"model.name_or_path={base}",
-               f"data.source={data}", "data.format=chat", f"data.chat_template={template}", f"data.seq_len={SEQ_LEN}",
-               "data.val_fraction=0", f"data.cache_dir={cache_dir}", f"train.max_steps={steps}",
-               "train.global_batch_size=8", "train.micro_batch_size=2", f"train.lr={LR}", "train.warmup_steps=2",
-               "train.log_every=1", "train.eval_every=100000", "train.checkpoint_every=100000",
-               "train.sample_tokens=0", f"seed={SEED}"]
-        if lora:
-            cmd += ["model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}"]
-        stdout, stderr, code, process_peak = run_measured(cmd)
-        if code:
-            raise RuntimeError(f"cputrain failed:\n{stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        phases = json.loads((Path(out) / "memory.json").read_text())["ranks"][0]["phases"]
-        step_peak = next(p["rss_gib"] for p in phases if p["phase"] == "training step peak")
-        # the rows as the run packed them: their fill is 1 - the padding share
-        examples = open_examples(next(Path(cache_dir).glob("packed/*/stats.json")).parent, packing=True)
-        stats = examples.stats
+    overrides = [f"model.name_or_path={base}",
+                 f"data.source={data}", "data.format=chat", f"data.chat_template={template}", f"data.seq_len={SEQ_LEN}",
+                 "data.val_fraction=0", f"data.cache_dir={cache_dir}", f"train.max_steps={steps}",
+                 "train.global_batch_size=8", "train.micro_batch_size=2", f"train.lr={LR}", "train.warmup_steps=2",
+                 "train.log_every=1", "train.eval_every=100000", "train.checkpoint_every=100000",
+                 "train.sample_tokens=0", f"seed={SEED}"]
+    if lora:
+        overrides += ["model.lora.enabled=true", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}"]
+    run = train_measured(overrides)
+    rows, step_peak, process_peak = run.metrics_rows, run.step_peak["rss_gib"], run.process_peak_rss_gib
+    # the rows as the run packed them: their fill is 1 - the padding share
+    examples = open_examples(next(Path(cache_dir).glob("packed/*/stats.json")).parent, packing=True)
+    stats = examples.stats
     return {"trained_tokens_per_s": steady_median([r["trained_tokens_per_s"] for r in rows], warmup),
             "tokens_per_s": steady_median([r["tokens_per_s"] for r in rows], warmup),
             "padding_share": 1 - stats["packing_efficiency"],

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.runner.base_model import make_base  # noqa: E402
-from benchmarks.runner.processes import run_measured  # noqa: E402
+from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
 from benchmarks.runner.pages import DOCS  # noqa: E402
 from benchmarks.runner.blocks import write_block  # noqa: E402
@@ -86,25 +86,20 @@ def write_pairs(path: Path, n: int, share: float, seq_chars: int, seed: int = SE
 
 def run_cputrain(base: str, data: Path, shared: bool, steps: int, warmup: int, seq_len: int, cache_dir: str,
                  precision: str) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "cputrain", "train", f"output_dir={out}", f"model.name_or_path={base}",
-               f"data.source={data}", "data.format=preference", f"data.seq_len={seq_len}", "data.val_fraction=0",
-               f"data.cache_dir={cache_dir}", f"data.shared_prompt={str(shared).lower()}", "train.objective=dpo",
-               f"train.dpo_beta={BETA}", f"train.max_steps={steps}", f"train.global_batch_size={ROWS}",
-               f"train.micro_batch_size={MICRO}", f"train.lr={LR}", "train.warmup_steps=0", "train.log_every=1",
-               "train.eval_every=100000", "train.checkpoint_every=100000", "train.sample_tokens=0",
-               f"hardware.precision={precision}", f"seed={SEED}", "model.lora.enabled=true",
-               f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.0",
-               f"model.lora.target_modules=[{','.join(TARGETS)}]",
-               # auto times both kernels in each run and may take either (sdpa measured 1.6× eager
-               # at 2,048 tokens): the layouts are compared on one kernel
-               "model.attn_implementation=sdpa"]
-        stdout, stderr, code, process_peak = run_measured(cmd)
-        if code:
-            raise RuntimeError(f"cputrain failed:\n{stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "step_time_s" in r]
-        config = (Path(out) / "config.yaml").read_text()
+    run = train_measured([
+        f"model.name_or_path={base}", f"data.source={data}", "data.format=preference", f"data.seq_len={seq_len}",
+        "data.val_fraction=0", f"data.cache_dir={cache_dir}", f"data.shared_prompt={str(shared).lower()}",
+        "train.objective=dpo", f"train.dpo_beta={BETA}", f"train.max_steps={steps}", f"train.global_batch_size={ROWS}",
+        f"train.micro_batch_size={MICRO}", f"train.lr={LR}", "train.warmup_steps=0", "train.log_every=1",
+        "train.eval_every=100000", "train.checkpoint_every=100000", "train.sample_tokens=0",
+        f"hardware.precision={precision}", f"seed={SEED}", "model.lora.enabled=true",
+        f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.0",
+        f"model.lora.target_modules=[{','.join(TARGETS)}]",
+        # auto times both kernels in each run and may take either (sdpa measured 1.6× eager
+        # at 2,048 tokens): the layouts are compared on one kernel
+        "model.attn_implementation=sdpa"])
+    rows = [r for r in run.metrics_rows if "step_time_s" in r]
+    config, process_peak = run.config_yaml, run.process_peak_rss_gib
     assert f"shared_prompt: {str(shared).lower()}" in config, "the run did not take data.shared_prompt"
     stats = json.loads(next(Path(cache_dir).glob("packed/*/stats.json")).read_text())
     return {"pairs_per_s": steady_median([r["pairs_per_s"] for r in rows], warmup),
