@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.network.gloo_link import (ADDRS, WARMUP_STEPS, _clean_env,  # noqa: E402
                                           median_step_s, run_on_each_node, run_settings, shape_link, two_nodes)
-from benchmarks.network.models import MODEL_34M, MODEL_TINY  # noqa: E402
+from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.network.gloo_link import (ADDRS, WARMUP_STEPS, median_step_s,  # noqa: E402
                                           run_on_each_node, run_settings, shape_link, two_nodes)
-from benchmarks.network.models import MODEL_34M, MODEL_TINY  # noqa: E402
+from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
 
 WORLD = 2
 MICRO_BATCHES = 4

@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.models import MODEL_34M, MODEL_TINY  # noqa: E402
+from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
 
 EFFICIENCY_FILE = REPO / "cputrain" / "plan" / "time" / "gloo_link_efficiency.json"
 ADDRS = ("10.78.0.1", "10.78.0.2")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.runner.timing import median  # noqa: E402
-from benchmarks.network.models import MODEL_34M, MODEL_TINY  # noqa: E402
+from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
 
 GIB = 2**30
 
