@@ -79,26 +79,64 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------
     def setup(self) -> None:
-        cfg, ranks = self.cfg, self.ranks
-        # 0. What the run trains, chosen once before any work. DPO's and KTO's reference is the converter's
-        #    (LoRA: adapters off), or for full weights computed once from the starting weights (5.).
-        self.converter = converter_for(cfg, ranks.is_main)
-        check_objective(cfg.train.objective, cfg.data.format)
-        self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
-        check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
-        self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
+        """One rank's run, built in the order each part needs the ones before it (DESIGN.md, "One
+        run, top to bottom"): above all the strategy shards the skeleton before any weight exists,
+        so an 8B model never exists whole in any rank."""
+        # 0. What the run trains, chosen once before any work, and the run folder checked before
+        #    anything is written into it.
+        self._choose_what_to_train()
 
         # 1. The process group and this rank's threads are the worker's (the attention kernel was
         #    timed on them). One writer per run folder: rank 0 locks it before anything is
         #    written there (and before any tokenizing), and every rank stops if another run holds it.
         self.phases.mark("process group")
-        self.lock = take_run_lock(self.run, ranks.is_main, self.take_over_lock)
+        self.lock = take_run_lock(self.run, self.ranks.is_main, self.take_over_lock)
 
-        # 2. Tokenizer and data. One process per cache entry builds it (a lock file); the others
-        #    poll for its completion marker instead of waiting in a collective, so preparing a
-        #    10B-token corpus may take far longer than the process group's timeout.
+        # 2. Tokenizer and data, before the model: the model's vocabulary and head read the
+        #    tokenizer, and a batch the data cannot fill is refused before anything is built.
+        self._prepare_data()
+
+        # 3. Model skeleton on the meta device: the structure, no memory; rank 0 plans its memory
+        #    from it (exact shapes) while a warning can still come before any weight exists.
+        source, skeleton = self._build_skeleton()
+        self._plan_memory(skeleton)
+        self.phases.mark("model skeleton")
+
+        # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
+        #    materializes only this rank's shard: an 8B model never exists whole in any rank.
+        self._shard_and_load(skeleton, source)
+        self.phases.mark("sharded weights", model=self.model)
+
+        # 5. Optimizer and learning-rate schedule; then the objective's per-step preparation (a
+        #    reference computed from the weights as loaded), after the optimizer and before a
+        #    checkpoint replaces those weights.
+        self._build_optimizer()
+        self._prepare_objective(source)
+
+        # 6. Resume from the newest complete checkpoint, if this run folder has one; the metrics
+        #    and config.yaml start from its step.
+        self._resume(source)
+        # Last: blocks compile in place, and a checkpoint loaded above keeps the eager names.
+        self._compile_blocks()
+
+    def _choose_what_to_train(self) -> None:
+        """0. Full fine-tuning or LoRA, and the objective. DPO's and KTO's reference is the
+        converter's (LoRA: adapters off), or for full weights computed once from the starting
+        weights (5.)."""
+        cfg = self.cfg
+        self.converter = converter_for(cfg, self.ranks.is_main)
+        check_objective(cfg.train.objective, cfg.data.format)
+        self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
+        check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
+        self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
+
+    def _prepare_data(self) -> None:
+        """2. One process per cache entry builds it (a lock file); the others poll for its
+        completion marker instead of waiting in a collective, so preparing a 10B-token corpus may
+        take far longer than the process group's timeout."""
         from cputrain.data.prepare import prepare, rows_of
 
+        cfg, ranks = self.cfg, self.ranks
         self.tokenizer, self.data = prepare(cfg)
         self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
         if ranks.is_main:
@@ -112,7 +150,10 @@ class Trainer:
         self.total_steps = self._total_steps()  # known once the data is (train.epochs)
         check_profile_step(cfg.train, self.total_steps, len(self.train_rows))
 
-        # 3. Model skeleton on the meta device: the structure, no memory.
+    def _build_skeleton(self):
+        """3. (the model's source, its skeleton on the meta device with the objective's head and
+        the converter's adapters)."""
+        cfg = self.cfg
         source = models.resolve_source(cfg.model, vocab_size=len(self.tokenizer))
         models.check_vocab(source.hf_config, self.tokenizer)
         # the head the objective trains (a reward model's score), with the pad token its pooling skips
@@ -123,16 +164,24 @@ class Trainer:
         self.converter.convert(skeleton, source)  # LoRA: adapters in, the base frozen
         models.enable_activation_checkpointing(skeleton, cfg.model.activation_checkpointing)
         self.counts = models.parameter_counts(skeleton)
-        if ranks.is_main:  # plan.json, a warning now if this node cannot hold the plan, and a checkpoint's worth
-            from cputrain.plan.memory.runtime import write_run_plan
-            from cputrain.plan.time.checkpoint_worth import worth_here
+        return source, skeleton
 
-            plan = write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
-            log.info("checkpoints: %s", worth_here(plan, cfg, self.hw, ranks.world_size, ranks.local_world_size).line())
-        self.phases.mark("model skeleton")
+    def _plan_memory(self, skeleton: torch.nn.Module) -> None:
+        """3. Rank 0: plan.json, a warning now if this node cannot hold the plan, and a checkpoint's worth."""
+        ranks = self.ranks
+        if not ranks.is_main:
+            return
+        from cputrain.plan.memory.runtime import write_run_plan
+        from cputrain.plan.time.checkpoint_worth import worth_here
 
-        # 4. The strategy wraps the skeleton BEFORE any weight exists, so a sharding strategy
-        #    materializes only this rank's shard: an 8B model never exists whole in any rank.
+        plan = write_run_plan(self.run, self.cfg, skeleton, ranks.world_size, ranks.local_world_size,
+                              self.hw.memory_gib)
+        log.info("checkpoints: %s", worth_here(plan, self.cfg, self.hw, ranks.world_size,
+                                               ranks.local_world_size).line())
+
+    def _shard_and_load(self, skeleton: torch.nn.Module, source) -> None:
+        """4. The strategy wraps the skeleton, then each rank reads only the weights it owns."""
+        cfg, ranks = self.cfg, self.ranks
         ctx = StrategyContext(cfg, ranks.rank, ranks.world_size, cfg.hardware.dtype, self.converter.file_name_of,
                               ranks_per_node=ranks.local_world_size)
         self.strategy = get_strategy(cfg.parallel.strategy, ctx=ctx)
@@ -143,19 +192,22 @@ class Trainer:
         self.strategy.check_weights(self.model)
         if cfg.model.chunked_loss:
             install_chunked_loss(self.strategy.unwrap(self.model))
-        self.phases.mark("sharded weights", model=self.model)
 
-        # 5. Optimizer and learning-rate schedule.
-        self.optimizer = self.strategy.build_optimizer(self.model)
+    def _build_optimizer(self) -> None:
+        """5. The strategy's optimizer (over the weights it holds) and the learning-rate schedule."""
         from cputrain.training.lr_schedule import build_schedule
 
-        self.schedule = build_schedule(self.optimizer, cfg.train, self.total_steps)
+        self.optimizer = self.strategy.build_optimizer(self.model)
+        self.schedule = build_schedule(self.optimizer, self.cfg.train, self.total_steps)
         self.phases.mark("optimizer created", model=self.model, optimizer=self.optimizer)
-        # DPO (train.dpo_reference=precompute) and KTO: the reference log-probabilities of every
-        # sequence, from the weights as loaded (LoRA: the base), before a checkpoint (trained
-        # weights) replaces them; after the optimizer, because a sharding engine that gathers each
-        # module's partitioned weights around its forward may exist only from then on. They are
-        # kept in the token cache's entry, each rank its share.
+
+    def _prepare_objective(self, source) -> None:
+        """5. DPO (train.dpo_reference=precompute) and KTO: the reference log-probabilities of every
+        sequence, from the weights as loaded (LoRA: the base), before a checkpoint (trained
+        weights) replaces them; after the optimizer, because a sharding engine that gathers each
+        module's partitioned weights around its forward may exist only from then on. They are
+        kept in the token cache's entry, each rank its share."""
+        cfg, ranks = self.cfg, self.ranks
         reference = None
         if self.objective.stores_reference:
             from cputrain.objectives.reference_store import ReferenceStore, reference_file
@@ -165,7 +217,10 @@ class Trainer:
         self.objective.prepare(self.model, [self.train_rows, self.val_rows], cfg.train.micro_batch_size,
                                self.strategy.autocast, reference)
 
-        # 6. Resume from the newest complete checkpoint, if this run folder has one.
+    def _resume(self, source) -> None:
+        """6. The newest complete checkpoint loaded, if any; the run's metrics opened at its step;
+        rank 0 records the run's config (and LoRA what the adapters are trained on)."""
+        cfg, ranks = self.cfg, self.ranks
         self.checkpoints = Checkpoints(self.run, cfg, ranks)
         resumed = self.checkpoints.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
         if resumed is not None:
@@ -178,10 +233,13 @@ class Trainer:
             write_run_config(self.run, cfg, self.reasons)
             self.converter.record(self.run, source)  # LoRA: what the adapters are trained on, checked on resume
 
-        if cfg.model.compile:  # in place, block by block: checkpoints keep the eager names
+    def _compile_blocks(self) -> None:
+        """model.compile: in place, block by block, so checkpoints keep the eager names."""
+        cfg = self.cfg
+        if cfg.model.compile:
             cache = cfg.model.compile_cache_dir or str(Path(cfg.data.cache_dir) / "inductor")
             models.compile_blocks(self.strategy.unwrap(self.model), cache)
-            if ranks.is_main:
+            if self.ranks.is_main:
                 log.info("model.compile: decoder blocks compile during the first step (kernels cached in %s)", cache)
 
     def _total_steps(self) -> int:

@@ -1,5 +1,5 @@
-"""benchmarks/report.py's write_block puts each benchmark's block on its page of docs/benchmarks/ and
-in its section, as benchmarks/pages.py registers them: an existing block is replaced where it stands,
+"""benchmarks/runner/report.py's write_block puts each benchmark's block on its page of docs/benchmarks/ and
+in its section, as benchmarks/runner/pages.py registers them: an existing block is replaced where it stands,
 a new one lands at the end of its section, and an unregistered name is refused."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # benchmarks/ is not installed; appended so the installed cputrain still wins
 
-from benchmarks.pages import DOCS, place_of, section_span  # noqa: E402
-from benchmarks.report import write_block  # noqa: E402
+from benchmarks.runner.pages import BLOCK_PAGES, DOCS, place_of, section_span  # noqa: E402
+from benchmarks.runner.blocks import write_block  # noqa: E402
 
 MEMORY_PAGE = """# Memory and allocators
 
@@ -76,7 +76,7 @@ def test_a_missing_page_or_section_is_started(tmp_path):
 
 
 def test_an_unregistered_name_is_refused_and_nothing_is_written(tmp_path):
-    with pytest.raises(ValueError, match=r"'nobody-registered-this' .*register it in benchmarks/pages.py"):
+    with pytest.raises(ValueError, match=r"'nobody-registered-this' .*register it in benchmarks/runner/pages.py"):
         write_block("nobody-registered-this", "figures", tmp_path)
     assert not list(tmp_path.iterdir())
 
@@ -102,11 +102,22 @@ def test_every_block_of_the_pages_sits_where_the_registry_places_it():
     assert found > 30
 
 
+def test_each_page_has_its_subpackage_of_scripts_and_each_subpackage_a_page():
+    """benchmarks/<page>/ (the page's name with `_` for `-`) holds the scripts that measure for
+    docs/benchmarks/<page>.md; benchmarks/runner/ holds what they share."""
+    pages = {page.stem.replace("-", "_") for page in DOCS.glob("*.md") if page.name != "README.md"}
+    packages = {init.parent.name for init in (REPO / "benchmarks").glob("*/__init__.py")}
+    assert packages == pages | {"runner"}
+    assert not [script.name for script in (REPO / "benchmarks").glob("*.py") if script.name != "__init__.py"]
+    registered = {page for _, page, _ in BLOCK_PAGES}
+    assert registered == {f"{package.replace('_', '-')}.md" for package in pages}
+
+
 def test_the_trainer_comparison_heads_each_block_by_precision_and_unit(monkeypatch):
     import torch
 
     import cputrain.hardware
-    from benchmarks.vs_hf_trainer import block_heading
+    from benchmarks.vs_hf_trainer.vs_hf_trainer import block_heading
 
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")

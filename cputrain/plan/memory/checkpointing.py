@@ -40,9 +40,11 @@ def checkpointing_choice(cfg: Config, world_size: int, local_world_size: int, me
     where = f"{budget_gib:.1f} GiB per rank ({memory_fraction:.0%} of this node's {memory_gib:.1f} GiB ÷ " \
             f"{local_world_size} rank(s))"
     # the node's ranks: the FSDP layouts that keep a node's share read them
-    shape = make_plan(_with_blocks(cfg, False), world_size, nproc_per_node=local_world_size,
-                      vocab_size=vocab_size).shape  # built once
-    peaks: dict[tuple[int, int], float] = {}  # GiB per rank by (whole, selective) blocks
+    # The plan without checkpointing, made once: its shape (the model built once) plans every other candidate.
+    unchecked = make_plan(_with_blocks(cfg, False), world_size, nproc_per_node=local_world_size, vocab_size=vocab_size)
+    shape = unchecked.shape
+    # GiB per rank by (whole, selective) blocks
+    peaks = {checkpointing_split(False, shape.layers): unchecked.peak_rank.total_bytes / GIB}
 
     def peak_gib(blocks: bool | int | str) -> float:
         split = checkpointing_split(blocks, shape.layers)

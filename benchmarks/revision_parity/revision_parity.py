@@ -1,0 +1,152 @@
+"""Does a change of the code's layout change what a run computes? Two revisions, side by side.
+
+    python benchmarks/revision_parity/revision_parity.py BEFORE [AFTER]       (git revisions; AFTER: HEAD)
+
+For a restructuring that must change no behaviour, each revision is checked out in a temporary
+worktree and run from there (its own code and configs, this venv), alternated:
+
+- the demo (`cputrain train`, configs/demo.yaml's defaults) 3 times each: loss per logged step
+  and the median tokens/s of steps 10 on;
+- the SFT demo (configs/demo-sft.yaml) on that revision's own demo model;
+- a LoRA run: the SFT demo with model.lora.enabled=true;
+- the DPO demo (configs/demo-dpo.yaml: LoRA DPO on pydoc's pairs) on that revision's SFT model.
+
+With the same tokenizer and kernels: the demo's tokenizer is trained once (by BEFORE) and given
+to every run, and the attention kernel is fixed (sdpa), since `auto` times both kernels at start
+and may pick either, whose bf16 results differ. Each revision tokenizes into its own cache, so a
+change in tokenizing shows up too. Losses must agree to 4 decimals at every logged step (the same
+revision run twice agrees exactly); the speed ratio is after ÷ before. Writes block
+`revision-parity` of docs/benchmarks/revision-parity.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.runner.blocks import write_block  # noqa: E402
+from benchmarks.runner.machine import machine_line  # noqa: E402
+
+DEMO_RUNS = 3
+DPO_STEPS = 20  # of the DPO demo's 40
+SFT_STEPS = 60  # of the SFT demo's 150: the losses either agree from the start or they do not
+
+
+def _worktree(rev: str, root: Path) -> tuple[Path, str]:
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    folder = root / f"rev-{sha}"
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(folder), rev], cwd=REPO, check=True,
+                   capture_output=True)
+    return folder, sha
+
+
+def _train(tree: Path, out: Path, cache: Path, *args: str) -> list[dict]:
+    """One `cputrain train` of the revision in `tree` (its code first on the path); its metrics rows."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "cputrain", "train", *args, f"output_dir={out}", f"data.cache_dir={cache}",
+           "train.sample_tokens=0"]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed in {tree}:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _shared_tokenizer(tree: Path, root: Path) -> Path:
+    """The demo's tokenizer, trained once by the revision in `tree`, for every run of both."""
+    out, cache = root / "tokenizer-run", root / "tokenizer-cache"
+    _train(tree, out, cache, "train.max_steps=1", "train.eval_every=1", "train.checkpoint_every=1")
+    return next(p for p in (cache / "tokenizers").iterdir() if p.is_dir())
+
+
+def _losses(rows: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
+
+
+def _tokens_per_s(rows: list[dict]) -> float:
+    rates = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") and r["step"] >= 10]
+    return statistics.median(rates)
+
+
+def _worst(a: dict[int, float], b: dict[int, float]) -> float:
+    if sorted(a) != sorted(b):
+        raise SystemExit(f"the runs logged different steps: {sorted(a)[:5]}… vs {sorted(b)[:5]}…")
+    return max(abs(a[s] - b[s]) for s in a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before")
+    parser.add_argument("after", nargs="?", default="HEAD")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="revision-parity-") as tmp:
+        root = Path(tmp)
+        trees = dict(before=_worktree(args.before, root), after=_worktree(args.after, root))
+        try:
+            tokenizer = _shared_tokenizer(trees["before"][0], root)
+            fixed = [f"model.tokenizer={tokenizer}", "model.attn_implementation=sdpa"]
+            demo = {side: [] for side in trees}
+            for i in range(DEMO_RUNS):  # alternated, so drift in the machine hits both alike
+                for side, (tree, _) in trees.items():
+                    demo[side].append(_train(tree, root / f"{side}-demo-{i}", root / f"{side}-cache", *fixed))
+                    print(f"demo {side} {i}: {_tokens_per_s(demo[side][-1]):,.0f} tokens/s", flush=True)
+            sft, lora, dpo = {}, {}, {}
+            for side, (tree, _) in trees.items():
+                base = root / f"{side}-demo-0" / "model"
+                common = ["configs/demo-sft.yaml", f"model.name_or_path={base}", f"train.max_steps={SFT_STEPS}",
+                          "train.eval_every=30", f"train.checkpoint_every={SFT_STEPS}",
+                          "model.attn_implementation=sdpa"]
+                sft[side] = _train(tree, root / f"{side}-sft", root / f"{side}-cache", *common)
+                lora[side] = _train(tree, root / f"{side}-lora", root / f"{side}-cache", *common,
+                                    "model.lora.enabled=true", "train.lr=1e-2")
+                dpo[side] = _train(tree, root / f"{side}-dpo", root / f"{side}-cache", "configs/demo-dpo.yaml",
+                                   f"model.name_or_path={root / f'{side}-sft' / 'model'}",
+                                   f"train.max_steps={DPO_STEPS}", f"train.checkpoint_every={DPO_STEPS}",
+                                   "model.attn_implementation=sdpa")
+        finally:
+            for tree, _ in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+    demo_worst = max(_worst(_losses(a), _losses(b)) for a, b in zip(demo["before"], demo["after"]))
+    repeat_worst = max(_worst(_losses(runs[0]), _losses(runs[i])) for runs in demo.values() for i in range(1, DEMO_RUNS))
+    speed = {side: statistics.median(_tokens_per_s(rows) for rows in runs) for side, runs in demo.items()}
+    rows = [
+        ("demo (3 runs each)", demo_worst, len(_losses(demo["after"][0]))),
+        (f"SFT demo, {SFT_STEPS} steps", _worst(_losses(sft["before"]), _losses(sft["after"])),
+         len(_losses(sft["after"]))),
+        (f"LoRA SFT, {SFT_STEPS} steps", _worst(_losses(lora["before"]), _losses(lora["after"])),
+         len(_losses(lora["after"]))),
+        (f"DPO demo (LoRA), {DPO_STEPS} steps", _worst(_losses(dpo["before"]), _losses(dpo["after"])),
+         len(_losses(dpo["after"]))),
+    ]
+    table = [f"| {name} | {steps} | {worst:.2e} | {'yes' if worst < 5e-5 else 'NO'} |" for name, worst, steps in rows]
+    print("\n".join(table))
+    sha_before, sha_after = trees["before"][1], trees["after"][1]
+    write_block("revision-parity", "\n".join([
+        "## The same run before and after a restructuring",
+        "",
+        machine_line(),
+        "",
+        f"`python benchmarks/revision_parity/revision_parity.py {sha_before} {sha_after}`: each revision from its own worktree and "
+        "token cache, alternated. Losses must agree to 4 decimals at every logged step.",
+        "",
+        "| run | logged steps | largest loss difference | equal to 4 decimals |",
+        "| --- | ---: | ---: | --- |",
+        *table,
+        "",
+        f"The same revision run again: largest loss difference {repeat_worst:.1e}. "
+        f"Demo tokens/s, median of {DEMO_RUNS} runs (median of steps 10 on in each): before "
+        f"{speed['before']:,.0f}, after {speed['after']:,.0f}, ratio {speed['after'] / speed['before']:.3f}.",
+    ]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Writes a benchmark's figures into its own block of a page of docs/benchmarks/.
+
+Each script owns the block between `<!-- bench: NAME -->` and `<!-- /bench: NAME -->` and
+replaces only that, so scripts can be rerun one at a time; which page and section a block
+belongs to is registered in benchmarks/runner/pages.py.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from benchmarks.runner.pages import DOCS, insert_into_section, place_of
+
+
+def write_block(name: str, markdown: str, docs: Path = DOCS) -> None:
+    """Block `name` replaced where it stands on its page, or, new there, added at the end of its
+    section; a name benchmarks/runner/pages.py does not register is refused before anything is written."""
+    page_name, section = place_of(name)
+    page = docs / page_name
+    start, end = f"<!-- bench: {name} -->", f"<!-- /bench: {name} -->"
+    text = page.read_text() if page.exists() else ""
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else insert_into_section(text, section, block)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text)
+
+
+def write_block_and_say(name: str, markdown: str, docs: Path = DOCS) -> None:
+    """write_block, then a line on stderr naming the page it went to."""
+    write_block(name, markdown, docs)
+    print(f"written to docs/benchmarks/{place_of(name)[0]}", file=sys.stderr)
