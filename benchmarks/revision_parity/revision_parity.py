@@ -9,7 +9,9 @@ worktree and run from there (its own code and configs, this venv), alternated:
   and the median tokens/s of steps 10 on;
 - the SFT demo (configs/demo-sft.yaml) on that revision's own demo model;
 - a LoRA run: the SFT demo with model.lora.enabled=true;
-- the DPO demo (configs/demo-dpo.yaml: LoRA DPO on pydoc's pairs) on that revision's SFT model.
+- the DPO demo (configs/demo-dpo.yaml: LoRA DPO on pydoc's pairs), the KTO demo (configs/demo-kto.yaml:
+  LoRA KTO on thumbs-up/down answers) and the reward demo (configs/demo-reward.yaml: a LoRA reward
+  model on pairs), each on that revision's SFT model.
 
 With the same tokenizer and kernels: the demo's tokenizer is trained once (by BEFORE) and given
 to every run, and the attention kernel is fixed (sdpa), since `auto` times both kernels at start
@@ -37,7 +39,9 @@ from benchmarks.runner.blocks import write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 
 DEMO_RUNS = 3
-DPO_STEPS = 20  # of the DPO demo's 40
+DPO_STEPS = 20  # of the DPO demo's 40, and of the KTO and reward demos' 40
+# The post-training demos run on the SFT demo's model: (row name, config).
+PREFERENCE_DEMOS = {"DPO": "configs/demo-dpo.yaml", "KTO": "configs/demo-kto.yaml", "reward": "configs/demo-reward.yaml"}
 SFT_STEPS = 60  # of the SFT demo's 150: the losses either agree from the start or they do not
 
 
@@ -99,7 +103,7 @@ def main() -> None:
                 for side, (tree, _) in trees.items():
                     demo[side].append(_train(tree, root / f"{side}-demo-{i}", root / f"{side}-cache", *fixed))
                     print(f"demo {side} {i}: {_tokens_per_s(demo[side][-1]):,.0f} tokens/s", flush=True)
-            sft, lora, dpo = {}, {}, {}
+            sft, lora, preference = {}, {}, {name: {} for name in PREFERENCE_DEMOS}
             for side, (tree, _) in trees.items():
                 base = root / f"{side}-demo-0" / "model"
                 common = ["configs/demo-sft.yaml", f"model.name_or_path={base}", f"train.max_steps={SFT_STEPS}",
@@ -108,10 +112,11 @@ def main() -> None:
                 sft[side] = _train(tree, root / f"{side}-sft", root / f"{side}-cache", *common)
                 lora[side] = _train(tree, root / f"{side}-lora", root / f"{side}-cache", *common,
                                     "model.lora.enabled=true", "train.lr=1e-2")
-                dpo[side] = _train(tree, root / f"{side}-dpo", root / f"{side}-cache", "configs/demo-dpo.yaml",
-                                   f"model.name_or_path={root / f'{side}-sft' / 'model'}",
-                                   f"train.max_steps={DPO_STEPS}", f"train.checkpoint_every={DPO_STEPS}",
-                                   "model.attn_implementation=sdpa")
+                for name, config in PREFERENCE_DEMOS.items():
+                    preference[name][side] = _train(
+                        tree, root / f"{side}-{name}", root / f"{side}-cache", config,
+                        f"model.name_or_path={root / f'{side}-sft' / 'model'}", f"train.max_steps={DPO_STEPS}",
+                        f"train.checkpoint_every={DPO_STEPS}", "model.attn_implementation=sdpa")
         finally:
             for tree, _ in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
@@ -124,8 +129,8 @@ def main() -> None:
          len(_losses(sft["after"]))),
         (f"LoRA SFT, {SFT_STEPS} steps", _worst(_losses(lora["before"]), _losses(lora["after"])),
          len(_losses(lora["after"]))),
-        (f"DPO demo (LoRA), {DPO_STEPS} steps", _worst(_losses(dpo["before"]), _losses(dpo["after"])),
-         len(_losses(dpo["after"]))),
+        *((f"{name} demo (LoRA), {DPO_STEPS} steps", _worst(_losses(runs["before"]), _losses(runs["after"])),
+           len(_losses(runs["after"]))) for name, runs in preference.items()),
     ]
     table = [f"| {name} | {steps} | {worst:.2e} | {'yes' if worst < 5e-5 else 'NO'} |" for name, worst, steps in rows]
     print("\n".join(table))
