@@ -91,22 +91,23 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
 
 def check_objective_fits(cfg: Config) -> None:
     """train.objective and data.shared_prompt read the data's kind (dpo, simpo, reward and a shared
-    prompt pairs, kto unpaired feedback, lm everything else). A hub dataset under data.format=auto is not opened here (that can
+    prompt pairs, kto feedback, lm everything else). A hub dataset under data.format=auto is not opened here (that can
     take minutes): each rank checks it again once its format is decided."""
     from cputrain.data.sources import HF_PREFIX, format_choice
     from cputrain.errors import DataError
-    from cputrain.objectives.objective import DATA_OF, check_objective, check_reference
+    from cputrain.objectives.objective import objective_class
 
-    check_reference(cfg.train, cfg.model.lora.enabled)
+    objective = objective_class(cfg.train.objective)
+    objective.check_config(cfg)
     data = cfg.data
     if data.format == "auto" and data.source.startswith(HF_PREFIX):
-        fmt = DATA_OF.get(cfg.train.objective, "text")  # decided by the rank
+        fmt = objective.data_format  # decided by the rank
     else:
         try:
             fmt = format_choice(data)[0]
         except DataError:
             return  # a source that cannot be read is reported where the data is prepared
-    check_objective(cfg.train.objective, fmt)
+    objective.check_data(fmt)
     from cputrain.data.preference.rows import shared_prompt_choice
 
     shared_prompt_choice(data.shared_prompt, fmt)  # data.shared_prompt=true lays out pairs only
