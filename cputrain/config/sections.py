@@ -645,9 +645,6 @@ class Config(Section):
         if "global_batch_size" in train.model_fields_set and train.global_batch_size != pairs:
             raise ValueError(f"train.global_batch_pairs ({pairs}) and train.global_batch_size "
                              f"({train.global_batch_size}) both set the batch; set one of them")
-        if train.objective == "lm":
-            raise ValueError("train.global_batch_pairs counts preference pairs (train.objective dpo or simpo); "
-                             "train.objective=lm trains no pairs: set the batch with train.global_batch_size")
         if self.data.packing:
             raise ValueError("train.global_batch_pairs lays one pair in each row: set data.packing=false "
                              "(packing puts a varying number of pairs in a row), or set the batch in rows "
@@ -684,24 +681,6 @@ class Config(Section):
             raise ValueError(f"model.activation_checkpointing={self.model.activation_checkpointing} does not take "
                              "parallel.strategy=zero3; use "
                              "true, a number of blocks, or strategy fsdp (which shards the same way)")
-        return self
-
-    @model_validator(mode="after")
-    def _head_fits(self):
-        if self.train.objective != "reward":
-            return self
-        if self.model.chunked_loss is True:
-            raise ValueError("model.chunked_loss=true cuts a vocabulary head's logits into blocks, and "
-                             "train.objective=reward trains a score head of one output; set model.chunked_loss=auto "
-                             "or false")
-        # These two build their own copy of the model as a causal LM (ZeRO-3 inside zero.Init,
-        # FSDP's random init of a model from scratch): not yet a sequence classifier.
-        if self.parallel.strategy == "zero3":
-            raise ValueError("parallel.strategy=zero3 does not train a reward model yet (train.objective=reward); use "
-                             "single, ddp or fsdp, which shard or replicate the same model")
-        if self.parallel.strategy == "fsdp" and self.model.name_or_path is None:
-            raise ValueError("a reward model from random weights does not take parallel.strategy=fsdp yet; start "
-                             "from a model folder (model.name_or_path), or use single or ddp")
         return self
 
     @model_validator(mode="after")

@@ -73,7 +73,14 @@ class Objective(ABC):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse, in one line, a config it cannot run under (preflight); nothing by default."""
+        """Refuse, in one line, a config it cannot train under, read from the config alone (a batch
+        counted in pairs, the strategies its head takes): before any work wherever a config is
+        decided (preflight for train; choices for plan and k8s); nothing by default."""
+
+    @classmethod
+    def check_reference(cls, cfg) -> None:
+        """Refuse, in one line, a reference it cannot run under this config (preflight); nothing by
+        default."""
 
     # ---- the built objective (the trainer, evaluation) -------------------------------------------
     def __init__(self, train_cfg=None, reference: Reference = None, chunked: bool = False):

@@ -26,6 +26,13 @@ class LmObjective(Objective):
             raise ConfigError("data.format=feedback holds answers with a thumbs-up or down, which the language-model "
                               "loss (train.objective=lm) does not read; set train.objective=kto")
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """A batch counted in pairs, where there are none."""
+        if cfg.train.global_batch_pairs is not None:
+            raise ConfigError("train.global_batch_pairs counts preference pairs (train.objective dpo or simpo); "
+                              "train.objective=lm trains no pairs: set the batch with train.global_batch_size")
+
     def items(self, batch) -> int:
         return batch.trained_targets
 

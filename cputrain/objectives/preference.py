@@ -55,7 +55,7 @@ class DpoObjective(PairObjective):
     live_reference = True
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_reference(cls, cfg) -> None:
         """Refuse, in one line, a live reference where there is no base to run it on."""
         if cfg.train.dpo_reference == "live" and not cfg.model.lora.enabled:
             raise ConfigError("train.dpo_reference=live runs the base with the LoRA adapters off on every step, but "

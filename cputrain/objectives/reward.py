@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cputrain.errors import ConfigError
 from cputrain.model.score_head import SCORE, install_token_scores
 from cputrain.objectives.item_losses import ItemLossObjective
 from cputrain.objectives.preference import refuse_unless_pairs
@@ -52,6 +53,23 @@ class RewardObjective(ItemLossObjective):
     @classmethod
     def check_data(cls, data_format: str) -> None:
         refuse_unless_pairs(cls.name, data_format)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The score head: not cut into blocks, and not yet under the strategies that build the model
+        themselves."""
+        if cfg.model.chunked_loss is True:
+            raise ConfigError("model.chunked_loss=true cuts a vocabulary head's logits into blocks, and "
+                              "train.objective=reward trains a score head of one output; set model.chunked_loss=auto "
+                              "or false")
+        # These two build their own copy of the model as a causal LM (ZeRO-3 inside zero.Init,
+        # FSDP's random init of a model from scratch): not yet a sequence classifier.
+        if cfg.parallel.strategy == "zero3":
+            raise ConfigError("parallel.strategy=zero3 does not train a reward model yet (train.objective=reward); use "
+                              "single, ddp or fsdp, which shard or replicate the same model")
+        if cfg.parallel.strategy == "fsdp" and cfg.model.name_or_path is None:
+            raise ConfigError("a reward model from random weights does not take parallel.strategy=fsdp yet; start "
+                              "from a model folder (model.name_or_path), or use single or ddp")
 
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
         """Every token's score from the model (model.score_head.install_token_scores); the rows' pad token."""

@@ -91,6 +91,9 @@ def decide_for_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None 
 
 
 def _decide_for_plan(cfg: Config, world_size: int, facts: _PlanFacts) -> Resolution:
+    from cputrain.objectives.objective import objective_class
+
+    objective_class(cfg.train.objective).check_config(cfg)  # what the config alone refuses, as train's preflight
     walk = _walk(resolve_for_plan(cfg, world_size), facts)
     # No key a plan reads is "auto" any more, by type.
     return Resolution(PlannedConfig.model_validate(walk.config.model_dump()), walk.reasons)
