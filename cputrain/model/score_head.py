@@ -36,7 +36,8 @@ def is_score_config(hf_config) -> bool:
 def fit_head(hf_config, head: str, pad_token_id: int | None) -> None:
     """`hf_config`, in place, as the head an objective trains needs it: "score" makes it a
     sequence classifier with one output whose pooling skips `pad_token_id` (TRL's RewardTrainer
-    sets both); "lm" refuses a reward model's config, which has no language-model head."""
+    sets both); any other (LM_HEAD, the language model's) refuses a reward model's config, which has
+    no language-model head."""
     if head != SCORE:
         if is_score_config(hf_config):
             raise ModelError(f"the model is a sequence classifier ({hf_config.architectures[0]}: a reward model), "
