@@ -211,6 +211,10 @@ def uses_selective(setting: bool | int | str) -> bool:
     return isinstance(setting, str) and setting.endswith("selective")
 
 
+# data.format values renamed since configs were written: read as the new name.
+DATA_FORMAT_RENAMED = {"unpaired": "feedback"}
+
+
 class DataConfig(Section):
     source: str = "builtin:pydoc"
     """What to train on: `builtin:pydoc` (Python's own documentation, ships with Python), a local
@@ -225,7 +229,7 @@ class DataConfig(Section):
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/Hugging Face records (data.format=text)."""
 
-    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "unpaired", "auto"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "feedback", "auto"] = "text"
     """What a record is. text: raw text, every token trained (pretraining). chat: a list of
     {role, content} messages (roles system, user, assistant, tool; content text or a list of text
     parts; assistant tool_calls) in data.messages_field, rendered with the chat template.
@@ -234,24 +238,25 @@ class DataConfig(Section):
     prompt with a chosen and a rejected answer (data.prompt_field, data.chosen_field,
     data.rejected_field; strings, or conversations rendered with the chat template; without a
     prompt, chosen and rejected are whole conversations and their shared leading messages are the
-    prompt), for train.objective=dpo, simpo or reward. unpaired (TRL's "unpaired preference"): one
-    answer with a thumbs-up or thumbs-down, a prompt (data.prompt_field), its completion
-    (data.completion_field) and a boolean label (data.label_field: true desirable, false
-    undesirable); strings, or conversations rendered with the chat template; without a prompt, the
-    completion is the whole conversation and its closing assistant turns are the answer; for
-    train.objective=kto. auto: preference if the first record has data.chosen_field and
-    data.rejected_field, else unpaired if it has data.label_field and data.completion_field, else
-    chat if it has data.messages_field, else prompt_completion if it has both of those fields,
-    else alpaca if it has instruction and output, else text; the choice is logged."""
+    prompt), for train.objective=dpo, simpo or reward. feedback (TRL's "unpaired preference";
+    unpaired, its former name, is read as feedback): one answer with a thumbs-up or thumbs-down, a
+    prompt (data.prompt_field), its completion (data.completion_field) and a boolean label
+    (data.label_field: true desirable, false undesirable); strings, or conversations rendered with
+    the chat template; without a prompt, the completion is the whole conversation and its closing
+    assistant turns are the answer; for train.objective=kto. auto: preference if the first record
+    has data.chosen_field and data.rejected_field, else feedback if it has data.label_field and
+    data.completion_field, else chat if it has data.messages_field, else prompt_completion if it
+    has both of those fields, else alpaca if it has instruction and output, else text; the choice
+    is logged."""
 
     messages_field: str = "messages"
     """Field holding a conversation's messages (data.format=chat)."""
 
     prompt_field: str = "prompt"
-    """Field holding the prompt (data.format=prompt_completion, preference, unpaired)."""
+    """Field holding the prompt (data.format=prompt_completion, preference, feedback)."""
 
     completion_field: str = "completion"
-    """Field holding the answer (data.format=prompt_completion, unpaired)."""
+    """Field holding the answer (data.format=prompt_completion, feedback)."""
 
     chosen_field: str = "chosen"
     """Field holding the preferred answer (data.format=preference)."""
@@ -260,7 +265,7 @@ class DataConfig(Section):
     """Field holding the answer that is not preferred (data.format=preference)."""
 
     label_field: str = "label"
-    """Field holding an answer's thumbs-up (true) or thumbs-down (false) (data.format=unpaired)."""
+    """Field holding an answer's thumbs-up (true) or thumbs-down (false) (data.format=feedback)."""
 
     margin_field: str | None = None
     """Field holding how much better the chosen answer is than the rejected one, a number per pair
@@ -322,6 +327,12 @@ class DataConfig(Section):
     """Seconds without a heartbeat after which a cache writer (tokenizer or token cache) is taken
     for dead; another process then takes over and resumes its half-built cache."""
 
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format_renamed(cls, value):
+        # configs and run folders written before the rename still load, resume and read their cache
+        return DATA_FORMAT_RENAMED.get(value, value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _positive_num_proc(self):
         return _positive_or_auto(self, "data.num_proc")
@@ -330,11 +341,11 @@ class DataConfig(Section):
     def _format_fits(self):
         answer = ("auto", "completion", "all")
         fits = {"chat": ("auto", "assistant", "all"), "prompt_completion": answer, "alpaca": answer,
-                "text": ("auto", "all"), "preference": ("auto", "completion"), "unpaired": ("auto", "completion")}
+                "text": ("auto", "all"), "preference": ("auto", "completion"), "feedback": ("auto", "completion")}
         if self.format in fits and self.train_on not in fits[self.format]:
             raise ValueError(f"data.train_on={self.train_on} does not apply to data.format={self.format}; "
                              f"choose one of {', '.join(fits[self.format])}")
-        if self.format in ("chat", "prompt_completion", "alpaca", "preference", "unpaired") and \
+        if self.format in ("chat", "prompt_completion", "alpaca", "preference", "feedback") and \
                 self.source.lower().endswith(".txt"):
             raise ValueError(f"data.format={self.format} needs records with fields (.jsonl, .parquet or hf:), "
                              f"but '{self.source}' is plain text; use data.format=text or convert it to .jsonl")
@@ -435,7 +446,7 @@ class TrainConfig(Section):
     the base model with the LoRA adapters off (model.lora.enabled=true). simpo: SimPO's
     reference-free loss on the answers' mean log-probabilities (full weights or LoRA). kto:
     Kahneman-Tversky Optimization's loss (TRL's KTOTrainer) on answers with a thumbs-up or down
-    (data.format=unpaired), against a reference (the starting weights; with LoRA the base, adapters
+    (data.format=feedback), against a reference (the starting weights; with LoRA the base, adapters
     off) and its KL estimate from mismatched prompt/completion pairs. reward: a reward model, a
     scalar score head on the model (transformers' sequence classifier, num_labels=1) trained with
     the Bradley–Terry loss on preference pairs (TRL's RewardTrainer); its model/ loads with
@@ -634,9 +645,6 @@ class Config(Section):
         if "global_batch_size" in train.model_fields_set and train.global_batch_size != pairs:
             raise ValueError(f"train.global_batch_pairs ({pairs}) and train.global_batch_size "
                              f"({train.global_batch_size}) both set the batch; set one of them")
-        if train.objective == "lm":
-            raise ValueError("train.global_batch_pairs counts preference pairs (train.objective dpo or simpo); "
-                             "train.objective=lm trains no pairs: set the batch with train.global_batch_size")
         if self.data.packing:
             raise ValueError("train.global_batch_pairs lays one pair in each row: set data.packing=false "
                              "(packing puts a varying number of pairs in a row), or set the batch in rows "
@@ -673,24 +681,6 @@ class Config(Section):
             raise ValueError(f"model.activation_checkpointing={self.model.activation_checkpointing} does not take "
                              "parallel.strategy=zero3; use "
                              "true, a number of blocks, or strategy fsdp (which shards the same way)")
-        return self
-
-    @model_validator(mode="after")
-    def _head_fits(self):
-        if self.train.objective != "reward":
-            return self
-        if self.model.chunked_loss is True:
-            raise ValueError("model.chunked_loss=true cuts a vocabulary head's logits into blocks, and "
-                             "train.objective=reward trains a score head of one output; set model.chunked_loss=auto "
-                             "or false")
-        # These two build their own copy of the model as a causal LM (ZeRO-3 inside zero.Init,
-        # FSDP's random init of a model from scratch): not yet a sequence classifier.
-        if self.parallel.strategy == "zero3":
-            raise ValueError("parallel.strategy=zero3 does not train a reward model yet (train.objective=reward); use "
-                             "single, ddp or fsdp, which shard or replicate the same model")
-        if self.parallel.strategy == "fsdp" and self.model.name_or_path is None:
-            raise ValueError("a reward model from random weights does not take parallel.strategy=fsdp yet; start "
-                             "from a model folder (model.name_or_path), or use single or ddp")
         return self
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ def kind_of(data_cfg: DataConfig, data_format: str, tokenizer) -> DataKind:
         return TextKind(tokenizer)
     if data_format == "preference":
         return PreferenceKind(data_cfg, tokenizer)
-    if data_format == "unpaired":
+    if data_format == "feedback":
         return FeedbackKind(data_cfg, tokenizer)
     return ExampleKind(data_cfg, data_format, tokenizer)
 

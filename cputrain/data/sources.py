@@ -317,7 +317,7 @@ def _text_field(cfg: DataConfig) -> str:
         return "text"
     fmt = record_format(cfg)
     return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field, "alpaca": "output",
-            "preference": cfg.chosen_field, "unpaired": cfg.completion_field}.get(
+            "preference": cfg.chosen_field, "feedback": cfg.completion_field}.get(
         fmt, cfg.text_field)
 
 
@@ -370,7 +370,7 @@ def format_choice(cfg: DataConfig) -> tuple[str, str]:
     if cfg.chosen_field in fields and cfg.rejected_field in fields:
         fmt, why = "preference", f"the first record has '{cfg.chosen_field}' and '{cfg.rejected_field}'"
     elif cfg.label_field in fields and cfg.completion_field in fields:
-        fmt, why = "unpaired", (f"the first record has '{cfg.completion_field}' and a '{cfg.label_field}' (TRL's "
+        fmt, why = "feedback", (f"the first record has '{cfg.completion_field}' and a '{cfg.label_field}' (TRL's "
                                 "unpaired preference: a thumbs-up or down on one answer)")
     elif cfg.messages_field in fields:
         fmt, why = "chat", f"the first record has '{cfg.messages_field}'"

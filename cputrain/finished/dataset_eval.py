@@ -11,9 +11,10 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     `cfg` is resolved for this machine, with what the data is (data.format, data.train_on)."""
     from cputrain.data.prepare import prepare, rows_of
     from cputrain.finished.load import load_for_inference, model_folder
+    from cputrain.objectives.objective import objective_class
     from cputrain.objectives.validation_loss import evaluate_loss
 
-    preference = cfg.train.objective != "lm"
+    preference = not objective_class(cfg.train.objective).perplexity
     if preference:  # the models are loaded by evaluate_pairs, one after the other
         from cputrain.data.tokenizer import load_tokenizer
         from cputrain.finished.preference_eval import require_reference

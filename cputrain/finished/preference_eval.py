@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cputrain.errors import DataError, ModelError
-from cputrain.objectives.objective import objective_for
+from cputrain.objectives.objective import objective_class, objective_for
 
 
 def require_reference(path: str, cfg) -> None:
@@ -29,7 +29,7 @@ def require_reference(path: str, cfg) -> None:
     from cputrain.finished.load import model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
-    if cfg.train.objective in ("dpo", "kto") and not cfg.model.name_or_path and \
+    if objective_class(cfg.train.objective).stores_reference and not cfg.model.name_or_path and \
             not is_adapter_folder(Path(model_folder(path))):
         raise ModelError(f"this {cfg.train.objective.upper()} run trained from random weights (model.name_or_path is "
                          "empty), so its reference cannot be loaded to score its data; evaluate a run that started "
@@ -42,11 +42,10 @@ def evaluate_pairs(path: str, cfg, rows, max_rows: int) -> dict:
     from cputrain.finished.load import load_for_inference, model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
-    kto = cfg.train.objective == "kto"
     n = min(len(rows), max_rows)
     if n == 0:
-        raise DataError(f"the dataset has no {'feedback example' if kto else 'preference pair'} to evaluate; use more "
-                        "records, a longer data.seq_len or --split train")
+        raise DataError(f"the dataset has no {objective_class(cfg.train.objective).item_described} to evaluate; "
+                        "use more records, a longer data.seq_len or --split train")
     indices, micro_batch = np.arange(n), cfg.train.micro_batch_size
     # the run's precision, as the trainer's validation: bf16 autocast over fp32 weights
     def autocast():
@@ -65,11 +64,11 @@ def evaluate_pairs(path: str, cfg, rows, max_rows: int) -> dict:
     policy, _ = load_for_inference(path, cfg.model.trust_remote_code)
     if objective.stores_reference and adapters:  # the base is under the adapters: run it with them off
         reference = "the LoRA base, adapters off"
-        if kto:  # KTO reads its reference from the rows' table (its KL sequences' too)
+        if not objective.live_reference:  # read from the rows' table (KTO: its KL sequences' too)
             with policy.disable_adapter():
                 rows.reference_logps = objective.reference_table(policy, rows, micro_batch, autocast, indices)
     sums, items = objective.summed(policy, rows, indices, micro_batch, autocast)
     result = {"objective": cfg.train.objective, "loss": float(sums[0]) / max(items, 1)}
     result.update(objective.figures(sums[1:], items))
-    result.update({"examples" if kto else "pairs": int(items), "rows": int(n), "reference": reference})
+    result.update({objective.items_key: int(items), "rows": int(n), "reference": reference})
     return result

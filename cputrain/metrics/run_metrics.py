@@ -39,8 +39,11 @@ log = logging.getLogger("cputrain")
 
 class RunMetrics:
     def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, run: RunFolder, counts: dict,
-                 hf_config, meter: comm.CommMeter, total_steps: int):
+                 hf_config, meter: comm.CommMeter, total_steps: int, summary_figures: tuple[str, ...] = ()):
+        """`summary_figures`: the objective's figures summary.json carries (its summary_figures;
+        empty for the language-model loss, which has none and counts no pairs)."""
         self.cfg, self.hw, self.ranks, self.run, self.counts = cfg, hw, ranks, run, counts
+        self.summary_figures = summary_figures
         self.meter, self.total_steps = meter, total_steps
         self.sinks: ReportSinks | None = None  # rank 0's, opened by open_sinks() once the resume step is known
         self.guard: Callable[[], None] = lambda: None  # raises if this run no longer owns its folder
@@ -236,8 +239,8 @@ class RunMetrics:
             "lora": cfg.model.lora.enabled,
         }
         summary.update(comm.summarize(steady))
-        summary.update(_preference_figures(rows, cfg.train.objective))
-        if cfg.train.objective != "lm":
+        summary.update(_objective_figures(rows, cfg.train.objective, self.summary_figures))
+        if self.summary_figures:
             summary["pairs_per_s"] = steady_median("pairs_per_s")
             # every logged step's, not only the steady ones: a count, not a speed
             per_step = [r["pairs_per_step"] for r in train_rows if "pairs_per_step" in r]
@@ -245,20 +248,14 @@ class RunMetrics:
         return summary
 
 
-PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                   "logps/rejected")
-# what KTO (kl) and a reward model (accuracy, margin, mean_reward) log beside, or instead of, DPO's
-FIGURE_KEYS = PREFERENCE_KEYS + ("kl", "accuracy", "margin", "mean_reward")
-
-
-def _preference_figures(rows: list[dict], objective: str) -> dict:
-    """A preference run's figures (TRL's names, those its objective logs: DPO's and SimPO's before
-    any step), the last logged step's, the first and last validation's (eval_…, with
-    first_eval_… of the accuracy and margin to read what training changed)."""
-    if objective == "lm":
+def _objective_figures(rows: list[dict], objective: str, figures: tuple[str, ...]) -> dict:
+    """The figures of a run whose objective has them (TRL's names: `figures`, those of them it
+    logged, all of them before any step), the last logged step's, the first and last validation's
+    (eval_…, with first_eval_… of the accuracy and margin to read what training changed)."""
+    if not figures:
         return {}
     out = {"objective": objective}
-    keys = [key for key in FIGURE_KEYS if any(key in r for r in rows)] or list(PREFERENCE_KEYS)
+    keys = [key for key in figures if any(key in r for r in rows)] or list(figures)
     trained = [r for r in rows if keys[0] in r]
     evals = [r for r in rows if f"eval_{keys[0]}" in r]
     for key in keys:

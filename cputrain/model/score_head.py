@@ -25,6 +25,7 @@ from torch import nn
 from cputrain.errors import ModelError
 
 SCORE = "score"  # the head's module name in every transformers sequence classifier
+LM_HEAD = "lm"  # a causal language model's own head: the vocabulary's logits
 
 
 def is_score_config(hf_config) -> bool:
@@ -35,8 +36,9 @@ def is_score_config(hf_config) -> bool:
 def fit_head(hf_config, head: str, pad_token_id: int | None) -> None:
     """`hf_config`, in place, as the head an objective trains needs it: "score" makes it a
     sequence classifier with one output whose pooling skips `pad_token_id` (TRL's RewardTrainer
-    sets both); "lm" refuses a reward model's config, which has no language-model head."""
-    if head == "lm":
+    sets both); any other (LM_HEAD, the language model's) refuses a reward model's config, which has
+    no language-model head."""
+    if head != SCORE:
         if is_score_config(hf_config):
             raise ModelError(f"the model is a sequence classifier ({hf_config.architectures[0]}: a reward model), "
                              "which has no language-model head; train it with train.objective=reward, or start from "

@@ -14,18 +14,18 @@ batch); only their order moves.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from cputrain.distributed import process_group as pg
+from cputrain.errors import ConfigError
+from cputrain.objectives.item_losses import ItemLossObjective
 from cputrain.objectives.kto_loss import SUM_NAMES, kl_estimate, kto_figures, kto_losses
+from cputrain.objectives.reference_store import prepare_reference, reference_chunks
 from cputrain.objectives.sequence_sums import summed_logps
-from cputrain.objectives.validation_loss import micro_batches, summed_figures
+from cputrain.objectives.validation_loss import micro_batches
 
 log = logging.getLogger("cputrain")
 
@@ -49,18 +49,31 @@ def weights_advice(desirable: int, undesirable: int, desirable_weight: float, un
             f"[{u_low}, {u_high}] (not both)")
 
 
-class KtoObjective:
+class KtoObjective(ItemLossObjective):
     """KTO's loss on labelled answers; the reference's log-probabilities of every example and KL
     sequence are computed before training (prepare) and carried by each batch."""
 
-    names = SUM_NAMES
+    name = "kto"
+    data_format = "feedback"
+    extra_forwards = 1  # the policy's no-grad pass over the step's KL sequences (start_step)
     stores_reference = True  # kept beside the token cache (objectives.reference_store)
-    head = "lm"
+    items_key = "examples"
+    item_described = "feedback example"
+    names = SUM_NAMES
+    summary_figures = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
 
-    def __init__(self, train_cfg, reference: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None,
-                 chunked: bool = False):
-        self.cfg, self.reference, self.chunked = train_cfg, reference, chunked
+    def __init__(self, train_cfg=None, reference=None, chunked: bool = False):
+        super().__init__(train_cfg, reference, chunked)
         self.kl = 0.0  # z of the step being taken (start_step)
+
+    @classmethod
+    def check_data(cls, data_format: str) -> None:
+        if data_format != "feedback":
+            fix = ("train.objective=dpo, simpo or reward on pairs, or take each pair apart into a desirable and an "
+                   "undesirable record" if data_format == "preference" else "data.format=feedback (or auto)")
+            raise ConfigError(f"train.objective=kto trains on answers each with a thumbs-up or down (prompt, "
+                              f"completion and a boolean label: data.format=feedback), but data.format is "
+                              f"{data_format}; set {fix}")
 
     @torch.no_grad()
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
@@ -68,27 +81,15 @@ class KtoObjective:
         KL sequence of `rows` (each a FeedbackRows), from the weights as loaded (LoRA: inside the
         converter's reference, the base alone), before any checkpoint replaces them. Read from the
         store's file where it holds them, else computed with the rows split across the ranks."""
-        from cputrain.objectives.reference_store import ReferenceStore
-
         cfg, train = self.cfg, rows[0]
         advice = weights_advice(int(train.labels.sum()), int(train.examples - train.labels.sum()),
                                 cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
         if advice is not None:
             log.warning("KTO: %s", advice)
-        store = store or ReferenceStore(None, 0, 1, 0)
-        started_s = time.perf_counter()
-        examples = sum(split.examples for split in rows)
-        model.eval()
-        base = self.reference(model) if self.reference is not None else contextlib.nullcontext()
-        if store.fill(rows, lambda split, indices: feedback_reference_table(model, split, micro_batch, autocast,
-                                                                            indices, self.chunked), base):
-            log.info("KTO reference: the log-probabilities of %d examples and their KL sequences read from %s",
-                     examples, store.path)
-            return
-        log.info("KTO reference: the log-probabilities of %d examples and their KL sequences computed before "
-                 "training in %.1f s over %d rank(s) (%s)%s", examples, time.perf_counter() - started_s,
-                 store.world_size, "the base, adapters off" if self.reference is not None else "the weights as loaded",
-                 f"; kept in {store.path}" if store.path is not None else "")
+        prepare_reference(store, rows, lambda split, indices: self.reference_table(model, split, micro_batch, autocast,
+                                                                                   indices),
+                          model, self.reference, "KTO",
+                          f"{sum(split.examples for split in rows)} examples and their KL sequences")
 
     def start_step(self, model, micro_batches: list, autocast) -> None:
         """z for this step: the policy's KL sequences of every micro-batch, on every rank, without gradients."""
@@ -108,16 +109,11 @@ class KtoObjective:
     def items(self, batch) -> int:
         return batch.examples
 
-    def _losses(self, model, batch):
+    def losses(self, model, batch):
         logps, _ = summed_logps(model, batch, self.chunked, batch.examples)
         cfg = self.cfg
         return kto_losses(logps, batch.reference_logps, batch.desirable, self.kl, cfg.kto_beta,
                           cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
-
-    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the examples' summed loss ÷ divisor, the sums of TRL's figures over them)."""
-        losses = self._losses(model, batch)
-        return losses.losses.sum() / divisor, losses.stat_sums()
 
     def figures(self, sums, items: int) -> dict[str, float]:
         return kto_figures(sums, items)
@@ -127,8 +123,7 @@ class KtoObjective:
         all of them (and every rank's share, evaluated alike)."""
         batches = micro_batches(rows, indices, micro_batch)
         self.kl = self._kl(model, batches, autocast)
-        return summed_figures(lambda batch: self._losses(model, batch), batches, autocast,
-                              lambda batch: batch.examples, len(SUM_NAMES))
+        return self.summed_over(model, batches, autocast)
 
     def reference_table(self, model, split, micro_batch: int, autocast, indices=None) -> torch.Tensor:
         return feedback_reference_table(model, split, micro_batch, autocast, indices, self.chunked)
@@ -140,10 +135,7 @@ def feedback_reference_table(model, split, micro_batch: int, autocast, indices=N
     """The log-probabilities `model` gives every example of `split` (a FeedbackRows without a
     table) at 2e and its KL sequence at 2e+1; of the rows `indices` only (the others 0), when given."""
     table = torch.zeros(split.reference_sequences, dtype=torch.float32)
-    indices = np.arange(len(split)) if indices is None else np.asarray(indices)
-    for start in range(0, len(indices), micro_batch):
-        chunk = indices[start : start + micro_batch]
-        batch = split.batch(chunk)
+    for chunk, batch in reference_chunks(split, micro_batch, indices):
         with autocast():
             logps, _ = summed_logps(model, batch, chunked, batch.examples)
             kl_logps, _ = summed_logps(model, batch.kl, chunked, batch.examples)

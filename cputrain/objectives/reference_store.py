@@ -15,9 +15,12 @@ the shares into the whole table on every rank. One writer per node saves the fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from cputrain.distributed import process_group as pg
+
+log = logging.getLogger("cputrain")
 
 
 @dataclass(frozen=True)
@@ -117,3 +122,31 @@ def reference_file(cache_folder: Path | None, weights_folder: Path | None, cfg) 
     }
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_folder) / f"reference-{key}.safetensors"
+
+
+def reference_chunks(split, micro_batch: int, indices=None):
+    """(the row numbers, their batch) of `split`'s rows `indices` (all where None), `micro_batch`
+    rows at a time: what a reference table is computed over."""
+    indices = np.arange(len(split)) if indices is None else np.asarray(indices)
+    for start in range(0, len(indices), micro_batch):
+        chunk = indices[start : start + micro_batch]
+        yield chunk, split.batch(chunk)
+
+
+def prepare_reference(store: ReferenceStore | None, rows: list, compute, model, reference, what: str,
+                      counted: str, setting: str = "") -> None:
+    """Every split of `rows` given its reference table: read from `store`'s file, else computed
+    (`compute(split, indices)`) before training inside the converter's reference (`reference`,
+    None: the weights as loaded) across the store's ranks; logged as `what` ("DPO", "KTO") of
+    `counted` ("12 pairs"), `setting` naming the setting that chose it (e.g. "train.dpo_reference=precompute: ")."""
+    store = store or ReferenceStore(None, 0, 1, 0)
+    started_s = time.perf_counter()
+    model.eval()
+    base = reference(model) if reference is not None else contextlib.nullcontext()
+    if store.fill(rows, compute, base):
+        log.info("%s reference: the log-probabilities of %s read from %s", what, counted, store.path)
+        return
+    log.info("%s reference: the log-probabilities of %s computed before training in %.1f s over %d rank(s) (%s%s)%s",
+             what, counted, time.perf_counter() - started_s, store.world_size, setting,
+             "the base, adapters off" if reference is not None else "the weights as loaded",
+             f"; kept in {store.path}" if store.path is not None else "")

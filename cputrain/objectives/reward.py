@@ -16,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cputrain.model.score_head import install_token_scores
+from cputrain.errors import ConfigError
+from cputrain.model.score_head import SCORE, install_token_scores
+from cputrain.objectives.item_losses import ItemLossObjective
+from cputrain.objectives.preference import refuse_unless_pairs
 from cputrain.objectives.reward_loss import STAT_NAMES, bradley_terry_losses
-from cputrain.objectives.validation_loss import micro_batches, summed_figures
 
 
 def sequence_scores(scores: torch.Tensor, input_ids: torch.Tensor, sequence_ids: torch.Tensor, sequences: int,
@@ -38,38 +40,48 @@ def pair_scores(model, batch, pad_id: int) -> torch.Tensor:
     return sequence_scores(scores.float(), batch.input_ids, batch.sequence_ids, 2 * batch.pairs, pad_id)
 
 
-class RewardObjective:
-    names = STAT_NAMES
-    stores_reference = False
-    head = "score"
+class RewardObjective(ItemLossObjective):
+    name = "reward"
+    head = SCORE
+    data_format = "preference"
+    names = summary_figures = STAT_NAMES
 
-    def __init__(self, train_cfg):
-        self.cfg = train_cfg
+    def __init__(self, train_cfg=None, reference=None, chunked: bool = False):
+        super().__init__(train_cfg, reference, chunked)  # no reference; no vocabulary head to chunk
         self.pad_id = None  # the rows' (prepare)
+
+    @classmethod
+    def check_data(cls, data_format: str) -> None:
+        refuse_unless_pairs(cls.name, data_format)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The score head: not cut into blocks, and not yet under the strategies that build the model
+        themselves."""
+        if cfg.model.chunked_loss is True:
+            raise ConfigError("model.chunked_loss=true cuts a vocabulary head's logits into blocks, and "
+                              "train.objective=reward trains a score head of one output; set model.chunked_loss=auto "
+                              "or false")
+        # These two build their own copy of the model as a causal LM (ZeRO-3 inside zero.Init,
+        # FSDP's random init of a model from scratch): not yet a sequence classifier.
+        if cfg.parallel.strategy == "zero3":
+            raise ConfigError("parallel.strategy=zero3 does not train a reward model yet (train.objective=reward); use "
+                              "single, ddp or fsdp, which shard or replicate the same model")
+        if cfg.parallel.strategy == "fsdp" and cfg.model.name_or_path is None:
+            raise ConfigError("a reward model from random weights does not take parallel.strategy=fsdp yet; start "
+                              "from a model folder (model.name_or_path), or use single or ddp")
 
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
         """Every token's score from the model (model.score_head.install_token_scores); the rows' pad token."""
         install_token_scores(getattr(model, "module", model))  # inside DDP's and ZeRO-3's wrappers
         self.pad_id = rows[0].pad_id
 
-    def start_step(self, model, micro_batches: list, autocast) -> None:
-        """Before a step's micro-batches: nothing to compute."""
-
     def items(self, batch) -> int:
         return batch.pairs
 
-    def _losses(self, model, batch):
+    def losses(self, model, batch):
         rewards = pair_scores(model, batch, self.pad_id)
         return bradley_terry_losses(rewards[0::2], rewards[1::2], batch.margins, self.cfg.center_rewards_coefficient)
-
-    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the pairs' summed loss ÷ divisor, the sums of TRL's figures over the pairs)."""
-        losses = self._losses(model, batch)
-        return losses.losses.sum() / divisor, losses.stat_sums()
-
-    def figures(self, sums, items: int) -> dict[str, float]:
-        """TRL's figures: means over the pairs."""
-        return {name: float(v) / max(items, 1) for name, v in zip(self.names, sums)}
 
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
         """([sum of the losses, sums of TRL's figures…], pairs) over rows[indices]."""
@@ -77,5 +89,4 @@ class RewardObjective:
             if hasattr(model, "get_base_model"):  # a LoRA reward model loaded by peft: the classifier under it
                 model = model.get_base_model()
             self.prepare(model, [rows], micro_batch, autocast)
-        return summed_figures(lambda batch: self._losses(model, batch), micro_batches(rows, indices, micro_batch),
-                              autocast, lambda batch: batch.pairs, len(STAT_NAMES))
+        return super().summed(model, rows, indices, micro_batch, autocast)

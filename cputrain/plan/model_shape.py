@@ -19,6 +19,7 @@ from pathlib import Path
 from cputrain.config import ModelConfig
 from cputrain.errors import ModelError, one_line
 from cputrain.lora.adapters import base_file_name, is_adapter_parameter
+from cputrain.model.score_head import LM_HEAD, SCORE
 
 # Shapes of models on the Hugging Face hub that `cputrain plan` knows without fetching anything
 # (model.name_or_path as a hub id, no local folder): the fields of their config.json that decide
@@ -249,7 +250,7 @@ def hf_config_for(model_cfg: ModelConfig, vocab_size: int | None = None, config_
 
 
 def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_json: str | None = None,
-                compute_dtype=None, seed: int = 0, head: str = "lm") -> ModelShape:
+                compute_dtype=None, seed: int = 0, head: str = LM_HEAD) -> ModelShape:
     """Every parameter of the model the config trains. With model.lora enabled the adapters are
     added as the trainer adds them, on the targets and with the base dtype decided for the run
     (cputrain.training.choices), under `compute_dtype` (default fp32)."""
@@ -261,7 +262,7 @@ def model_shape(model_cfg: ModelConfig, vocab_size: int | None = None, config_js
         raise ValueError("model.lora.target_modules and model.lora.base_dtype are read decided "
                          "(cputrain.training.choices.decide_for_plan decides them for a plan)")
     hf_config = hf_config_for(model_cfg, vocab_size, config_json)
-    if head != "lm":  # a reward model's score head in place of the vocabulary's (model.score_head)
+    if head == SCORE:  # a reward model's score head in place of the vocabulary's (model.score_head)
         models.fit_head(hf_config, head, 0)
     skeleton = models.build_skeleton(models.ModelSource(None, hf_config), model_cfg)  # meta: no memory
     if model_cfg.lora.enabled:

@@ -10,6 +10,7 @@ import yaml
 
 from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
+from cputrain.config.sections import DATA_FORMAT_RENAMED
 from cputrain.errors import RunFolderError
 
 NAME = "config.yaml"
@@ -68,6 +69,10 @@ ADDED_KEYS = {"data.chosen_field": "chosen", "data.rejected_field": "rejected", 
               "train.kto_undesirable_weight": 1.0, "train.center_rewards_coefficient": None}
 
 
+# Values renamed since run folders existed: a recorded config.yaml's old name is the new one.
+RENAMED_VALUES = {"data.format": DATA_FORMAT_RENAMED}
+
+
 def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None
@@ -119,6 +124,8 @@ def check_compatible(run: RunFolder, cfg: Config, recorded: RecordedConfig | Non
         there, now = _get(old, key), _get(new, key)
         if there is None and key in ADDED_KEYS:
             there = ADDED_KEYS[key]
+        if key in RENAMED_VALUES and isinstance(there, str):  # recorded before the value's rename
+            there = RENAMED_VALUES[key].get(there, there)
         # A folder written before these keys were decided at the start of a run recorded "auto";
         # it continues under the value auto gives now (checked again where it matters: the base
         # model's fingerprint, the cache key of the data).

@@ -91,6 +91,9 @@ def decide_for_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None 
 
 
 def _decide_for_plan(cfg: Config, world_size: int, facts: _PlanFacts) -> Resolution:
+    from cputrain.objectives.objective import objective_class
+
+    objective_class(cfg.train.objective).check_config(cfg)  # what the config alone refuses, as train's preflight
     walk = _walk(resolve_for_plan(cfg, world_size), facts)
     # No key a plan reads is "auto" any more, by type.
     return Resolution(PlannedConfig.model_validate(walk.config.model_dump()), walk.reasons)
@@ -159,8 +162,12 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
     now = walk.config
     vocab = source.hf_config.vocab_size if source is not None else None
     if now.model.chunked_loss == "auto":  # by precision and the head's size: the same on every rank
+        from cputrain.model.score_head import SCORE
+        from cputrain.objectives.objective import objective_class
+
+        score = now.train.objective if objective_class(now.train.objective).head == SCORE else None
         walk.record("model.chunked_loss", *chunked_loss_choice(
-            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, now.train.objective))
+            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, score))
     if walk.config.parallel.strategy == "fsdp":
         _record_fsdp_choices(walk, facts, vocab)
     if walk.config.model.activation_checkpointing == "auto":

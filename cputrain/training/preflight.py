@@ -16,6 +16,7 @@ from cputrain.errors import ConfigError, RunFolderError, one_line
 
 
 def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
+    check_objective_config(cfg)  # what the config alone refuses, before anything is touched
     if probe_output_dir:  # one process probes (ranks that all did would remove each other's folders)
         check_output_dir(cfg.output_dir)
         check_cache_dir(cfg.data.cache_dir)
@@ -89,24 +90,32 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
                       "full_shard, or nodes with more memory (`cputrain plan` shows each layout's)")
 
 
+def check_objective_config(cfg: Config) -> None:
+    """The objective's rules of the config alone (its head's strategies, a batch in pairs)."""
+    from cputrain.objectives.objective import objective_class
+
+    objective_class(cfg.train.objective).check_config(cfg)
+
+
 def check_objective_fits(cfg: Config) -> None:
     """train.objective and data.shared_prompt read the data's kind (dpo, simpo, reward and a shared
-    prompt pairs, kto unpaired feedback, lm everything else). A hub dataset under data.format=auto is not opened here (that can
+    prompt pairs, kto feedback, lm everything else). A hub dataset under data.format=auto is not opened here (that can
     take minutes): each rank checks it again once its format is decided."""
     from cputrain.data.sources import HF_PREFIX, format_choice
     from cputrain.errors import DataError
-    from cputrain.objectives.objective import DATA_OF, check_objective, check_reference
+    from cputrain.objectives.objective import objective_class
 
-    check_reference(cfg.train, cfg.model.lora.enabled)
+    objective = objective_class(cfg.train.objective)
+    objective.check_reference(cfg)
     data = cfg.data
     if data.format == "auto" and data.source.startswith(HF_PREFIX):
-        fmt = DATA_OF.get(cfg.train.objective, "text")  # decided by the rank
+        fmt = objective.data_format  # decided by the rank
     else:
         try:
             fmt = format_choice(data)[0]
         except DataError:
             return  # a source that cannot be read is reported where the data is prepared
-    check_objective(cfg.train.objective, fmt)
+    objective.check_data(fmt)
     from cputrain.data.preference.rows import shared_prompt_choice
 
     shared_prompt_choice(data.shared_prompt, fmt)  # data.shared_prompt=true lays out pairs only

@@ -32,7 +32,7 @@ from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
 from cputrain.metrics.step_profile import OPTIMIZER_REGION
 from cputrain.metrics.summary import read_summary, write_summary
-from cputrain.objectives.objective import check_objective, objective_for
+from cputrain.objectives.objective import objective_class, objective_for
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.run_folder.checkpoints import Checkpoints
@@ -125,7 +125,7 @@ class Trainer:
         weights (5.)."""
         cfg = self.cfg
         self.converter = converter_for(cfg, self.ranks.is_main)
-        check_objective(cfg.train.objective, cfg.data.format)
+        objective_class(cfg.train.objective).check_data(cfg.data.format)
         self.objective = objective_for(cfg.train, self.converter.reference, cfg.model.chunked_loss)
         check_compatible(self.run, cfg, self.recorded)  # before anything is written into an existing run folder
         self.converter.check_run_folder(self.run)  # LoRA: the adapters there belong to these base weights
@@ -227,7 +227,7 @@ class Trainer:
             self.step = resumed
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
         self.metrics = RunMetrics(cfg, self.hw, ranks, self.run, self.counts, self.hf_config, self.strategy.meter,
-                                  self.total_steps)
+                                  self.total_steps, self.objective.summary_figures)
         self.metrics.open_sinks(self.step, guard=self.lock.assert_held if self.lock else lambda: None)
         if ranks.is_main:
             write_run_config(self.run, cfg, self.reasons)

@@ -10,6 +10,7 @@ from cputrain.training import choices
 from cputrain.config import Config
 from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
+from cputrain.model.score_head import LM_HEAD
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.native.allocator import tune_glibc
@@ -77,7 +78,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         trainer.setup()
         summary = trainer.fit()
         if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
-            after_export(res.config, trainer.held_out_prompt(), sample=trainer.objective.head == "lm")
+            after_export(res.config, trainer.held_out_prompt(), sample=trainer.objective.head == LM_HEAD)
     finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
         trainer.release_lock()
     if ranks.is_main and summary:

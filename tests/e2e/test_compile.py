@@ -52,7 +52,7 @@ def test_a_compiled_block_takes_the_shared_prompts_4d_mask_as_eager_does(tmp_pat
 
     from cputrain.data.preference.rows import PairRows
     from cputrain.model.skeleton import compile_blocks
-    from cputrain.objectives.objective import pair_logps
+    from cputrain.objectives.preference import pair_logps
     from cputrain.objectives.preference_loss import dpo_losses
 
     g = np.random.default_rng(0)

@@ -18,7 +18,7 @@ from harness.run_cli_here import run_cli_here
 from harness.run_metrics import losses_by_step, metrics_rows
 from harness.tiny_run import tiny_overrides
 
-KTO = {"data.format": "unpaired", "data.seq_len": 128, "data.val_fraction": 0.1, "data.max_documents": "null",
+KTO = {"data.format": "feedback", "data.seq_len": 128, "data.val_fraction": 0.1, "data.max_documents": "null",
        "train.objective": "kto", "model.lora.enabled": "true", "model.lora.rank": 4, "train.lr": 1e-2,
        "train.max_steps": 6, "train.eval_every": 3, "train.checkpoint_every": 3}
 KEYS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -114,7 +114,7 @@ def test_full_weights_start_at_one_half_against_their_stored_reference(tmp_path,
         "model.name_or_path": base, **KTO, "data.source": "builtin:pydoc-kto", "data.format": "auto",
         "data.seq_len": 256, "model.lora.enabled": "false", "train.lr": 1e-3, "train.max_steps": 2,
         "train.eval_every": 2}), check=True)
-    assert "auto: data.format = unpaired" in proc.stderr, proc.stderr[-2000:]
+    assert "auto: data.format = feedback" in proc.stderr, proc.stderr[-2000:]
     rows = [r for r in metrics_rows(out) if "loss" in r]
     assert abs(rows[0]["loss"] - 0.5) < 1e-6 and rows[1]["rewards/margins"] != 0
     # eval computes the reference from the folder the run started from, then loads the trained model
@@ -138,7 +138,7 @@ def test_a_label_that_is_not_boolean_stops_in_one_line(tmp_path, cache_dir, base
 @pytest.mark.parametrize("extra, expect", [
     ({"data.source": "builtin:pydoc-dpo", "data.format": "auto"},
      "train.objective=kto trains on answers each with a thumbs-up or down"),
-    ({"train.objective": "reward"}, "train.objective=reward trains on preference pairs, but data.format is unpaired"),
+    ({"train.objective": "reward"}, "train.objective=reward trains on preference pairs, but data.format is feedback"),
 ])
 def test_an_objective_on_the_wrong_data_is_refused_before_work(tmp_path, cache_dir, base, extra, expect):
     proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", cache_dir, **{

@@ -84,7 +84,7 @@ def test_second_step_equals_trls(tmp_path, cache_dir, tiny_model, kind):
     _feedback(data)
     out = tmp_path / "run"
     run_cli("train", *tiny_overrides(out, cache_dir, **{
-        "seed": SEED, "model.name_or_path": base, "data.source": data, "data.format": "unpaired",
+        "seed": SEED, "model.name_or_path": base, "data.source": data, "data.format": "feedback",
         "data.packing": "false", "data.seq_len": 256, "data.val_fraction": 0, "data.max_documents": "null",
         "train.objective": "kto", "train.kto_beta": BETA, "train.kto_desirable_weight": DESIRABLE_WEIGHT,
         "train.max_steps": 2, "train.global_batch_size": EXAMPLES, "train.micro_batch_size": EXAMPLES // 2,

@@ -96,8 +96,10 @@ def test_the_batch_in_pairs_is_one_pair_a_row():
     assert Config(**cfg.model_dump()).train.global_batch_size == 6  # config.yaml read back
     with pytest.raises(ConfigError, match="set data.packing=false"):
         load_config(None, ["train.objective=dpo", "train.global_batch_pairs=8"])
-    with pytest.raises(ConfigError, match="train.objective=lm trains no pairs"):
-        load_config(None, ["data.packing=false", "train.global_batch_pairs=8"])
+    from cputrain.training.preflight import check_objective_config
+
+    with pytest.raises(ConfigError, match="train.objective=lm trains no pairs"):  # the objective's rule
+        check_objective_config(load_config(None, ["data.packing=false", "train.global_batch_pairs=8"]))
     with pytest.raises(ConfigError, match=r"global_batch_pairs \(8\) and train.global_batch_size \(16\) both set"):
         load_config(None, [*pairs, "train.global_batch_pairs=8", "train.global_batch_size=16"])
     with pytest.raises(ConfigError, match=r"^train.global_batch_pairs \(7\) must be a multiple"):

@@ -1,4 +1,4 @@
-"""Unpaired feedback (data.format=unpaired): TRL's record forms become one sequence each with the
+"""Unpaired feedback (data.format=feedback): TRL's record forms become one sequence each with the
 answer trained and its label kept; auto finds the format; what cannot be learnt from is counted
 or refused in one line; rows carry each example's label and its KL sequence (its prompt with its
 neighbour's answer)."""
@@ -78,10 +78,10 @@ def _write(path, records):
 def test_auto_finds_feedback_and_stats_count_each_label(tok, tmp_path):
     records = [{"prompt": f"Q{i}: ", "completion": f"answer number {i}.", "label": i % 3 != 0} for i in range(30)]
     cfg = _cfg(_write(tmp_path / "fb.jsonl", records), tmp_path)
-    assert sources.format_choice(cfg.data)[0] == "unpaired"
+    assert sources.format_choice(cfg.data)[0] == "feedback"
     _, data = prepare.prepare(cfg, tok, isolate=False)
     s = data.stats
-    assert s["format"] == "unpaired" and s["train_examples"] + s["val_examples"] == 30
+    assert s["format"] == "feedback" and s["train_examples"] + s["val_examples"] == 30
     assert s["desirable"] + s["undesirable"] == s["train_examples"]
     assert s["desirable"] + s["val_desirable"] == 20 and s["undesirable"] + s["val_undesirable"] == 10
     train = data.rows("train")
@@ -97,15 +97,15 @@ def test_feedback_of_one_label_only_is_refused_in_one_line(tok, tmp_path):
 
 @pytest.mark.parametrize("objective, data_format, expect", [
     ("kto", "preference", "train.objective=kto trains on answers each with a thumbs-up or down"),
-    ("kto", "text", "set data.format=unpaired"),
+    ("kto", "text", "set data.format=feedback"),
     ("reward", "text", "train.objective=reward trains on preference pairs"),
-    ("lm", "unpaired", "set train.objective=kto"),
+    ("lm", "feedback", "set train.objective=kto"),
 ])
 def test_an_objective_on_data_it_cannot_read_is_refused(objective, data_format, expect):
-    from cputrain.objectives.objective import check_objective
+    from cputrain.objectives.objective import objective_class
 
     with pytest.raises(ConfigError, match=expect):
-        check_objective(objective, data_format)
+        objective_class(objective).check_data(data_format)
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cputrain.objectives.objective import PreferenceObjective
+from cputrain.objectives.preference import SimpoObjective
 from cputrain.objectives.preference_loss import dpo_losses, sequence_logps, simpo_losses
 from harness.run_cli_here import run_cli_here
 from harness.tiny_run import tiny_overrides
@@ -87,7 +87,7 @@ def test_the_global_batch_mean_is_independent_of_the_split():
     labels = torch.randint(0, 7, (pairs, 8), generator=g)
     labels[:, 0] = -100
     seq = torch.tensor([[0] * 4 + [1] * 4])  # chosen, then rejected, in one row
-    objective = PreferenceObjective(_Train(), reference=None)
+    objective = SimpoObjective(_Train(), reference=None)
 
     def step_loss(micro: int, world: int) -> float:
         """The mean over ranks (strategies average gradients so) of each rank's summed micro-batch losses."""

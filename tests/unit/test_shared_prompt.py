@@ -10,7 +10,7 @@ import torch
 
 from cputrain.data.batch import IGNORE_INDEX
 from cputrain.data.preference.rows import PairRows, shared_prefixes, shared_prompt_mask
-from cputrain.objectives.objective import pair_logps, reference_table
+from cputrain.objectives.preference import pair_logps, reference_table
 from harness.run_cli_here import run_cli_here
 from harness.tiny_run import tiny_overrides
 

@@ -29,8 +29,8 @@ def train_on_choice(setting: str, data_format: str) -> tuple[str, str]:
         return "all", "text: every token (pretraining)"
     if data_format == "preference":
         return "completion", "preference: each answer and the token that ends it, not the prompt"
-    if data_format == "unpaired":
-        return "completion", "unpaired: the answer and the token that ends it, not the prompt"
+    if data_format == "feedback":
+        return "completion", "feedback: the answer and the token that ends it, not the prompt"
     return "completion", f"{data_format}: the answer and EOS, not the prompt"
 
 

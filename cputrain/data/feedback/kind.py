@@ -56,7 +56,7 @@ class FeedbackKind(RecordsKind):
                     f"{data_cfg.label_field}={other}")
         return {
             **facts.common_stats(),
-            "format": "unpaired",
+            "format": "feedback",
             "train_on": "completion",
             "train_examples": progress["train_examples"],
             "val_examples": progress["val_examples"],

@@ -154,7 +154,7 @@ class FeedbackRows(SequenceRows):
 class FeedbackData(SequenceData):
     def describe(self) -> str:
         s = self.stats
-        return self.described(f"unpaired: {s['train_examples']} train examples ({s['desirable']} desirable, "
+        return self.described(f"feedback: {s['train_examples']} train examples ({s['desirable']} desirable, "
                               f"{s['undesirable']} undesirable) + {s['val_examples']} validation", "one",
                               f"skipped {s['skipped_empty']} with an empty answer and {s['skipped_no_answer']} "
                               f"without a closing assistant turn, dropped {s['dropped_long']} longer than "

@@ -44,6 +44,7 @@ class FeedbackSpec:
     truncation: str = "drop"
 
     def key(self) -> dict:
+        # the name the format had when these caches were first written: a rename must not rebuild them
         return {"format": "unpaired", **self.__dict__}
 
 

@@ -10,7 +10,7 @@ from cputrain.config.reduction import reduce_scatter_in_use
 from cputrain.config.resolve import grad_accum_steps
 from cputrain.config.resolved import PlannedConfig, as_planned
 from cputrain.errors import ConfigError
-from cputrain.objectives.objective import EXTRA_FORWARDS, HEAD_OF
+from cputrain.objectives.objective import objective_class
 from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
 from cputrain.plan.memory.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
@@ -56,7 +56,7 @@ def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None
 
         compute_dtype = torch.bfloat16 if cfg.hardware.precision == "bf16" else torch.float32
         shape = model_shape(cfg.model, vocab_size=vocab_size, config_json=config_json, compute_dtype=compute_dtype,
-                            seed=cfg.seed, head=HEAD_OF.get(cfg.train.objective, "lm"))
+                            seed=cfg.seed, head=objective_class(cfg.train.objective).head)
     return _plan(cfg, world_size, shape, nproc_per_node, instances, config_json, reasons, nproc_per_node)
 
 
@@ -100,7 +100,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         reduce_scatter=reduce_scatter,
         prefetch=parallel.strategy == "fsdp" and parallel.prefetch,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
-        extra_forwards=EXTRA_FORWARDS.get(cfg.train.objective, 0),
+        extra_forwards=objective_class(cfg.train.objective).extra_forwards,
         **zero3,
     )
     if fsdp and ranks_per_node:

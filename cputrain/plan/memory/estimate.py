@@ -61,7 +61,7 @@ class PlanInputs:
     prefetch: bool = False  # fsdp: parallel.prefetch (the time plan hides part of the gathers behind compute)
     ranks_per_node: int | None = None  # node_reshard and hybrid read it (None: not known)
     accumulation: int = 1  # micro-batches per rank per step: gather_once accumulates unsharded gradients over them
-    extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (objectives.objective.EXTRA_FORWARDS)
+    extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (the objective's extra_forwards)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class StepSettings:
         """From a config whose keys are decided (cputrain.training.choices.decide_for_plan)."""
         from cputrain.config.reduction import reduce_scatter_in_use
         from cputrain.config.resolved import as_planned
-        from cputrain.objectives.objective import EXTRA_FORWARDS
+        from cputrain.objectives.objective import objective_class
 
         cfg = as_planned(cfg)
         p = cfg.parallel
@@ -77,7 +77,7 @@ class StepSettings:
                    cfg.train.global_batch_size, cfg.model.activation_checkpointing,
                    layout=p.layout if fsdp else "full_shard", reduce_dtype=p.reduce_dtype if fsdp else None,
                    reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch,
-                   extra_forwards=EXTRA_FORWARDS.get(cfg.train.objective, 0))
+                   extra_forwards=objective_class(cfg.train.objective).extra_forwards)
 
     @classmethod
     def of_plan(cls, plan, global_batch: int) -> StepSettings:
