@@ -77,7 +77,7 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
         width = model_width(cfg)
         if cfg.hardware.precision != "bf16" or not hw.has_fast_bf16:
             cfg.model.compile = False
-            why = "fp32 or emulated bf16: compiled blocks were measured at 1.01× eager in fp32 (benchmarks/step_profile.py)"
+            why = "fp32 or emulated bf16: compiled blocks were measured at 1.01× eager in fp32 (benchmarks/step_time/step_profile.py)"
         elif width is not None and width < 512:
             cfg.model.compile = False
             why = (f"a model {width} wide: its steps are short, and compiling (tens of seconds on the first run) "
@@ -87,16 +87,16 @@ def resolve(cfg: Config, hw: HardwareFacts, world_size: int, local_world_size: i
             why = ("LoRA on AMX: blocks with peft's adapter layers ran slower and larger compiled; measured on a 300M "
                    "Llama in bf16: 497 tokens/s and 4.9 GiB eager vs 399 and 5.8 compiled (on AVX512-BF16 without AMX "
                    "the same shape ran 1.16× faster compiled); set model.compile=true to compile anyway (graph breaks "
-                   "are not the cause: benchmarks/lora_compile.py)")
+                   "are not the cause: benchmarks/lora/lora_compile.py)")
         elif cfg.model.lora.enabled:
             cfg.model.compile = True
             why = ("LoRA on AVX512-BF16 without AMX: compiled blocks with peft's adapter layers measured 1.16× eager's "
                    "tokens/s at 0.81× its step peak on a 300M Llama in bf16 (249 vs 214 tokens/s, 4.57 vs 5.64 GiB; "
-                   "benchmarks/lora.py --only compile-timed); on AMX they measured slower, and stay off there")
+                   "benchmarks/lora/lora.py --only compile-timed); on AMX they measured slower, and stay off there")
         else:
             cfg.model.compile = True
             why = ("bf16 on AMX/AVX512-BF16: inductor fuses the norms, rotary and SiLU that run between the "
-                   "matmuls (measured +4–7% tokens/s on a 97M Llama, benchmarks/bf16_step.py); kernels are cached")
+                   "matmuls (measured +4–7% tokens/s on a 97M Llama, benchmarks/step_time/bf16_step.py); kernels are cached")
         res.note("model.compile", cfg.model.compile, why)
 
     if cfg.data.num_proc == "auto":
@@ -178,9 +178,9 @@ def strategy_choice(setting: str, world_size: int) -> tuple[str, str]:
     return "ddp", f"{world_size} ranks; the model is replicated (use fsdp to shard it)"
 
 
-# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py, blocks fp32_choices-*).
+# Measured in fp32 on a 2-core AVX2 EPYC (benchmarks/step_time/fp32_choices.py, blocks fp32_choices-*).
 FP32_LARGE_VOCAB_WHY = ("at a 128,256-token vocabulary it measured 1.05× the plain head's speed in fp32 with 1.2 GiB "
-                        "less step peak (benchmarks/fp32_choices.py)")
+                        "less step peak (benchmarks/step_time/fp32_choices.py)")
 
 
 def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vocab: int,
@@ -195,14 +195,14 @@ def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vo
         return False, f"train.objective={score_head_of}: a score head of one output, no vocabulary of logits to cut"
     if precision == "bf16":
         return True, ("bf16: the fp32 logits of one block of tokens at a time instead of the whole vocabulary's, and "
-                      "+1% tokens/s on a 97M Llama on AMX (benchmarks/bf16_step.py)")
+                      "+1% tokens/s on a 97M Llama on AMX (benchmarks/step_time/bf16_step.py)")
     logits_mib = tokens_per_micro_batch * vocab * 4 / 2**20
     if logits_mib * 2**20 > BLOCK_BYTES:
         return True, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch ({tokens_per_micro_batch:,} tokens × "
                       f"{vocab:,}): the plain head keeps about three such copies, the chunked one about one; "
                       + FP32_LARGE_VOCAB_WHY)
     return False, (f"fp32, {logits_mib:,.0f} MiB of fp32 logits per micro-batch: the plain head measured 1.01× the "
-                   "chunked one's speed at the demo's shape and 1.03× at ~100M (benchmarks/fp32_choices.py), and its "
+                   "chunked one's speed at the demo's shape and 1.03× at ~100M (benchmarks/step_time/fp32_choices.py), and its "
                    "logits are small")
 
 

@@ -161,7 +161,7 @@ class ModelConfig(Section):
     the whole vocabulary never exist at once (1 GiB per copy for Llama-3 at 2,048 tokens). auto:
     on in bf16; in fp32 on where one micro-batch's fp32 logits exceed 256 MiB (a large vocabulary),
     off below that, where the plain head measured as fast and its logits are small
-    (benchmarks/fp32_choices.py)."""
+    (benchmarks/step_time/fp32_choices.py)."""
 
     compile_cache_dir: str | None = None
     """Folder kept between runs for inductor's compiled kernels. Empty: `<data.cache_dir>/inductor`."""

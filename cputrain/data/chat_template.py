@@ -46,7 +46,7 @@ BUILTIN_TEMPLATE = (
 )
 # The same template with each answer and its end token inside `{% generation %}` markers, for
 # tools that find answers only through them (TRL's assistant_only_loss): cputrain trains the very
-# same tokens with either (tests/unit/test_sft_vs_trl.py, benchmarks/sft.py).
+# same tokens with either (tests/unit/test_sft_vs_trl.py, benchmarks/sft_and_dpo/sft.py).
 MARKED_CHATML = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"

@@ -116,7 +116,7 @@ def compile_blocks(model: nn.Module, cache_dir: str) -> None:
     The blocks are identical, so inductor compiles one and reuses it; the embedding, the head
     and the loss stay eager. Only `forward` is compiled, not the module call: the hooks that
     DDP, FSDP2 and DeepSpeed put on a block stay outside the graph, and parameter names (so
-    checkpoints and the export) are those of an eager run. benchmarks/step_profile.py measures
+    checkpoints and the export) are those of an eager run. benchmarks/step_time/step_profile.py measures
     it against eager on the machine at hand (docs/benchmarks/step-time.md).
     """
     import os

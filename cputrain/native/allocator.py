@@ -3,9 +3,9 @@
 glibc malloc returns freed blocks slowly and fragments under the many short-lived activation
 tensors of a training step. Measured with `cputrain train`, each malloc preloaded in turn, tokens/s
 against glibc's:
-- fp32 on a 2-core AVX2 EPYC (benchmarks/fp32_choices.py): tcmalloc 1.03× at the demo's shape,
+- fp32 on a 2-core AVX2 EPYC (benchmarks/step_time/fp32_choices.py): tcmalloc 1.03× at the demo's shape,
   1.00–1.02× at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92×, 0.95–1.00×, 0.97×;
-- bf16 on a 2-core AVX512-BF16 EPYC (benchmarks/allocator.py): tcmalloc 1.04× on the demo, 1.28×
+- bf16 on a 2-core AVX512-BF16 EPYC (benchmarks/memory/allocator.py): tcmalloc 1.04× on the demo, 1.28×
   fully fine-tuning ~100M, 1.12× with LoRA on ~300M; jemalloc 0.93×, 0.95×, 0.74×.
 So `auto` preloads tcmalloc, in both precisions and modes; jemalloc is there for whoever measures
 it better on their machine (hardware.allocator=jemalloc). tcmalloc's price is memory: it keeps
@@ -40,10 +40,10 @@ _DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64"
 # What `auto` cites, per precision of the run (the module docstring has the figures' machines).
 MEASURED = {
     "fp32": ("fp32 tokens/s against glibc on a 2-core AVX2 EPYC: tcmalloc 1.03× at the demo's shape, 1.00–1.02× "
-             "at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92–1.00× (benchmarks/fp32_choices.py)"),
+             "at ~100M, 1.17× with a 128k-vocabulary head; jemalloc 0.92–1.00× (benchmarks/step_time/fp32_choices.py)"),
     "bf16": ("bf16 tokens/s against glibc on a 2-core AVX512-BF16 EPYC: tcmalloc 1.04× on the demo, 1.28× on ~100M, "
              "1.12× with LoRA on ~300M, at up to 1.37× glibc's step peak; jemalloc 0.74–0.95× "
-             "(benchmarks/allocator.py)"),
+             "(benchmarks/memory/allocator.py)"),
 }
 
 
@@ -66,12 +66,12 @@ class AllocatorChoice:
 # What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
 # (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
 # glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
-# What benchmarks/allocator.py measured, by the run's precision (tokens/s against glibc as is).
+# What benchmarks/memory/allocator.py measured, by the run's precision (tokens/s against glibc as is).
 GLIBC_TUNED_MEASURED = {
     "bf16": ("measured on bf16 runs of a 2-core AVX512-BF16 EPYC at 1.19× glibc as is on the demo, 1.04× on ~100M, "
-             "1.13× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py)"),
+             "1.13× with LoRA on ~300M, at the same step peak (benchmarks/memory/allocator.py)"),
     "fp32": ("measured on fp32 runs of a 2-core AVX512-BF16 EPYC at 1.17× glibc as is on the demo, 0.92× on ~100M "
-             "fully fine-tuned, 1.10× with LoRA on ~300M, at the same step peak (benchmarks/allocator.py)"),
+             "fully fine-tuned, 1.10× with LoRA on ~300M, at the same step peak (benchmarks/memory/allocator.py)"),
 }
 SHARDED = ("fsdp", "zero3")
 

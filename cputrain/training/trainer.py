@@ -269,7 +269,7 @@ class Trainer:
         # One autocast region around all micro-batches: autocast caches the bf16 copy of each fp32
         # weight until the region ends, so weights are cast once per optimizer step (they change
         # only at the step), not once per micro-batch. Measured +3% tokens/s on a 97M Llama with
-        # 2 micro-batches on AMX (benchmarks/bf16_step.py); more with more accumulation.
+        # 2 micro-batches on AMX (benchmarks/step_time/bf16_step.py); more with more accumulation.
         with self.strategy.autocast():
             # what the objective takes over the whole step first (KTO: its KL estimate, every rank's)
             objective.start_step(self.model, micro_batches, self.strategy.autocast)

@@ -156,7 +156,7 @@ def test_auto_precision_follows_bf16_hardware(flags, expected):
 
 def test_auto_compile_for_lora_follows_what_was_measured_per_bf16_unit():
     """Compiled LoRA blocks measured 0.80× eager on AMX and 1.16× on AVX512-BF16 without AMX
-    (benchmarks/lora.py --only compile-timed); fp32 never compiles by auto."""
+    (benchmarks/lora/lora.py --only compile-timed); fp32 never compiles by auto."""
     lora = load_config(None, ["model.name_or_path=/models/base", "model.lora.enabled=true"])
 
     def compiled(**flags):

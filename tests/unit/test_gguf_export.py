@@ -2,7 +2,7 @@
 reader: metadata, every tensor's name, shape, type and values (Q and K with their rows put back),
 the tokenizer rebuilt from the file's tokens and merges encoding as the model's own, the chat
 template, a LoRA run merged, and the refusals. llama.cpp itself loads the file in
-benchmarks/gguf_vs_transformers.py (too heavy for the suite)."""
+benchmarks/export/gguf_vs_transformers.py (too heavy for the suite)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,8 @@ def test_allocator_found_and_preloaded(tmp_path):
 
 
 def test_auto_takes_tcmalloc_never_jemalloc_and_says_why(tmp_path):
-    """jemalloc measured 0.92–1.00× glibc's speed in fp32 (benchmarks/fp32_choices.py) and 0.74–0.95×
-    in bf16 (benchmarks/allocator.py): auto leaves it alone even where it is the only one installed;
+    """jemalloc measured 0.92–1.00× glibc's speed in fp32 (benchmarks/step_time/fp32_choices.py) and 0.74–0.95×
+    in bf16 (benchmarks/memory/allocator.py): auto leaves it alone even where it is the only one installed;
     asked for by name, it is used. tcmalloc was fastest in every row of both; the reason cites the
     figures of the run's own precision, and tcmalloc's memory price where it was measured."""
     (tmp_path / "libjemalloc.so.2").write_bytes(b"")

@@ -1,4 +1,4 @@
-"""The products a training step's ceiling is timed from (benchmarks/step_ceiling.py) are the model's:
+"""The products a training step's ceiling is timed from (benchmarks/vs_hf_trainer/step_ceiling.py) are the model's:
 one forward, input-grad and weight-grad product per linear layer of the transformers model built
 from the same arch, of that layer's shape, adding up to 6 × its matrix parameters × tokens."""
 
@@ -21,7 +21,7 @@ VOCAB, MICRO_BATCH, SEQ_LEN = 120, 3, 12
 
 
 def meta_model(arch: dict, vocab_size: int):
-    """The model as benchmarks/vs_hf_trainer.py builds it, on the meta device (shapes, no storage)."""
+    """The model as benchmarks/vs_hf_trainer/vs_hf_trainer.py builds it, on the meta device (shapes, no storage)."""
     config = CONFIG_MAPPING[arch["model_type"]](**{k: v for k, v in arch.items() if k != "model_type"},
                                                 vocab_size=vocab_size, pad_token_id=0)
     with torch.device("meta"):

@@ -85,7 +85,7 @@ def shared_prompt_choice(setting, data_format: str) -> tuple[bool, str]:
     if data_format == "preference":
         return True, ("preference pairs: the prompt is computed once per pair instead of twice (one copied token "
                       "per pair); LoRA DPO pairs/s measured 1.09×, 1.28×, 1.28× at ~10, 30, 50% prompt shares "
-                      "(bf16, AVX512-BF16 EPYC, benchmarks/shared_prompt.py)")
+                      "(bf16, AVX512-BF16 EPYC, benchmarks/sft_and_dpo/shared_prompt.py)")
     return False, f"{data_format}: no pairs, no prompt to share"
 
 

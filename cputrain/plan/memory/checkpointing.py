@@ -21,9 +21,9 @@ from cputrain.plan.memory.build import make_plan
 GIB = 2**30
 # The share of a rank's memory the plan may fill. The plan counts what is alive (a ~300M LoRA step
 # peak within 0.5% of it with glibc's mmap threshold held, so that freed blocks leave the process:
-# benchmarks/heap_retention.py); the rest covers what the allocator keeps of what a step frees:
+# benchmarks/memory/heap_retention.py); the rest covers what the allocator keeps of what a step frees:
 # +0.69 GiB with glibc-tuned and +0.91 GiB with glibc as is on that 1.37 GiB run, up to 1.37× glibc's
-# step peak with a preloaded tcmalloc (benchmarks/allocator.py).
+# step peak with a preloaded tcmalloc (benchmarks/memory/allocator.py).
 MEMORY_FRACTION = 0.8
 
 
