@@ -59,7 +59,7 @@ from cputrain.run_folder.run_config import RecordedConfig
 if TYPE_CHECKING:
     from cputrain.plan.instances import Instance
     from cputrain.plan.memory.build import Plan
-    from cputrain.plan.time.on_instance import Network
+    from cputrain.plan.time import Network
 
 # A plan's answers where a run's need its node or its process group.
 PLANNED_ATTENTION = ("sdpa", ("planned with sdpa's flash kernel, which keeps no attention matrix: a run times both "
@@ -288,7 +288,7 @@ class _RunFacts:
         """Rank 0's choice on its node, every rank's: a layout must be the same on every rank."""
         from cputrain.distributed import process_group as pg
 
-        from cputrain.plan.time.layout_choice import layout_on_node
+        from cputrain.plan.time import layout_on_node
 
         mine = (layout_on_node(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw, vocab)
                 if self.ranks.is_main else None)
@@ -324,7 +324,7 @@ class _PlanFacts:
         if self._fit is None:
             from cputrain.errors import ConfigError
             from cputrain.plan.instances import builtin_instances
-            from cputrain.plan.time.layout_choice import full_shard_fit
+            from cputrain.plan.time import full_shard_fit
 
             try:
                 self._fit = full_shard_fit(cfg, self.world_size, self.nproc_per_node,
@@ -348,8 +348,8 @@ class _PlanFacts:
 
     def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
         """On the instance the plan sizes for full_shard, or --instance-type's."""
-        from cputrain.plan.time.layout_choice import layout_on_instance
-        from cputrain.plan.time.on_instance import Network
+        from cputrain.plan.time import layout_on_instance
+        from cputrain.plan.time import Network
 
         per_node = self._ranks_per_node(cfg, vocab)
         if per_node is None:

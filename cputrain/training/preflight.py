@@ -70,7 +70,7 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time.layout_choice import plans_by_layout
+    from cputrain.plan.time import plans_by_layout
     from cputrain.training.choices import decide_for_plan
 
     hw = detect()

@@ -125,7 +125,7 @@ class Trainer:
         self.counts = models.parameter_counts(skeleton)
         if ranks.is_main:  # plan.json, a warning now if this node cannot hold the plan, and a checkpoint's worth
             from cputrain.plan.memory.runtime import write_run_plan
-            from cputrain.plan.time.checkpoint_worth import worth_here
+            from cputrain.plan.time import worth_here
 
             plan = write_run_plan(self.run, cfg, skeleton, ranks.world_size, ranks.local_world_size, self.hw.memory_gib)
             log.info("checkpoints: %s", worth_here(plan, cfg, self.hw, ranks.world_size, ranks.local_world_size).line())

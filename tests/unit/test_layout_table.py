@@ -9,8 +9,7 @@ import pytest
 
 from cputrain.config.file import load_config
 from cputrain.plan.instances import builtin_instances, find_instance
-from cputrain.plan.time.layout_table import beat_one_node_line, layout_table, table_lines
-from cputrain.plan.time.on_instance import Network
+from cputrain.plan.time import Network, beat_one_node_line, layout_table, table_lines
 from cputrain.training.choices import decide_and_plan
 
 SEEDS = "configs/llama3-8b-fsdp.yaml"
