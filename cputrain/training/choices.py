@@ -348,16 +348,16 @@ class _PlanFacts:
 
     def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
         """On the instance the plan sizes for full_shard, or --instance-type's."""
-        from cputrain.plan.time import layout_on_instance
-        from cputrain.plan.time import Network
+        from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
+        from cputrain.plan.time import Network, layout_on_instance
 
         per_node = self._ranks_per_node(cfg, vocab)
         if per_node is None:
-            return "full_shard", ("the ranks per node are not known to this plan (none given, no instance table): "
+            return DEFAULT_LAYOUT, ("the ranks per node are not known to this plan (none given, no instance table): "
                                   "full_shard, which any node count runs; --nproc-per-node plans the layouts")
         fitted = self._full_shard_fit(cfg, vocab)
         if fitted is None:
-            return "full_shard", ("no instance of the table holds full_shard's ranks, the least memory of the "
+            return DEFAULT_LAYOUT, ("no instance of the table holds full_shard's ranks, the least memory of the "
                                   "layouts: full_shard")
         if self.nproc_per_node is None:
             self.fitted_ranks_per_node = per_node

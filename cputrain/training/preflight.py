@@ -45,13 +45,13 @@ def check_fsdp_layout(cfg: Config) -> None:
     parallel.reduce_dtype on another strategy are refused with the config (config.sections)."""
     if cfg.parallel.strategy != "fsdp" or cfg.parallel.layout == "auto":
         return
-    from cputrain.parallel.fsdp_layouts import layout_error
+    from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, layout_error
 
     world, per_node = world_and_node(cfg)
     error = layout_error(cfg.parallel.layout, world, per_node)
     if error:
         raise ConfigError(error)
-    if cfg.parallel.layout != "full_shard" and _shape_readable_here(cfg):
+    if cfg.parallel.layout != DEFAULT_LAYOUT and _shape_readable_here(cfg):  # the default holds the least
         _check_layout_memory(cfg, world, per_node)
 
 
@@ -67,6 +67,7 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
     """The layout's memory plan for this node's ranks (its precision, every block checkpointed
     where checkpointing is auto: the least memory) within the node's memory, each rank × 1.1."""
     from cputrain.config.resolve import precision_choice
+    from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
@@ -81,7 +82,7 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
     need = pod_memory_bytes(plan.peak_rank.total_bytes, per_node)
     if need <= hw.memory_gib * 2**30:
         return
-    full = plans_by_layout(plan, per_node, ["full_shard"])["full_shard"]
+    full = plans_by_layout(plan, per_node, [DEFAULT_LAYOUT])[DEFAULT_LAYOUT]
     full_gib = pod_memory_bytes(full.peak_rank.total_bytes, per_node) / 2**30
     raise ConfigError(f"parallel.layout={cfg.parallel.layout} does not fit this node: its memory plan needs "
                       f"{need / 2**30:.1f} GiB for {per_node} rank(s) (each × 1.1) of the node's "

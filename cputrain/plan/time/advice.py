@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cputrain.parallel.fsdp_layouts import layout_error
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, layout_error
 from cputrain.plan.memory.fit import fits, pod_memory_bytes
 from cputrain.plan.instances import Instance
 from cputrain.plan.time.link import Link
@@ -75,7 +75,7 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
                 node = min(bigger, key=lambda i: i.vcpus)
                 # the same layout where the fewer nodes admit it, else FSDP2's default
                 s = settings if layout_error(settings.layout, world_size, ranks) is None else replace(
-                    settings, layout="full_shard")
+                    settings, layout=DEFAULT_LAYOUT)
                 plan = again(s, nproc=ranks, link_gbit_s=node.network_gbit_s if fewer > 1 else link.gbit_s,
                              peak=rank_peak_flops(settings.precision, instance=node, ranks_per_node=ranks))
                 cost = (f"{fewer * node.price_per_hour / 3600 / plan.tokens_per_s * 1e6:,.2f} USD per million tokens"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cputrain.parallel.fsdp_layouts import LAYOUTS, layout_error
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_error
 from cputrain.plan.instances import NETWORK_GBIT_S, Instance
 from cputrain.plan.time.on_instance import Network, rank_peak_flops, step_on_instance
 from cputrain.plan.time.step_time import Compute, StepSettings, StepTimePlan, plan_step_time
@@ -114,12 +114,12 @@ def layout_choice(figures: list[LayoutFigures], nnodes: int, where: str, how: st
     """parallel.layout and why. `figures`: each admissible layout's (none needed on one node);
     `where`: what a rank must fit in, `how`: what the time plan assumed (for the words)."""
     if nnodes <= 1:
-        return "full_shard", ONE_NODE
+        return DEFAULT_LAYOUT, ONE_NODE
     by_name = {f.layout: f for f in figures}
-    full = by_name["full_shard"]
+    full = by_name[DEFAULT_LAYOUT]
     fitting = [f for f in figures if f.fits]
     if not fitting:
-        return "full_shard", (f"no layout's memory plan fits {where}: full_shard, the least "
+        return DEFAULT_LAYOUT, (f"no layout's memory plan fits {where}: full_shard, the least "
                               f"({full.peak_rank_bytes / GIB:,.1f} GiB a rank; `cputrain plan` shows what fits)")
     best = fastest(fitting)
     others = [(_figure(f) if f.fits else f"{f.layout} does not fit ({f.peak_rank_bytes / GIB:,.1f} GiB a rank)")
@@ -143,7 +143,7 @@ def full_shard_fit(cfg, world_size: int, ranks_per_node: int | None, instances: 
     instance a plan's layout is chosen on, and its ranks per node where none are given."""
     from cputrain.plan.memory.build import make_plan
 
-    planned = with_layout(least_memory_checkpointing(cfg), "full_shard")
+    planned = with_layout(least_memory_checkpointing(cfg), DEFAULT_LAYOUT)
     if planned.parallel.reduce_dtype == "auto":
         planned = planned.model_copy(update={"parallel": planned.parallel.model_copy(update={"reduce_dtype": "fp32"})})
     return make_plan(planned, world_size, nproc_per_node=ranks_per_node, instances=instances,
@@ -178,7 +178,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     nnodes = world_size // max(ranks_per_node, 1)
     if nnodes <= 1:
         return layout_choice([], nnodes, "", "")
-    base = make_plan(with_layout(least_memory_checkpointing(cfg), "full_shard"), world_size,
+    base = make_plan(with_layout(least_memory_checkpointing(cfg), DEFAULT_LAYOUT), world_size,
                      nproc_per_node=ranks_per_node, vocab_size=vocab_size)
     precision = cfg.hardware.precision
     peak = rank_peak_flops(precision, hw=hw, threads=cfg.hardware.threads)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from cputrain.config import Config, checkpointed_blocks
 from cputrain.errors import ConfigError
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
 from cputrain.plan.model_shape import ModelShape
 from cputrain.plan.time.comm_volume import KINDS, comm_pattern
 from cputrain.plan.time.link import Link, LinkTimer
@@ -34,7 +35,7 @@ class StepSettings:
     activation_checkpointing: bool | int | str
     persistence_threshold: int | None = None  # zero3: DeepSpeed's stage3_param_persistence_threshold (None: 10 × hidden)
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance
-    layout: str = "full_shard"  # fsdp: parallel.layout, decided
+    layout: str = DEFAULT_LAYOUT  # fsdp: parallel.layout, decided
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "auto"  # fsdp and zero3: parallel.reduce_scatter (auto: the all-to-all, as on gloo)
     prefetch: bool = False  # fsdp: parallel.prefetch, each block's gather issued one block ahead
@@ -52,7 +53,7 @@ class StepSettings:
         fsdp = p.strategy == "fsdp"
         return cls(p.strategy, cfg.hardware.precision, cfg.train.micro_batch_size, cfg.data.seq_len,
                    cfg.train.global_batch_size, cfg.model.activation_checkpointing,
-                   layout=p.layout if fsdp else "full_shard", reduce_dtype=p.reduce_dtype if fsdp else None,
+                   layout=p.layout if fsdp else DEFAULT_LAYOUT, reduce_dtype=p.reduce_dtype if fsdp else None,
                    reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch,
                    extra_forwards=EXTRA_FORWARDS.get(cfg.train.objective, 0))
 
