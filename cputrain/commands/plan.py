@@ -130,8 +130,8 @@ def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     """The time plan's printed lines and plan.json section for a plan fitted on an instance, and
     under fsdp every layout on every instance type of the table."""
     from cputrain.plan.instances import load_instances
-    from cputrain.plan.time import (layout_table, table_document, table_lines, time_document, time_lines, time_plan,
-                                    worth_of_plan)
+    from cputrain.plan.layouts import layout_table, table_document, table_lines
+    from cputrain.plan.time import time_document, time_lines, time_plan, worth_of_plan
 
     if plan.fit is None:
         return [], {}

@@ -12,7 +12,7 @@ processes, strategy, backend). What is left needs the data, the model or the pro
     6. model.chunked_loss          from the precision and the head's size      (config.resolve)
     7. parallel.reduce_dtype       fsdp: from the precision and the node count (config.reduction)
     8. parallel.layout             fsdp: the fastest by the time plan of those
-                                   whose memory plan fits                      (plan.time.layout_choice)
+                                   whose memory plan fits                      (plan.layouts.choice)
     9. model.activation_checkpointing  from the plan on this node's memory     (plan.memory.checkpointing)
    10. hardware.allocator          what this process was started with          (native.allocator)
 
@@ -288,7 +288,7 @@ class _RunFacts:
         """Rank 0's choice on its node, every rank's: a layout must be the same on every rank."""
         from cputrain.distributed import process_group as pg
 
-        from cputrain.plan.time import layout_on_node
+        from cputrain.plan.layouts import layout_on_node
 
         mine = (layout_on_node(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw, vocab)
                 if self.ranks.is_main else None)
@@ -324,7 +324,7 @@ class _PlanFacts:
         if self._fit is None:
             from cputrain.errors import ConfigError
             from cputrain.plan.instances import builtin_instances
-            from cputrain.plan.time import full_shard_fit
+            from cputrain.plan.layouts import full_shard_fit
 
             try:
                 self._fit = full_shard_fit(cfg, self.world_size, self.nproc_per_node,
@@ -349,7 +349,8 @@ class _PlanFacts:
     def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
         """On the instance the plan sizes for full_shard, or --instance-type's."""
         from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
-        from cputrain.plan.time import Network, layout_on_instance
+        from cputrain.plan.layouts import layout_on_instance
+        from cputrain.plan.time import Network
 
         per_node = self._ranks_per_node(cfg, vocab)
         if per_node is None:

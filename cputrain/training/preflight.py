@@ -41,7 +41,7 @@ def check_fsdp_layout(cfg: Config) -> None:
     """parallel.layout set to a layout: the run's nodes admit it (the ranks divide into equal nodes,
     and node_reshard and hybrid have several nodes to work across), and, where the model's shape
     can be read here without fetching anything, its memory plan holds on this node by the rule
-    parallel.layout=auto chooses by (cputrain.plan.time.layout_choice). parallel.layout and
+    parallel.layout=auto chooses by (cputrain.plan.layouts.choice). parallel.layout and
     parallel.reduce_dtype on another strategy are refused with the config (config.sections)."""
     if cfg.parallel.strategy != "fsdp" or cfg.parallel.layout == "auto":
         return
@@ -71,7 +71,7 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time import plans_by_layout
+    from cputrain.plan.layouts import plans_by_layout
     from cputrain.training.choices import decide_for_plan
 
     hw = detect()

@@ -1,5 +1,5 @@
 """parallel.layout=auto and parallel.reduce_dtype=auto: the pure rules (config.reduction,
-plan.time.layout_choice), then decided in a plan's walk on an instance type and in a run's walk on
+plan.layouts.choice), then decided in a plan's walk on an instance type and in a run's walk on
 its node, each recorded with its reason; the decided types admit no auto under fsdp."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cputrain.config.file import load_config
 from cputrain.config.reduction import reduce_dtype_choice
 from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.plan.instances import builtin_instances, find_instance
-from cputrain.plan.time import LayoutFigures, layout_choice
+from cputrain.plan.layouts import LayoutFigures, layout_choice
 from cputrain.training import choices
 
 SEEDS = "configs/llama3-8b-fsdp.yaml"

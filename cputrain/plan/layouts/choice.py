@@ -22,13 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_error
-from cputrain.plan.instances import NETWORK_GBIT_S, Instance
-from cputrain.plan.time.on_instance import Network, rank_peak_flops, step_on_instance
-from cputrain.plan.time.step_time import Compute, StepSettings, StepTimePlan, plan_step_time
+from cputrain.plan.instances import Instance
+from cputrain.plan.time import (RUN_NETWORK, Compute, Network, StepSettings, StepTimePlan, plan_step_time,
+                                rank_peak_flops, step_on_instance)
 
 GIB = 2**30
-# A run's link: the smallest built-in instance's (8xlarge), EC2's per-flow cap outside a placement group.
-RUN_NETWORK = Network(NETWORK_GBIT_S["8xlarge"], placement_group=False)
 
 
 @dataclass(frozen=True)
@@ -173,7 +171,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     RUN_NETWORK."""
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
+    from cputrain.plan.time import cpu_kind, measured_mfu
 
     nnodes = world_size // max(ranks_per_node, 1)
     if nnodes <= 1:

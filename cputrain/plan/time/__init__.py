@@ -10,8 +10,6 @@ plan's face: code outside cputrain.plan imports from here, never from the module
     on_instance      a memory plan's step on an instance type
     advice           the same step re-planned with one setting changed, where the network dominates
     report           the time plan as printed and in plan.json
-    layout_choice    parallel.layout=auto: the fastest FSDP layout whose memory plan fits
-    layout_table     every layout side by side, as `cputrain plan` prints them
     checkpoint_worth whether a checkpoint's save is worth the steps it protects
     stop_window      how long a stop takes: a step and a checkpoint save
 """
@@ -20,13 +18,10 @@ plan's face: code outside cputrain.plan imports from here, never from the module
 from cputrain.plan.time.advice import remedies
 from cputrain.plan.time.checkpoint_worth import CheckpointWorth, duration, worth_here, worth_of_plan
 from cputrain.plan.time.comm_volume import comm_pattern, zero3_backward_gathers
-from cputrain.plan.time.layout_choice import (LayoutFigures, full_shard_fit, layout_choice, layout_on_instance,
-                                              layout_on_node, plans_by_layout)
-from cputrain.plan.time.layout_table import beat_one_node_line, layout_table, table_document, table_lines
 from cputrain.plan.time.link import Link, node_link_gbit_s
 from cputrain.plan.time.link_efficiency import EfficiencyTable, load_table, parse_table
-from cputrain.plan.time.measured_mfu import measured_mfu
-from cputrain.plan.time.on_instance import ASSUMED_CLOCK_GHZ, Network, rank_peak_flops
+from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
+from cputrain.plan.time.on_instance import ASSUMED_CLOCK_GHZ, RUN_NETWORK, Network, rank_peak_flops, step_on_instance
 from cputrain.plan.time.overlap import PREFETCH_HIDDEN_SHARE
 from cputrain.plan.time.report import summary_line, time_document, time_lines, time_plan
 from cputrain.plan.time.step_time import Compute, StepSettings, StepTimePlan, plan_step_time, step_flops, token_flops

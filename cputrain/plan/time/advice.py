@@ -1,7 +1,7 @@
 """What would change a step that waits on the network, each figure re-planned by
 cputrain.plan.time.step_time with one setting changed: a larger micro-batch (more tokens per gather)
 and fewer, bigger nodes. The FSDP layouts (parallel.layout) are not remedies here: `cputrain plan`
-prints every layout on every instance type beside the plan (cputrain.plan.time.layout_table), and
+prints every layout on every instance type beside the plan (cputrain.plan.layouts.table), and
 parallel.layout=auto takes the fastest that fits.
 """
 

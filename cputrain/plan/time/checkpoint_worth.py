@@ -91,9 +91,8 @@ def worth_of_plan(step, plan, train, price_per_hour: float | None) -> Checkpoint
 def worth_here(plan, cfg, hw, world_size: int, ranks_per_node: int) -> CheckpointWorth:
     """A run's figure, from its own node: the rank's share of this machine's peak at the MFU measured
     for its CPU (cputrain.plan.time.measured_mfu), the network as parallel.layout=auto plans a run's."""
-    from cputrain.plan.time.layout_choice import RUN_NETWORK
     from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
-    from cputrain.plan.time.on_instance import rank_peak_flops
+    from cputrain.plan.time.on_instance import RUN_NETWORK, rank_peak_flops
     from cputrain.plan.time.step_time import Compute, StepSettings, plan_step_time
 
     precision = cfg.hardware.precision

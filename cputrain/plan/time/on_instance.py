@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cputrain.hardware import detect, peak_flops
-from cputrain.plan.instances import Instance, flow_cap
+from cputrain.plan.instances import NETWORK_GBIT_S, Instance, flow_cap
 from cputrain.plan.time.link import Link
 from cputrain.plan.time.measured_mfu import MfuChoice, measured_mfu
 from cputrain.plan.time.step_time import Compute, StepSettings, StepTimePlan, plan_step_time
@@ -30,6 +30,10 @@ class Network:
         """A link of `gbit_s` per node, its TCP flows capped as EC2 caps them in or outside a placement group."""
         cap, cap_source = flow_cap(self.placement_group)
         return Link(gbit_s, flow_cap_gbit_s=cap, flow_cap_source=cap_source)
+
+
+# A run's link: the smallest built-in instance's (8xlarge), EC2's per-flow cap outside a placement group.
+RUN_NETWORK = Network(NETWORK_GBIT_S["8xlarge"], placement_group=False)
 
 
 def rank_peak_flops(precision: str, *, instance: Instance | None = None, ranks_per_node: int = 1, hw=None,
