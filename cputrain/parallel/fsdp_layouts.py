@@ -139,6 +139,7 @@ HYBRID = FsdpLayout("hybrid", (
 SPECS = {spec.name: spec for spec in (FULL_SHARD, NODE_RESHARD, GATHER_ONCE, HYBRID)}
 LAYOUTS = tuple(SPECS)  # in the order a tie between them is broken: full_shard first
 DEFAULT_LAYOUT = FULL_SHARD.name  # FSDP2's default and the least memory: what a plan takes where it cannot choose
+PLANNED_PER_NODE = frozenset(name for name, spec in SPECS.items() if spec.needs_ranks_per_node)
 
 
 def layout_of(name: str) -> FsdpLayout:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from cputrain.errors import ConfigError
 from cputrain.lora.adapters import is_adapter_parameter
 from cputrain.plan.memory.accounting import BF16_BYTES, FP32_BYTES, SHARDED, local_numel, state_bytes
-from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, SPECS, layout_of
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, PLANNED_PER_NODE, SPECS
 from cputrain.plan.memory.fsdp_buffers import fsdp_buffer_bytes
 from cputrain.plan.memory.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
@@ -110,8 +110,7 @@ def plan_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInp
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"parallel.strategy=single runs one rank, but the world size is {world_size}; "
                           "choose ddp, fsdp or zero3")
-    if (strategy == "fsdp" and kw.get("layout") in SPECS and layout_of(kw["layout"]).needs_ranks_per_node
-            and not kw.get("ranks_per_node")):
+    if strategy == "fsdp" and kw.get("layout") in PLANNED_PER_NODE and not kw.get("ranks_per_node"):
         raise ConfigError(f"parallel.layout={kw['layout']} is planned per node: give the ranks per node "
                           "(--nproc-per-node)")
     return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
@@ -145,7 +144,7 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
     if inp.strategy == "fsdp":
         # Unsharded (all-gathered) parameters in the compute dtype and unsharded gradients in the
         # reduce dtype, as the layout holds them (cputrain.plan.memory.fsdp_buffers).
-        return fsdp_buffer_bytes(m, inp.layout, inp.world_size, inp.ranks_per_node, gathered_bytes,
+        return fsdp_buffer_bytes(m, SPECS[inp.layout], inp.world_size, inp.ranks_per_node, gathered_bytes,
                                  BF16_BYTES if inp.reduce_dtype == "bf16" else FP32_BYTES,
                                  inp.reduce_scatter == "all_to_all", inp.accumulation)
     if inp.strategy == "zero3":
@@ -206,7 +205,7 @@ def _strategy_load_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
 def _fsdp_shard(inp: PlanInputs, rank: int) -> tuple[int, int]:
     """(ranks a parameter is split over, this rank's index among them): hybrid's are its node's
     (ranks are numbered node by node)."""
-    shards = (layout_of(inp.layout).shard_world(inp.world_size, inp.ranks_per_node) if inp.strategy == "fsdp"
+    shards = (SPECS[inp.layout].shard_world(inp.world_size, inp.ranks_per_node) if inp.strategy == "fsdp"
               else inp.world_size)
     return shards, rank % shards
 

@@ -28,11 +28,11 @@ a reduce-scatter runs at all (FSDP2 skips it on a shard group of one rank).
 
 from __future__ import annotations
 
-from cputrain.parallel.fsdp_layouts import layout_of
+from cputrain.parallel.fsdp_layouts import FsdpLayout
 from cputrain.plan.model_shape import ModelShape
 
 
-def fsdp_buffer_bytes(m: ModelShape, layout: str, world_size: int, ranks_per_node: int | None,
+def fsdp_buffer_bytes(m: ModelShape, spec: FsdpLayout, world_size: int, ranks_per_node: int | None,
                       gathered_bytes: int, reduce_bytes: int, all_to_all: bool, micro_batches: int = 1) -> int:
     """One rank's gathered parameters and unsharded gradients at the peak of a micro-batch;
     `micro_batches`: per rank per step (the accumulation)."""
@@ -41,7 +41,6 @@ def fsdp_buffer_bytes(m: ModelShape, layout: str, world_size: int, ranks_per_nod
     root = units.get("root", 0)
     trained_blocks = [n for u, n in m.unit_params(trainable_only=True).items() if u != "root"] or [0]
     one_block_grads = max(trained_blocks) * reduce_bytes
-    spec = layout_of(layout)
     if spec.once_a_step:
         accumulated = m.trainable_params * reduce_bytes if micro_batches > 1 else 0
         held = (root + sum(blocks)) * gathered_bytes + accumulated + one_block_grads
