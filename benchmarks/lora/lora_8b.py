@@ -127,7 +127,7 @@ def config_step_flops(run_dir: Path, seq_len: int) -> float:
     them (cputrain.metrics.flops: no recompute of checkpointed activations)."""
     from cputrain.config.file import load_config
     from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time.stop_window import step_flops
+    from cputrain.plan.time import step_flops
 
     cfg = load_config(str(run_dir / "config.yaml"))
     return step_flops(make_plan(cfg, 1).shape, seq_len, 1, activation_checkpointing=False)
@@ -136,7 +136,7 @@ def config_step_flops(run_dir: Path, seq_len: int) -> float:
 def projection(flops: float, mfu: float, peak_flops: float, seq_len: int, target_seq_len: int = 2048) -> list[str]:
     """The config's step (seq 2048, `flops`) here and on AMX nodes, at an assumed MFU of their peak."""
     from cputrain.plan.instances import builtin_instances
-    from cputrain.plan.time.stop_window import ASSUMED_CLOCK_GHZ, instance_peak_flops
+    from cputrain.plan.time import ASSUMED_CLOCK_GHZ, rank_peak_flops
 
     lines = []
     if seq_len != target_seq_len:
@@ -147,7 +147,7 @@ def projection(flops: float, mfu: float, peak_flops: float, seq_len: int, target
     table = {i.name: i for i in builtin_instances()}
     rows = []
     for name, label in (("c7i.8xlarge", "c7i.8xlarge (16 cores)"), ("c7i.48xlarge", "96-core node (c7i.48xlarge)")):
-        peak = instance_peak_flops(table[name], "bf16")
+        peak = rank_peak_flops("bf16", instance=table[name])
         for assumed, why in ((mfu, "this run's MFU"), (0.30, "30%: 60% of a measured AMX matmul peak, taken as half "
                                                                "the theoretical")):
             step_s = flops / (peak * assumed)

@@ -91,7 +91,7 @@ def planned(settings: list[str], case: dict, link_gbit_s: float | None, mfu: flo
     from cputrain.commands.plan import load_run_config
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time.step_time import StepSettings, plan_step_time
+    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time
     from cputrain.training.choices import decide_for_plan
 
     micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
@@ -104,9 +104,9 @@ def planned(settings: list[str], case: dict, link_gbit_s: float | None, mfu: flo
     # two ranks share one core: each has half of one core's peak
     peak = hw.peak_flops[cfg.hardware.precision] / hw.physical_cores / RANKS_PER_NODE
     # a veth pair: no per-flow cap (EC2's is the plan's for instances, not this link's)
-    return plan_step_time(StepSettings.of_config(cfg), WORLD, RANKS_PER_NODE, shape, link_gbit_s=link_gbit_s,
-                          peak_flops_per_s=peak, mfu=mfu, gloo_cpu_capped=True, rank_core_share=1 / RANKS_PER_NODE,
-                          mfu_source="measured here: one FSDP rank alone on one core")
+    return plan_step_time(StepSettings.of_config(cfg), WORLD, RANKS_PER_NODE, shape,
+                          Compute(peak, mfu, "measured here: one FSDP rank alone on one core"),
+                          Link(link_gbit_s, gloo_cpu_capped=True, rank_core_share=1 / RANKS_PER_NODE))
 
 
 def regime_link(settings: list[str], mfu: float) -> float:
@@ -155,7 +155,7 @@ def planned_single(settings: list[str], micro: int, hw) -> float:
     FLOPs under FSDP on a world of one as under the single strategy)."""
     from cputrain.commands.plan import load_run_config
     from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time.step_time import StepSettings, plan_step_time
+    from cputrain.plan.time import Compute, StepSettings, plan_step_time
     from cputrain.training.choices import decide_for_plan
 
     vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
@@ -164,8 +164,7 @@ def planned_single(settings: list[str], micro: int, hw) -> float:
     cfg = decide_for_plan(cfg, 1, vocab_size=vocab).config
     shape = make_plan(cfg, 1, nproc_per_node=1, vocab_size=vocab).shape
     peak = hw.peak_flops[cfg.hardware.precision] / hw.physical_cores
-    return plan_step_time(StepSettings.of_config(cfg), 1, 1, shape, link_gbit_s=None, peak_flops_per_s=peak,
-                          mfu=1.0).compute_s
+    return plan_step_time(StepSettings.of_config(cfg), 1, 1, shape, Compute(peak, 1.0)).compute_s
 
 
 def write(link: float, mfu: float, alone_s: dict[str, float], rows: list[dict], quick: bool) -> None:

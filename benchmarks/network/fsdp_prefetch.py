@@ -13,7 +13,7 @@ The share hidden is what prefetching saved over the shorter of the two things th
 the blocks' gathers (the plan's share of the network time, of the measured network time: the step
 without prefetch less one rank's compute alone) and the compute (one rank of the single strategy
 alone on one core, the same micro-batches). The time plan takes its median
-(cputrain.plan.time.step_time.PREFETCH_HIDDEN_SHARE). Writes block `fsdp_prefetch` of
+(cputrain.plan.time.overlap.PREFETCH_HIDDEN_SHARE). Writes block `fsdp_prefetch` of
 docs/benchmarks/network.md.
 """
 
@@ -63,7 +63,7 @@ def gather_share(settings, micro, link: float) -> float:
     from cputrain.commands.plan import load_run_config
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time.step_time import StepSettings, plan_step_time
+    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time
     from cputrain.training.choices import decide_for_plan
 
     vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
@@ -72,9 +72,9 @@ def gather_share(settings, micro, link: float) -> float:
     cfg = decide_for_plan(cfg, WORLD, vocab_size=vocab).config
     shape = make_plan(cfg, WORLD, nproc_per_node=1, vocab_size=vocab).shape
     hw = detect()
-    plan = plan_step_time(StepSettings.of_config(cfg), WORLD, 1, shape, link_gbit_s=link,
-                          peak_flops_per_s=hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, mfu=0.5,
-                          gloo_cpu_capped=True)
+    plan = plan_step_time(StepSettings.of_config(cfg), WORLD, 1, shape,
+                          Compute(hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, 0.5),
+                          Link(link, gloo_cpu_capped=True))
     gathers = sum(c.seconds for c in plan.collectives if c.kind == "all_gather" and c.what.startswith("blocks"))
     return gathers / plan.network_s * (shape.layers - 1) / shape.layers if plan.network_s else 0.0
 

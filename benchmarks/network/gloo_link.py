@@ -252,7 +252,7 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
     nodes of one rank each."""
     from cputrain.plan.memory.build import make_plan
     from cputrain.commands.plan import load_run_config
-    from cputrain.plan.time.step_time import StepSettings, plan_step_time, rank_peak_flops_here
+    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time, rank_peak_flops
     from cputrain.training.choices import decide_for_plan
 
     micro = int(next(s for s in settings if s.startswith("train.micro_batch_size=")).split("=")[1])
@@ -261,9 +261,8 @@ def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float
                                  f"train.global_batch_size={micro * world}"])
     cfg = decide_for_plan(cfg, world, vocab_size=vocab).config
     shape = make_plan(cfg, world, nproc_per_node=1, vocab_size=vocab).shape
-    return plan_step_time(StepSettings.of_config(cfg), world, 1, shape, link_gbit_s=link_gbit_s,
-                          peak_flops_per_s=rank_peak_flops_here(cfg.hardware.precision, 1), mfu=mfu, gloo_cpu_capped=True,
-                          mfu_source="measured here: the same rank's step alone")
+    compute = Compute(rank_peak_flops(cfg.hardware.precision, threads=1), mfu, "measured here: the same rank's step alone")
+    return plan_step_time(StepSettings.of_config(cfg), world, 1, shape, compute, Link(link_gbit_s, gloo_cpu_capped=True))
 
 
 def runs(names: list[str], rates: list[float], quick: bool, tmp: Path) -> list[dict]:
@@ -339,7 +338,7 @@ def write_collectives(rows: list[dict], sizes_mib: list[int], reps: int) -> None
 def model_check_lines(rows: list[dict], sizes_mib: list[int]) -> list[str]:
     """The time plan's efficiency (cputrain.plan.time.link_efficiency: the slowest rate's share, capped by
     the unshaped Gbit/s) against what was measured at the faster rates."""
-    from cputrain.plan.time.link_efficiency import load_table
+    from cputrain.plan.time import load_table
 
     table = load_table(EFFICIENCY_FILE)
     rates = sorted({r["link_gbit_s"] for r in rows if r["link_gbit_s"]})

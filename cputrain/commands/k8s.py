@@ -84,7 +84,7 @@ def _log_time_plan(cfg, out, instances) -> None:
     import logging
 
     from cputrain.plan.instances import find_instance
-    from cputrain.plan.time.report import summary_line, time_plan
+    from cputrain.plan.time import summary_line, time_plan
 
     inst = find_instance(instances, out.options.instance_type)
     tp = time_plan(out.plan, cfg.train.global_batch_size, inst, out.options.nproc_per_node, None, instances,

@@ -113,7 +113,7 @@ def link_gbit_s_of(args) -> float | None:
 
 def network_of(args):
     """What the plan assumes of the nodes' network: --link-gbit-s and --placement-group."""
-    from cputrain.plan.time.on_instance import Network
+    from cputrain.plan.time import Network
 
     return Network(link_gbit_s_of(args), bool(getattr(args, "placement_group", False)))
 
@@ -130,9 +130,8 @@ def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     """The time plan's printed lines and plan.json section for a plan fitted on an instance, and
     under fsdp every layout on every instance type of the table."""
     from cputrain.plan.instances import load_instances
-    from cputrain.plan.time.checkpoint_worth import worth_of_plan
-    from cputrain.plan.time.layout_table import layout_table, table_document, table_lines
-    from cputrain.plan.time.report import time_document, time_lines, time_plan
+    from cputrain.plan.layouts import layout_table, table_document, table_lines
+    from cputrain.plan.time import time_document, time_lines, time_plan, worth_of_plan
 
     if plan.fit is None:
         return [], {}

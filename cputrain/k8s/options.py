@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from cputrain.k8s.checks import (ManifestError, check_count, check_env_name, check_image, check_name,
                                  check_placement_group, check_quantity, quantity_value)
-from cputrain.plan.time.stop_window import DEFAULT_STORAGE_WRITE_MIB_S
+from cputrain.plan.time import DEFAULT_STORAGE_WRITE_MIB_S
 
 GIB = 2**30
 RDZV_PORT = 29500

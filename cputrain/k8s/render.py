@@ -12,8 +12,7 @@ from cputrain.k8s.options import ClusterOptions, pod_resources
 from cputrain.plan.memory.build import Plan, make_plan
 from cputrain.plan.memory.fit import GIB, allocatable_gib, pod_memory_bytes, smallest_cluster
 from cputrain.plan.instances import Instance, find_instance
-from cputrain.plan.time.on_instance import Network
-from cputrain.plan.time.stop_window import EXIT_MARGIN_S, SPOT_NOTICE_S, stop_window
+from cputrain.plan.time import EXIT_MARGIN_S, Network, SPOT_NOTICE_S, stop_window
 from cputrain.training.choices import decide_for_plan
 
 log = logging.getLogger("cputrain")
@@ -79,8 +78,7 @@ def _plan(cfg: Config, opts: ClusterOptions, instances: list[Instance], config_j
 def _with_stop_window(cfg: Config, opts: ClusterOptions, plan: Plan, inst: Instance) -> ClusterOptions:
     """The pods' grace period and the agent's stop timeout: the plan's step plus checkpoint save,
     or --grace-period-s. Said on stderr, since it decides whether a drain loses work."""
-    window = stop_window(plan.shape, plan.inputs.strategy, plan.inputs.precision, cfg.data.seq_len,
-                         cfg.train.global_batch_size, plan.inputs.activation_checkpointing, inst, opts.nnodes,
+    window = stop_window(plan, cfg.train.global_batch_size, inst, opts.nnodes,
                          storage_write_mib_s=opts.storage_write_mib_s)
     if opts.grace_period_s is None:
         grace, stop_timeout = window.grace_period_s, window.stop_timeout_s

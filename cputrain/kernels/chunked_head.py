@@ -18,19 +18,15 @@ def install_chunked_loss(model: nn.Module) -> None:
     the chunked head + each label's log-probability (kernels/chunked_logps.py, for preference
     objectives); without labels (generation, logits wanted) it is the model's own forward. Installed on the instance, so
     the hooks of DDP, FSDP2 and DeepSpeed on the model still run around it. The head's weight
-    is read at call time: under FSDP2 it is then the gathered (unsharded) parameter.
+    is read at call time: under FSDP2 it is then the gathered (unsharded) parameter; under ZeRO-3
+    the strategy has the model gather it (cputrain.parallel.zero3, model.chunked_loss), since the
+    head's module itself is never called.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     original = model.forward
     head = model.get_output_embeddings()
     decoder = model.get_decoder()
-    if hasattr(head.weight, "ds_id"):
-        # DeepSpeed ZeRO-3 gathers a partitioned parameter only around its own module's forward;
-        # the head's weight is used here without calling the head, so the model gathers it.
-        import deepspeed
-
-        deepspeed.zero.register_external_parameter(model, head.weight)
 
     def forward(input_ids=None, labels=None, num_items_in_batch=None, token_logps=False, **kwargs):
         if token_logps:  # preference objectives: each label's log-probability, block by block

@@ -77,15 +77,11 @@ class NewScoreHead:
         """Copy the initial value into what this rank holds of the materialised (possibly sharded) head."""
         from cputrain.model.weights import copy_full_into
 
+        # a plain tensor or an FSDP2 DTensor: ZeRO-3, whose partitioned parameter would need a
+        # gather, does not train a reward model (config.sections refuses it)
         param = dict(model.named_parameters())[self.name]
         with torch.no_grad():
-            if hasattr(param, "ds_id"):  # ZeRO-3: gathered, written by rank 0, partitioned again
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                    param.copy_(self.initial)
-            else:
-                copy_full_into(param, self.initial)
+            copy_full_into(param, self.initial)
 
 
 def new_score_head(skeleton: nn.Module, folder: Path | None, seed: int) -> NewScoreHead | None:

@@ -13,18 +13,75 @@ the seed) and each rank keeps its rows, so that every strategy starts from the s
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from cputrain.errors import ConfigError
 from cputrain.native.allocator import pin_mmap_threshold
 from cputrain.model import copy_full_into, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.parallel.file_reads import PlainReads
-from cputrain.parallel.fsdp_layouts import Layout, reduce_dtype_of, shard_of_rows
+from cputrain.parallel.fsdp2_private import clear_sharding_prop_cache, one_post_forward_mesh, set_unshard_async
+from cputrain.parallel.fsdp_layouts import layout_error, layout_of
+
+
+@dataclass(frozen=True)
+class Layout:
+    """parallel.layout's spec (cputrain.parallel.fsdp_layouts) on these ranks: what fully_shard is
+    called with, and what each micro-batch toggles."""
+
+    name: str
+    world_size: int
+    ranks_per_node: int
+
+    def check(self) -> None:
+        error = layout_error(self.name, self.world_size, self.ranks_per_node)
+        if error:
+            raise ConfigError(error)
+
+    def mesh(self):
+        """The device mesh the blocks are sharded on: None (FSDP2's default, every rank) or the spec's 2-D one."""
+        shape = layout_of(self.name).mesh_shape(self.world_size, self.ranks_per_node)
+        if shape is None:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+    def block_reshard_after_forward(self) -> bool | int:
+        return layout_of(self.name).reshard_after_forward(self.ranks_per_node)
+
+    def wrap_context(self):
+        """A layout keeping the node's share: the blocks share one post-forward mesh."""
+        return one_post_forward_mesh() if layout_of(self.name).keeps_node_share else contextlib.nullcontext()
+
+    def before_micro_batch(self, model: nn.Module, last: bool) -> None:
+        """Set FSDP2's per-step toggles for the coming forward and backward: keep parameters
+        gathered (and, where the layout says, gradients unreduced) until the step's last backward."""
+        spec = layout_of(self.name)
+        model.set_reshard_after_backward(last, recurse=spec.once_a_step)
+        if spec.syncs_gradients_on_last_only:
+            model.set_requires_gradient_sync(last)
+        elif spec.all_reduces_on_last_only:
+            model.set_requires_all_reduce(last)
+
+
+def shard_of_rows(param) -> tuple[int, int]:
+    """(index, count) of this rank's piece of a DTensor's rows: the mesh dimension it is Shard(0)
+    along (the whole mesh for FSDP, the in-node dimension for hybrid)."""
+    for dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            return param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim)
+    return 0, 1
+
+
+def reduce_dtype_of(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "bf16" else torch.float32
 
 
 def owned_rows(param: DTensor) -> slice:
@@ -46,9 +103,7 @@ def prefetch_neighbours(blocks: list[nn.Module], root: nn.Module) -> None:
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
         if i > 0:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
-    # FSDP2 issues a prefetch synchronously unless its modules' unshards are asynchronous (the
-    # documented way on a device without side streams: FSDPModule._set_unshard_async_op)
-    root._set_unshard_async_op(True)
+    set_unshard_async(root)
 
 
 class FSDPStrategy(Strategy):
@@ -126,13 +181,7 @@ class FSDPStrategy(Strategy):
 
     def close(self) -> None:
         super().close()
-        # DTensor's sharding-propagation caches keep the specs of every op seen, and through their
-        # device mesh the process group: cleared, the group can be destroyed before teardown.
-        try:
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-        except ImportError:  # a torch without it keeps the group until exit, as before
-            return
-        _clear_sharding_prop_cache()
+        clear_sharding_prop_cache()
 
 
 def build(ctx: StrategyContext) -> Strategy:

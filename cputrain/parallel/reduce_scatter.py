@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from cputrain.parallel.fsdp2_private import ReduceScatter
 
 
 class AllToAllReduceScatter(ReduceScatter):

@@ -142,10 +142,18 @@ class Zero3Strategy(Strategy):
                 sub._is_hf_initialized = False
             initialize_weights_zero3(module)
             module.tie_weights()
-            return
-        # Each rank reads from the safetensors files only the rows that cover its partition.
-        load_into(module, folder, copy_fn=self._copy_partition, shape_of=lambda param: list(param.ds_shape),
-                  file_name_of=self.ctx.file_name_of)
+        else:
+            # Each rank reads from the safetensors files only the rows that cover its partition.
+            load_into(module, folder, copy_fn=self._copy_partition, shape_of=lambda param: list(param.ds_shape),
+                      file_name_of=self.ctx.file_name_of)
+        self._gather_head_for_chunked_loss(module)
+
+    def _gather_head_for_chunked_loss(self, module: nn.Module) -> None:
+        """model.chunked_loss uses the head's weight without calling the head
+        (cputrain.kernels.chunked_head), and ZeRO-3 gathers a partitioned parameter only around
+        its own module's forward: the model's forward gathers it instead."""
+        if self.ctx.cfg.model.chunked_loss:
+            deepspeed.zero.register_external_parameter(module, module.get_output_embeddings().weight)
 
     def _copy_partition(self, name: str, param: nn.Parameter, reader: SafetensorsReader, key: str) -> None:
         shape = list(param.ds_shape)

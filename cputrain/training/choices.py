@@ -12,7 +12,7 @@ processes, strategy, backend). What is left needs the data, the model or the pro
     6. model.chunked_loss          from the precision and the head's size      (config.resolve)
     7. parallel.reduce_dtype       fsdp: from the precision and the node count (config.reduction)
     8. parallel.layout             fsdp: the fastest by the time plan of those
-                                   whose memory plan fits                      (plan.time.layout_choice)
+                                   whose memory plan fits                      (plan.layouts.choice)
     9. model.activation_checkpointing  from the plan on this node's memory     (plan.memory.checkpointing)
    10. hardware.allocator          what this process was started with          (native.allocator)
 
@@ -59,7 +59,7 @@ from cputrain.run_folder.run_config import RecordedConfig
 if TYPE_CHECKING:
     from cputrain.plan.instances import Instance
     from cputrain.plan.memory.build import Plan
-    from cputrain.plan.time.on_instance import Network
+    from cputrain.plan.time import Network
 
 # A plan's answers where a run's need its node or its process group.
 PLANNED_ATTENTION = ("sdpa", ("planned with sdpa's flash kernel, which keeps no attention matrix: a run times both "
@@ -295,7 +295,7 @@ class _RunFacts:
         """Rank 0's choice on its node, every rank's: a layout must be the same on every rank."""
         from cputrain.distributed import process_group as pg
 
-        from cputrain.plan.time.layout_choice import layout_on_node
+        from cputrain.plan.layouts import layout_on_node
 
         mine = (layout_on_node(cfg, self.ranks.world_size, self.ranks.local_world_size, self.hw, vocab)
                 if self.ranks.is_main else None)
@@ -331,7 +331,7 @@ class _PlanFacts:
         if self._fit is None:
             from cputrain.errors import ConfigError
             from cputrain.plan.instances import builtin_instances
-            from cputrain.plan.time.layout_choice import full_shard_fit
+            from cputrain.plan.layouts import full_shard_fit
 
             try:
                 self._fit = full_shard_fit(cfg, self.world_size, self.nproc_per_node,
@@ -355,16 +355,17 @@ class _PlanFacts:
 
     def layout(self, cfg, vocab: int | None) -> tuple[str, str]:
         """On the instance the plan sizes for full_shard, or --instance-type's."""
-        from cputrain.plan.time.layout_choice import layout_on_instance
-        from cputrain.plan.time.on_instance import Network
+        from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
+        from cputrain.plan.layouts import layout_on_instance
+        from cputrain.plan.time import Network
 
         per_node = self._ranks_per_node(cfg, vocab)
         if per_node is None:
-            return "full_shard", ("the ranks per node are not known to this plan (none given, no instance table): "
+            return DEFAULT_LAYOUT, ("the ranks per node are not known to this plan (none given, no instance table): "
                                   "full_shard, which any node count runs; --nproc-per-node plans the layouts")
         fitted = self._full_shard_fit(cfg, vocab)
         if fitted is None:
-            return "full_shard", ("no instance of the table holds full_shard's ranks, the least memory of the "
+            return DEFAULT_LAYOUT, ("no instance of the table holds full_shard's ranks, the least memory of the "
                                   "layouts: full_shard")
         if self.nproc_per_node is None:
             self.fitted_ranks_per_node = per_node

@@ -42,17 +42,17 @@ def check_fsdp_layout(cfg: Config) -> None:
     """parallel.layout set to a layout: the run's nodes admit it (the ranks divide into equal nodes,
     and node_reshard and hybrid have several nodes to work across), and, where the model's shape
     can be read here without fetching anything, its memory plan holds on this node by the rule
-    parallel.layout=auto chooses by (cputrain.plan.time.layout_choice). parallel.layout and
+    parallel.layout=auto chooses by (cputrain.plan.layouts.choice). parallel.layout and
     parallel.reduce_dtype on another strategy are refused with the config (config.sections)."""
     if cfg.parallel.strategy != "fsdp" or cfg.parallel.layout == "auto":
         return
-    from cputrain.parallel.fsdp_layouts import layout_error
+    from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, layout_error
 
     world, per_node = world_and_node(cfg)
     error = layout_error(cfg.parallel.layout, world, per_node)
     if error:
         raise ConfigError(error)
-    if cfg.parallel.layout != "full_shard" and _shape_readable_here(cfg):
+    if cfg.parallel.layout != DEFAULT_LAYOUT and _shape_readable_here(cfg):  # the default holds the least
         _check_layout_memory(cfg, world, per_node)
 
 
@@ -68,10 +68,11 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
     """The layout's memory plan for this node's ranks (its precision, every block checkpointed
     where checkpointing is auto: the least memory) within the node's memory, each rank × 1.1."""
     from cputrain.config.resolve import precision_choice
+    from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
     from cputrain.hardware import detect
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time.layout_choice import plans_by_layout
+    from cputrain.plan.layouts import plans_by_layout
     from cputrain.training.choices import decide_for_plan
 
     hw = detect()
@@ -82,7 +83,7 @@ def _check_layout_memory(cfg: Config, world: int, per_node: int) -> None:
     need = pod_memory_bytes(plan.peak_rank.total_bytes, per_node)
     if need <= hw.memory_gib * 2**30:
         return
-    full = plans_by_layout(plan, per_node, ["full_shard"])["full_shard"]
+    full = plans_by_layout(plan, per_node, [DEFAULT_LAYOUT])[DEFAULT_LAYOUT]
     full_gib = pod_memory_bytes(full.peak_rank.total_bytes, per_node) / 2**30
     raise ConfigError(f"parallel.layout={cfg.parallel.layout} does not fit this node: its memory plan needs "
                       f"{need / 2**30:.1f} GiB for {per_node} rank(s) (each × 1.1) of the node's "

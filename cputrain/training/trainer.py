@@ -172,7 +172,7 @@ class Trainer:
         if not ranks.is_main:
             return
         from cputrain.plan.memory.runtime import write_run_plan
-        from cputrain.plan.time.checkpoint_worth import worth_here
+        from cputrain.plan.time import worth_here
 
         plan = write_run_plan(self.run, self.cfg, skeleton, ranks.world_size, ranks.local_world_size,
                               self.hw.memory_gib)

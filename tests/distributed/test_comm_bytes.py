@@ -105,7 +105,7 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
     # The time plan's figure for the same run: the shape the run planned (plan.json: its real
     # vocabulary), one all-reduce of the trained gradients a step whatever the accumulation (2 here).
     from cputrain.config.file import load_config
-    from cputrain.plan.time.comm_volume import comm_pattern
+    from cputrain.plan.time import comm_pattern
     from cputrain.plan.model_shape import model_shape
 
     doc = json.loads((out / "plan.json").read_text())
@@ -121,7 +121,7 @@ def test_fsdp_reduce_scatters_counted_and_halved(namespace, tmp_path, cache_dir)
     (gloo's own sends an all-reduce's bytes), and the all-to-all one sends fewer. Each step logged
     what the time plan plans for the layout the run decided (one node: full_shard, fp32 reduction)."""
     from cputrain.config.file import load_config
-    from cputrain.plan.time.comm_volume import comm_pattern
+    from cputrain.plan.time import comm_pattern
     from cputrain.plan.model_shape import model_shape
 
     kernel = {}

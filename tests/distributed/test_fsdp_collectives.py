@@ -52,7 +52,7 @@ def _sharded_grads(layout_name: str, reduce_scatter, reduce_dtype=torch.float32)
     """This rank's run of the layout: the full gradients (gathered) and the global norm FSDP sees."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from cputrain.parallel.fsdp_layouts import Layout
+    from cputrain.parallel.fsdp import Layout
 
     layout = Layout(layout_name, WORLD, RANKS_PER_NODE)
     model = _model()

@@ -14,7 +14,7 @@ from cputrain.k8s import pod
 from cputrain.k8s.options import ClusterOptions
 from cputrain.k8s.render import render
 from cputrain.plan.instances import builtin_instances
-from cputrain.plan.time.stop_window import ASSUMED_CLOCK_GHZ, ASSUMED_MFU, EXIT_MARGIN_S, checkpoint_bytes, step_flops
+from cputrain.plan.time import ASSUMED_CLOCK_GHZ, ASSUMED_MFU, EXIT_MARGIN_S, checkpoint_bytes, step_flops
 
 from .rendering import REPO, render_case
 from .test_consistency import _pod_spec

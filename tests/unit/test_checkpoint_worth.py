@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from cputrain.plan.time.checkpoint_worth import CheckpointWorth, duration, worth_here
+from cputrain.plan.time import CheckpointWorth, duration, worth_here
 from harness.run_cli_here import run_cli_here
 
 

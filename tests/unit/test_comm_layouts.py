@@ -9,9 +9,7 @@ import pytest
 from cputrain.errors import ConfigError
 from cputrain.plan.instances import FLOW_GBIT_S, FLOW_GBIT_S_IN_PLACEMENT_GROUP, flow_cap
 from cputrain.plan.model_shape import ModelShape, ParamInfo
-from cputrain.plan.time.comm_volume import comm_pattern
-from cputrain.plan.time.link_efficiency import parse_table
-from cputrain.plan.time.step_time import StepSettings, node_link_gbit_s, plan_step_time
+from cputrain.plan.time import Compute, Link, StepSettings, comm_pattern, node_link_gbit_s, parse_table, plan_step_time
 
 W, P, N = 4, 2, 2  # ranks, ranks per node, nodes
 M = 3  # micro-batches per rank per step
@@ -101,8 +99,8 @@ def test_a_flow_gets_at_most_the_cap_and_a_link_its_rate():
 def _step(layout: str, cap: float | None, reduce_scatter: str = "all_to_all", efficiency=1.0):
     s = StepSettings("fsdp", "bf16", 1, 16, W * M, False, layout=layout, reduce_dtype="fp32",
                      reduce_scatter=reduce_scatter)
-    return plan_step_time(s, W, P, shape(), link_gbit_s=1e-3, peak_flops_per_s=1e9, mfu=0.5, efficiency=efficiency,
-                          flow_cap_gbit_s=cap, flow_cap_source="test")
+    return plan_step_time(s, W, P, shape(), Compute(1e9, 0.5),
+                          Link(1e-3, efficiency=efficiency, flow_cap_gbit_s=cap, flow_cap_source="test"))
 
 
 def test_the_cap_slows_a_rings_one_flow_and_not_the_all_to_alls_many():
@@ -154,8 +152,8 @@ def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_a
                      reduce_scatter="all_to_all")
 
     def hybrid(capped: bool, share: float = 1.0):
-        return plan_step_time(s, W, P, shape(), link_gbit_s=1e-3, peak_flops_per_s=1e9, mfu=0.5, efficiency=table,
-                              gloo_cpu_capped=capped, rank_core_share=share)
+        return plan_step_time(s, W, P, shape(), Compute(1e9, 0.5),
+                              Link(1e-3, efficiency=table, gloo_cpu_capped=capped, rank_core_share=share))
 
     gathered = (M * 2 * L * BLOCK + ROOT) * 2 * ring(P)  # bf16 blocks for each pass, the root once
     reduced = M * GRADS * 4 * ring(P)  # fp32 gradients, the all-to-all's bytes
@@ -171,7 +169,7 @@ def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_a
     assert "at the rate one test core reached" in instance.source["in_node"]  # the bound, at the measured rate
     assert instance.step_s < whole.step_s
     full_shard = plan_step_time(StepSettings("fsdp", "bf16", 1, 16, W * M, False, layout="full_shard"), W, P, shape(),
-                                link_gbit_s=1e-3, peak_flops_per_s=1e9, mfu=0.5, efficiency=table, gloo_cpu_capped=True)
+                                Compute(1e9, 0.5), Link(1e-3, efficiency=table, gloo_cpu_capped=True))
     assert full_shard.in_node_s == 0 and "in_node" not in full_shard.source  # every collective crosses the link
     with pytest.raises(ConfigError, match="share of a core"):
         hybrid(True, 0.0)

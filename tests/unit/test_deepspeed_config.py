@@ -110,6 +110,22 @@ def test_this_module_does_not_import_deepspeed():
     assert out.strip() == "False"
 
 
+def test_only_the_zero3_strategy_imports_deepspeed():
+    """The score head, the chunked head and the rest ask the strategy; DeepSpeed is the zero3 strategy's alone."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "cputrain"
+    importers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
+                importers.add(str(path.relative_to(package)))
+    assert importers == {"parallel/zero3.py"}, importers
+
+
 def test_offload_on_a_strategy_without_it_is_reported_as_ignored():
     import torch
 

@@ -1,5 +1,5 @@
 """parallel.layout=auto and parallel.reduce_dtype=auto: the pure rules (config.reduction,
-plan.time.layout_choice), then decided in a plan's walk on an instance type and in a run's walk on
+plan.layouts.choice), then decided in a plan's walk on an instance type and in a run's walk on
 its node, each recorded with its reason; the decided types admit no auto under fsdp."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cputrain.config.file import load_config
 from cputrain.config.reduction import reduce_dtype_choice
 from cputrain.config.resolved import DecidedConfig, PlannedConfig
 from cputrain.plan.instances import builtin_instances, find_instance
-from cputrain.plan.time.layout_choice import LayoutFigures, layout_choice
+from cputrain.plan.layouts import LayoutFigures, layout_choice
 from cputrain.training import choices
 
 SEEDS = "configs/llama3-8b-fsdp.yaml"
@@ -51,7 +51,7 @@ def test_the_fastest_layout_that_fits_and_full_shard_where_none_does():
 
 
 def _plan_decision(instance: str | None, nproc: int | None = 2, world: int = 8, **network):
-    from cputrain.plan.time.on_instance import Network
+    from cputrain.plan.time import Network
 
     cfg = load_config(SEEDS, [])
     instances = [find_instance(builtin_instances(), instance)] if instance else builtin_instances()

@@ -1,4 +1,4 @@
-"""What each FSDP layout holds per rank, from the arithmetic of cputrain.plan.memory.fsdp_layouts:
+"""What each FSDP layout holds per rank, from the arithmetic of cputrain.plan.memory.fsdp_buffers:
 node_reshard's node shares, gather_once's whole gathered model and unsharded gradients, hybrid's
 state over a node's ranks, the reduce dtype and the all-to-all's receive buffer."""
 

@@ -1,5 +1,5 @@
 """`cputrain plan`'s table of FSDP layouts × instance types and its "will N nodes beat 1?" lines
-(cputrain.plan.time.layout_table), on the Llama-3-8B FSDP recipe over 4 nodes of 2 ranks."""
+(cputrain.plan.layouts.table), on the Llama-3-8B FSDP recipe over 4 nodes of 2 ranks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from cputrain.config.file import load_config
 from cputrain.plan.instances import builtin_instances, find_instance
-from cputrain.plan.time.layout_table import beat_one_node_line, layout_table, table_lines
-from cputrain.plan.time.on_instance import Network
+from cputrain.plan.layouts import beat_one_node_line, layout_table, table_lines
+from cputrain.plan.time import Network
 from cputrain.training.choices import decide_and_plan
 
 SEEDS = "configs/llama3-8b-fsdp.yaml"

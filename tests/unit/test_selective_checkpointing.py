@@ -170,7 +170,7 @@ def test_cputrain_plan_shows_selective_with_no_matmul_recomputed():
     lines, activations between none and every block, and step FLOPs those of no checkpointing."""
     from cputrain.config.file import load_config
     from cputrain.plan.memory.report import table_lines
-    from cputrain.plan.time.stop_window import step_flops
+    from cputrain.plan.time import step_flops
     from cputrain.training.choices import decide_and_plan
 
     plans = {s: decide_and_plan(load_config(None, ["model.arch.num_hidden_layers=6", "data.seq_len=512",

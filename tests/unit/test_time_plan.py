@@ -9,12 +9,9 @@ import math
 import pytest
 
 from cputrain.errors import ConfigError
-from cputrain.plan.time.comm_volume import comm_pattern
-from cputrain.plan.time.link_efficiency import EfficiencyTable, load_table, parse_table
-from cputrain.plan.time.measured_mfu import measured_mfu
 from cputrain.plan.model_shape import ModelShape, ParamInfo
-from cputrain.plan.time.step_time import StepSettings, plan_step_time
-from cputrain.plan.time.advice import remedies
+from cputrain.plan.time import (Compute, EfficiencyTable, Link, StepSettings, comm_pattern, load_table, measured_mfu,
+                                parse_table, plan_step_time, remedies)
 
 W = 4
 
@@ -140,8 +137,8 @@ def test_efficiency_file_bad_rows_are_refused_in_one_line(tmp_path):
 
 
 def plan(strategy: str, nproc: int, link: float | None, world: int = W, **kw):
-    return plan_step_time(settings(strategy, "bf16", global_batch=world), world, nproc, tiny_shape(), link_gbit_s=link,
-                          peak_flops_per_s=1e9, mfu=0.5, efficiency=1.0, **kw)
+    return plan_step_time(settings(strategy, "bf16", global_batch=world), world, nproc, tiny_shape(), Compute(1e9, 0.5),
+                          Link(link, efficiency=1.0, **kw))
 
 
 def test_step_time_is_compute_plus_exposed_network():
@@ -161,20 +158,20 @@ def test_one_node_and_no_link_plan_no_network_time(monkeypatch):
     assert one_node.network_s == 0 and "not network-bound" in one_node.source["link"]
     no_link = plan("fsdp", 1, None)
     assert no_link.network_s == 0 and no_link.source["link"] == "no link given: network time not planned"
-    monkeypatch.setattr("cputrain.plan.time.step_time.load_table", lambda: None)  # as before the benchmark wrote it
-    assert "not measured" in plan_step_time(settings("ddp"), W, 1, tiny_shape(), link_gbit_s=1.0,
-                                            peak_flops_per_s=1e9, mfu=0.5).source["efficiency"]
+    monkeypatch.setattr("cputrain.plan.time.link.load_table", lambda: None)  # as before the benchmark wrote it
+    assert "not measured" in plan_step_time(settings("ddp"), W, 1, tiny_shape(), Compute(1e9, 0.5),
+                                            Link(1.0)).source["efficiency"]
 
 
 def test_advice_only_where_the_network_dominates():
     s = settings("fsdp", "bf16", global_batch=2 * W)
-    kw = {"peak_flops_per_s": 1e9, "mfu": 0.5, "efficiency": 1.0}
-    slow = plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=1e-4, **kw)
-    fast = plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=1e3, **kw)
+    compute = Compute(1e9, 0.5)
+    slow = plan_step_time(s, W, 1, tiny_shape(), compute, Link(1e-4, efficiency=1.0))
+    fast = plan_step_time(s, W, 1, tiny_shape(), compute, Link(1e3, efficiency=1.0))
     assert slow.network_share > 0.25 > fast.network_share
-    args = {"instance": None, "rank_peak_bytes": None, "mfu": 0.5, "peak_of": None, "efficiency": 1.0}
-    assert remedies(s, tiny_shape(), W, 1, fast, link_gbit_s=1e3, **args) == []
-    advice = remedies(s, tiny_shape(), W, 1, slow, link_gbit_s=1e-4, **args)
+    args = {"instance": None, "rank_peak_bytes": None, "compute": compute}
+    assert remedies(s, tiny_shape(), W, 1, fast, link=Link(1e3, efficiency=1.0), **args) == []
+    advice = remedies(s, tiny_shape(), W, 1, slow, link=Link(1e-4, efficiency=1.0), **args)
     names = " | ".join(r.setting for r in advice)
     # the layouts are built: they left the advice for the table of layouts × instance types
     assert "train.micro_batch_size=2" in names and "layout" not in names and "gather" not in names
@@ -200,7 +197,7 @@ def test_measured_mfu_names_its_row_and_what_is_still_to_measure():
 
 
 def test_zero3_keeps_blocks_gathered_whose_backward_comes_within_the_reuse_distance():
-    from cputrain.plan.time.comm_volume import zero3_backward_gathers
+    from cputrain.plan.time import zero3_backward_gathers
 
     # 32 blocks of 218M elements and a 525M head (Llama-3-8B), DeepSpeed's default distance 1e9:
     # the last two blocks stay gathered (2 × 218M + 525M fetched in between is under 1e9)
@@ -246,9 +243,8 @@ def test_parameters_kept_gathered_across_micro_batches_gather_once_a_step():
 
 def test_a_measured_efficiency_table_slows_the_network_by_its_factor():
     line_rate = plan("fsdp", 1, 1e-3)
-    half = plan_step_time(settings("fsdp", "bf16", global_batch=W), W, 1, tiny_shape(), link_gbit_s=1e-3,
-                          peak_flops_per_s=1e9, mfu=0.5, efficiency=table([
-                              ("all_gather", 1e-3, 1, 0.5), ("reduce_scatter", 1e-3, 1, 0.5)]))
+    half = plan_step_time(settings("fsdp", "bf16", global_batch=W), W, 1, tiny_shape(), Compute(1e9, 0.5),
+                          Link(1e-3, efficiency=table([("all_gather", 1e-3, 1, 0.5), ("reduce_scatter", 1e-3, 1, 0.5)])))
     assert half.network_s == pytest.approx(2 * line_rate.network_s)
     assert half.efficiency_by_kind["all_gather"] == 0.5 and "measured on test" in half.source["efficiency"]
 
@@ -256,7 +252,7 @@ def test_a_measured_efficiency_table_slows_the_network_by_its_factor():
 def test_checkpointing_adds_each_blocks_forward_and_selective_no_matmul():
     def with_checkpointing(setting):
         s = StepSettings("fsdp", "bf16", 1, 16, W, setting)
-        return plan_step_time(s, W, 1, tiny_shape(), link_gbit_s=None, peak_flops_per_s=1e9, mfu=0.5, efficiency=1.0)
+        return plan_step_time(s, W, 1, tiny_shape(), Compute(1e9, 0.5), Link(None, efficiency=1.0))
 
     none, every, selective = (with_checkpointing(v) for v in (False, True, "selective"))
     assert none.recompute_flops_per_rank == 0 and selective.recompute_flops_per_rank == 0
@@ -275,8 +271,8 @@ def test_fsdp_hides_no_network_time_and_gloos_cpu_time_never_hides():
     assert fsdp.network_s > 0 and fsdp.exposed_network_s == pytest.approx(fsdp.network_s)
 
     def ddp(capped: bool):
-        return plan_step_time(settings("ddp"), W, 1, tiny_shape(), link_gbit_s=1e-3, peak_flops_per_s=1e3, mfu=0.5,
-                              efficiency=measured, gloo_cpu_capped=capped)
+        return plan_step_time(settings("ddp"), W, 1, tiny_shape(), Compute(1e3, 0.5),
+                              Link(1e-3, efficiency=measured, gloo_cpu_capped=capped))
 
     free, capped = ddp(False), ddp(True)
     assert free.efficiency_by_kind["all_reduce"] == 1.0 and capped.efficiency_by_kind["all_reduce"] == 0.1
@@ -291,13 +287,13 @@ def test_fsdp_gathers_issued_a_block_ahead_hide_the_measured_share():
     pass's first) and the compute hides; the reduce-scatters and the root's gather never do."""
     from dataclasses import replace
 
-    from cputrain.plan.time.step_time import PREFETCH_HIDDEN_SHARE
+    from cputrain.plan.time import PREFETCH_HIDDEN_SHARE
 
     base = settings("fsdp", global_batch=W)
 
     def step(prefetch: bool, peak: float):
-        return plan_step_time(replace(base, prefetch=prefetch), W, 1, tiny_shape(), link_gbit_s=1e-3,
-                              peak_flops_per_s=peak, mfu=0.5, efficiency=1.0)
+        return plan_step_time(replace(base, prefetch=prefetch), W, 1, tiny_shape(), Compute(peak, 0.5),
+                              Link(1e-3, efficiency=1.0))
 
     for peak in (1e3, 1e9):  # network-bound, then compute-bound
         off, on = step(False, peak), step(True, peak)

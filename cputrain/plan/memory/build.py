@@ -11,6 +11,7 @@ from cputrain.config.resolve import grad_accum_steps
 from cputrain.config.resolved import PlannedConfig, as_planned
 from cputrain.errors import ConfigError
 from cputrain.objectives.objective import objective_class
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, layout_error
 from cputrain.plan.memory.estimate import PlanInputs, RankPlan, plan_all_ranks, plan_inputs
 from cputrain.plan.memory.fit import ClusterFit, smallest_cluster
 from cputrain.plan.instances import Instance
@@ -96,7 +97,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         lora_dropout=cfg.model.lora.dropout if cfg.model.lora.enabled else 0.0,
         chunked_loss=cfg.model.chunked_loss,
         eager_attention=cfg.model.attn_implementation == "eager",
-        layout=parallel.layout if fsdp else "full_shard", reduce_dtype=parallel.reduce_dtype if fsdp else None,
+        layout=parallel.layout if fsdp else DEFAULT_LAYOUT, reduce_dtype=parallel.reduce_dtype if fsdp else None,
         reduce_scatter=reduce_scatter,
         prefetch=parallel.strategy == "fsdp" and parallel.prefetch,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
@@ -104,8 +105,6 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         **zero3,
     )
     if fsdp and ranks_per_node:
-        from cputrain.parallel.fsdp_layouts import layout_error
-
         error = layout_error(parallel.layout, world_size, ranks_per_node)
         if error:
             raise ConfigError(error)

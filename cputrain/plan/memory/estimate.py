@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 from cputrain.errors import ConfigError
 from cputrain.lora.adapters import is_adapter_parameter
 from cputrain.plan.memory.accounting import BF16_BYTES, FP32_BYTES, SHARDED, local_numel, state_bytes
-from cputrain.plan.memory.fsdp_layouts import fsdp_buffer_bytes, shard_world
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, PLANNED_PER_NODE, SPECS
+from cputrain.plan.memory.fsdp_buffers import fsdp_buffer_bytes
 from cputrain.plan.memory.activations import activation_bytes
 from cputrain.plan.model_shape import ModelShape
 
@@ -55,7 +56,7 @@ class PlanInputs:
     lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
     chunked_loss: bool = False  # model.chunked_loss as resolved (resolve.chunked_loss_choice)
     eager_attention: bool = False  # model.attn_implementation=eager: each block keeps its attention matrix
-    layout: str = "full_shard"  # fsdp: parallel.layout, decided (cputrain.plan.memory.fsdp_layouts)
+    layout: str = DEFAULT_LAYOUT  # fsdp: parallel.layout, decided (cputrain.parallel.fsdp_layouts)
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "all_to_all"  # fsdp and zero3: as it runs (native | all_to_all: config.reduction)
     prefetch: bool = False  # fsdp: parallel.prefetch (the time plan hides part of the gathers behind compute)
@@ -109,7 +110,7 @@ def plan_inputs(strategy: str, precision: str, world_size: int, **kw) -> PlanInp
     if strategy == "single" and world_size > 1:
         raise ConfigError(f"parallel.strategy=single runs one rank, but the world size is {world_size}; "
                           "choose ddp, fsdp or zero3")
-    if strategy == "fsdp" and kw.get("layout") in ("node_reshard", "hybrid") and not kw.get("ranks_per_node"):
+    if strategy == "fsdp" and kw.get("layout") in PLANNED_PER_NODE and not kw.get("ranks_per_node"):
         raise ConfigError(f"parallel.layout={kw['layout']} is planned per node: give the ranks per node "
                           "(--nproc-per-node)")
     return PlanInputs(strategy=strategy, precision=precision, world_size=world_size, **kw)
@@ -142,8 +143,8 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
         return 0 if DDP_GRAD_AS_BUCKET_VIEW else m.trainable_params * FP32_BYTES
     if inp.strategy == "fsdp":
         # Unsharded (all-gathered) parameters in the compute dtype and unsharded gradients in the
-        # reduce dtype, as the layout holds them (cputrain.plan.memory.fsdp_layouts).
-        return fsdp_buffer_bytes(m, inp.layout, inp.world_size, inp.ranks_per_node, gathered_bytes,
+        # reduce dtype, as the layout holds them (cputrain.plan.memory.fsdp_buffers).
+        return fsdp_buffer_bytes(m, SPECS[inp.layout], inp.world_size, inp.ranks_per_node, gathered_bytes,
                                  BF16_BYTES if inp.reduce_dtype == "bf16" else FP32_BYTES,
                                  inp.reduce_scatter == "all_to_all", inp.accumulation)
     if inp.strategy == "zero3":
@@ -204,7 +205,8 @@ def _strategy_load_bytes(m: ModelShape, inp: PlanInputs, rank: int) -> int:
 def _fsdp_shard(inp: PlanInputs, rank: int) -> tuple[int, int]:
     """(ranks a parameter is split over, this rank's index among them): hybrid's are its node's
     (ranks are numbered node by node)."""
-    shards = shard_world(inp.layout, inp.world_size, inp.ranks_per_node) if inp.strategy == "fsdp" else inp.world_size
+    shards = (SPECS[inp.layout].shard_world(inp.world_size, inp.ranks_per_node) if inp.strategy == "fsdp"
+              else inp.world_size)
     return shards, rank % shards
 
 

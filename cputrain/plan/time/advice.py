@@ -1,7 +1,7 @@
 """What would change a step that waits on the network, each figure re-planned by
 cputrain.plan.time.step_time with one setting changed: a larger micro-batch (more tokens per gather)
 and fewer, bigger nodes. The FSDP layouts (parallel.layout) are not remedies here: `cputrain plan`
-prints every layout on every instance type beside the plan (cputrain.plan.time.layout_table), and
+prints every layout on every instance type beside the plan (cputrain.plan.layouts.table), and
 parallel.layout=auto takes the fastest that fits.
 """
 
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cputrain.parallel.fsdp_layouts import layout_error
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, layout_error
 from cputrain.plan.memory.fit import fits, pod_memory_bytes
 from cputrain.plan.instances import Instance
-from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
+from cputrain.plan.time.link import Link
+from cputrain.plan.time.on_instance import rank_peak_flops
+from cputrain.plan.time.step_time import Compute, StepSettings, StepTimePlan, plan_step_time
 
 # Above this share of the step spent waiting on the network, the plan lists its remedies.
 NETWORK_SHARE_ADVICE = 0.25
@@ -31,10 +33,10 @@ class Remedy:
 
 
 def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int, now: StepTimePlan, *,
-             instance: Instance | None, rank_peak_bytes: int | None, link_gbit_s: float | None, mfu: float,
-             peak_of, memory_of=None, candidates: list[Instance] | None = None, **kwargs) -> list[Remedy]:
-    """The remedies for the step `now`, each planned with the same MFU, efficiency and overlap
-    arguments (`kwargs`). `peak_of(instance, ranks_per_node)`: one rank's peak FLOP/s there.
+             instance: Instance | None, rank_peak_bytes: int | None, compute: Compute, link: Link,
+             memory_of=None, candidates: list[Instance] | None = None) -> list[Remedy]:
+    """The remedies for the step `now` (planned on `compute` and `link`), each planned with the
+    same MFU, efficiency and overlap, on a bigger node at its rank's peak FLOP/s.
     `memory_of(**plan_inputs_changes)`: a rank's peak bytes with those inputs changed (the memory
     plan), for saying whether a remedy still fits the instance. `candidates`: the instance table
     bigger nodes are taken from (default: the built-in one)."""
@@ -50,10 +52,9 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
         verdict = "fits" if fits(instance, peak, nproc_per_node) else "does not fit"
         return f"{what + ', ' if what else ''}{pod_gib:,.1f} GiB a pod: {verdict} {instance.name}"
 
-    def again(s=settings, world=world_size, nproc=nproc_per_node, link=link_gbit_s, peak=now.peak_flops_per_s,
-              **variant) -> StepTimePlan:
-        return plan_step_time(s, world, nproc, shape, link_gbit_s=link, peak_flops_per_s=peak, mfu=mfu,
-                              **kwargs, **variant)
+    def again(s=settings, nproc=nproc_per_node, link_gbit_s=link.gbit_s, peak=compute.peak_flops_per_s):
+        return plan_step_time(s, world_size, nproc, shape, replace(compute, peak_flops_per_s=peak),
+                              replace(link, gbit_s=link_gbit_s))
 
     # more tokens per gather: the same global batch in fewer, larger micro-batches
     if now.micro_batches > 1:
@@ -74,9 +75,9 @@ def remedies(settings: StepSettings, shape, world_size: int, nproc_per_node: int
                 node = min(bigger, key=lambda i: i.vcpus)
                 # the same layout where the fewer nodes admit it, else FSDP2's default
                 s = settings if layout_error(settings.layout, world_size, ranks) is None else replace(
-                    settings, layout="full_shard")
-                plan = again(s, nproc=ranks, link=node.network_gbit_s if fewer > 1 else link_gbit_s,
-                             peak=peak_of(node, ranks))
+                    settings, layout=DEFAULT_LAYOUT)
+                plan = again(s, nproc=ranks, link_gbit_s=node.network_gbit_s if fewer > 1 else link.gbit_s,
+                             peak=rank_peak_flops(settings.precision, instance=node, ranks_per_node=ranks))
                 cost = (f"{fewer * node.price_per_hour / 3600 / plan.tokens_per_s * 1e6:,.2f} USD per million tokens"
                         if node.price_per_hour else "")
                 out.append(Remedy(f"--nnodes {fewer} --nproc-per-node {ranks} on {node.name}", plan, cost))

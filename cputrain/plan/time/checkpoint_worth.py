@@ -91,19 +91,17 @@ def worth_of_plan(step, plan, train, price_per_hour: float | None) -> Checkpoint
 def worth_here(plan, cfg, hw, world_size: int, ranks_per_node: int) -> CheckpointWorth:
     """A run's figure, from its own node: the rank's share of this machine's peak at the MFU measured
     for its CPU (cputrain.plan.time.measured_mfu), the network as parallel.layout=auto plans a run's."""
-    from cputrain.plan.instances import flow_cap
-    from cputrain.plan.time.layout_choice import RUN_NETWORK
     from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
-    from cputrain.plan.time.step_time import StepSettings, plan_step_time
+    from cputrain.plan.time.on_instance import RUN_NETWORK, rank_peak_flops
+    from cputrain.plan.time.step_time import Compute, StepSettings, plan_step_time
 
     precision = cfg.hardware.precision
-    peak = hw.peak_flops[precision] * min(1.0, cfg.hardware.threads / max(1, hw.physical_cores))
     mfu = measured_mfu(precision, cpu_kind(hw.flags), cfg.model.lora.enabled)
+    compute = Compute(rank_peak_flops(precision, hw=hw, threads=cfg.hardware.threads), mfu.row.executed_share_of_peak,
+                      mfu.describe())
     nnodes = max(1, world_size // max(1, ranks_per_node))
-    cap, cap_source = flow_cap(RUN_NETWORK.placement_group)
+    link = RUN_NETWORK.link(RUN_NETWORK.link_gbit_s if nnodes > 1 else None)
     step = plan_step_time(StepSettings.of_plan(plan, cfg.train.global_batch_size), world_size, ranks_per_node,
-                          plan.shape, link_gbit_s=RUN_NETWORK.link_gbit_s if nnodes > 1 else None,
-                          peak_flops_per_s=peak, mfu=mfu.row.executed_share_of_peak, mfu_source=mfu.describe(),
-                          flow_cap_gbit_s=cap, flow_cap_source=cap_source)
+                          plan.shape, compute, link)
     return CheckpointWorth(step.step_s, cfg.train.checkpoint_every, cfg.train.checkpoint_every_s,
                            save_seconds(plan.shape, plan.inputs.strategy, precision), nnodes)

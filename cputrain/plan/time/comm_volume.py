@@ -5,8 +5,9 @@ over which ranks, and how many TCP flows each puts through a node's link.
     ddp     one all-reduce of the trained parameters' gradients per step (no_sync skips every
             micro-batch but the last), fp32 buckets of 25 MiB (DDP's bucket_cap_mb default;
             cputrain's comm hook keeps the bucket's dtype, the parameters' fp32)
-    fsdp    FSDP2 as cputrain.parallel.fsdp builds it, in its parallel.layout
-            (cputrain.parallel.fsdp_layouts), per optimizer step of m micro-batches, L blocks:
+    fsdp    FSDP2 as cputrain.parallel.fsdp builds it, in its parallel.layout (each layout's
+            collectives are its spec's: cputrain.parallel.fsdp_layouts), per optimizer step of m
+            micro-batches, L blocks:
 
             layout        gathers (parameters)                 gradients
             full_shard    2·L blocks a micro-batch, all ranks  reduce-scattered every micro-batch, all ranks
@@ -48,14 +49,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cputrain.config.reduction import reduce_scatter_in_use
-from cputrain.parallel.fsdp_layouts import LAYOUTS
+from cputrain.parallel.fsdp_layouts import ACROSS, DEFAULT_LAYOUT, NODE, SPECS, WORLD, StepCollective
 from cputrain.plan.model_shape import ModelShape
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb=25, which cputrain keeps
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-# Which ranks a collective runs over: all of them (node-contiguous), one node's, or one per node.
-WORLD, NODE, ACROSS = "world", "node", "across"
 
 
 def ring_factor(kind: str, world: int) -> float:
@@ -169,7 +167,7 @@ def reduce_dtype_bytes(strategy: str, precision: str, reduce_dtype: str | None) 
 
 def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: int, micro_batches: int, *,
                  nnodes: int = 1, persistence_threshold: int = 0, max_reuse_distance: int = 10**9,
-                 layout: str = "full_shard", reduce_dtype: str | None = None,
+                 layout: str = DEFAULT_LAYOUT, reduce_dtype: str | None = None,
                  reduce_scatter: str = "auto") -> CommPattern:
     """The step's collectives. `micro_batches`: per rank per step (the accumulation). `layout`,
     `reduce_dtype`: fsdp's decided parallel.layout and parallel.reduce_dtype (None: fp32);
@@ -186,7 +184,7 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
                            allreduce_message_bytes=message)
     if strategy not in ("fsdp", "zero3"):
         raise ValueError(f"unknown strategy {strategy}")
-    if strategy == "fsdp" and layout not in LAYOUTS:
+    if strategy == "fsdp" and layout not in SPECS:
         raise ValueError(f"unknown layout {layout}")
 
     def gathered(p) -> int:
@@ -226,37 +224,21 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
         return CommPattern(strategy, layers, collectives, backward_gathers=backward, gathering_micro_batches=m,
                            **figures)
 
+    spec = SPECS[layout]
     all_grads = layers * block_reduce + root_reduce
-    root_once = Collective("all_gather", "the root (embeddings, norm, head), once a step", root_gather, root_gather)
-    if layout == "full_shard":
-        collectives = (
-            Collective("all_gather", "blocks, forward and backward, every micro-batch", m * 2 * layers * block_gather,
-                       block_gather),
-            root_once,
-            Collective("reduce_scatter", "gradients, every micro-batch", m * all_grads, block_reduce, via=via))
-    elif layout == "node_reshard":
-        collectives = (
-            Collective("all_gather", "blocks for the forward, every micro-batch", m * layers * block_gather,
-                       block_gather),
-            root_once,
-            Collective("all_gather", "blocks for the backward, from the node's share", m * layers * block_gather,
-                       block_gather, span=NODE),
-            Collective("reduce_scatter", "gradients, every micro-batch", m * all_grads, block_reduce, via=via))
-    elif layout == "gather_once":
-        collectives = (
-            Collective("all_gather", "blocks, once a step", layers * block_gather, block_gather),
-            root_once,
-            Collective("reduce_scatter", "gradients, once a step", all_grads, block_reduce, via=via))
-    else:  # hybrid
-        collectives = (
-            Collective("all_gather", "blocks, forward and backward, every micro-batch, in the node",
-                       m * 2 * layers * block_gather, block_gather, span=NODE),
-            Collective("all_gather", "the root, once a step, in the node", root_gather, root_gather, span=NODE),
-            Collective("reduce_scatter", "gradients, every micro-batch, in the node", m * all_grads, block_reduce,
-                       span=NODE, via=via),
-            # each rank all-reduces its shard of the gradients with its peers on the other nodes, once a step
-            Collective("all_reduce", "gradient shards across the nodes, once a step", all_grads // max(per_node, 1),
-                       max(1, block_reduce // max(per_node, 1)), span=ACROSS))
-    backward = 0 if layout == "gather_once" else layers  # blocks gathered again for a backward (in the node or not)
-    return CommPattern(strategy, layers, collectives, layout=layout, backward_gathers=backward,
-                       gathering_micro_batches=1 if layout == "gather_once" else m, **figures)
+    whole = {"blocks": layers * block_gather, "root": root_gather, "gradients": all_grads,
+             "gradient_shards": all_grads // max(per_node, 1)}
+    message = {"blocks": block_gather, "root": root_gather, "gradients": block_reduce,
+               "gradient_shards": max(1, block_reduce // max(per_node, 1))}
+    collectives = tuple(_collective(c, whole, message, m, via) for c in spec.collectives)
+    return CommPattern(strategy, layers, collectives, layout=layout,
+                       backward_gathers=layers if spec.gathers_for_backward else 0,
+                       gathering_micro_batches=1 if spec.once_a_step else m, **figures)
+
+
+def _collective(c: StepCollective, whole: dict[str, int], message: dict[str, int], micro_batches: int,
+                via: str) -> Collective:
+    """A layout's collective (cputrain.parallel.fsdp_layouts.StepCollective) in bytes."""
+    times = (micro_batches if c.per_micro_batch else 1) * c.passes
+    return Collective(c.kind, c.what, times * whole[c.carries], message[c.carries], span=c.span,
+                      via=via if c.kind == "reduce_scatter" else "ring")

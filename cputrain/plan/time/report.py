@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cputrain.plan.instances import Instance, flow_cap
+from cputrain.plan.instances import Instance
 from cputrain.plan.time.advice import NETWORK_SHARE_ADVICE, Remedy, remedies
 from cputrain.plan.time.measured_mfu import MfuChoice
-from cputrain.plan.time.on_instance import Network, instance_rank_peak, step_on_instance
-from cputrain.plan.time.step_time import CollectiveTime, StepSettings, StepTimePlan
+from cputrain.plan.time.on_instance import Network, step_on_instance
+from cputrain.plan.time.step_time import CollectiveTime, Compute, StepSettings, StepTimePlan
 
 GB = 1e9
 
@@ -50,13 +50,11 @@ def time_plan(plan, global_batch: int, instance: Instance | None, nproc_per_node
     network = Network(link_gbit_s, placement_group)
     step, choice = step_on_instance(plan, global_batch, instance, nproc_per_node, network)
     settings = StepSettings.of_plan(plan, global_batch)
-    cap, cap_source = flow_cap(placement_group)
     advice = remedies(settings, plan.shape, plan.inputs.world_size, nproc_per_node, step, instance=instance,
-                      rank_peak_bytes=plan.peak_rank.total_bytes, link_gbit_s=network.link_of(instance),
-                      mfu=choice.row.executed_share_of_peak,
-                      peak_of=lambda inst, ranks: instance_rank_peak(inst, settings.precision, ranks),
-                      memory_of=lambda **changes: rank_peak_bytes(plan, **changes), candidates=candidates,
-                      mfu_source=choice.describe(), flow_cap_gbit_s=cap, flow_cap_source=cap_source)
+                      rank_peak_bytes=plan.peak_rank.total_bytes,
+                      compute=Compute(step.peak_flops_per_s, choice.row.executed_share_of_peak, choice.describe()),
+                      link=network.link(network.link_of(instance)),
+                      memory_of=lambda **changes: rank_peak_bytes(plan, **changes), candidates=candidates)
     return TimePlan(step, choice, instance, advice)
 
 

@@ -3,7 +3,8 @@ checkpoint. `cputrain k8s` sets the pods' terminationGracePeriodSeconds and the 
 launch.stop_timeout_s from it, so a node drain never kills a save half-way (the kubelet's
 default grace period is 30 s; one step of an 8B model is minutes).
 
-    stop window = one step at an assumed fraction of the instance's peak FLOP/s
+    stop window = one step (cputrain.plan.time.step_time's compute, no network) at an assumed
+                  fraction of the instance's peak FLOP/s
                 + the whole checkpoint's bytes at the storage's write rate
     grace period = stop window + a margin for the agent's own exit
 
@@ -18,12 +19,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cputrain.config import checkpointed_blocks
-from cputrain.hardware import peak_flops
-from cputrain.metrics.flops import flops_per_token
-from cputrain.plan.memory.accounting import BYTES_PER_PARAM
 from cputrain.plan.instances import Instance
+from cputrain.plan.memory.accounting import BYTES_PER_PARAM
 from cputrain.plan.model_shape import ModelShape
+from cputrain.plan.time.on_instance import rank_peak_flops
+from cputrain.plan.time.step_time import Compute, StepSettings, plan_step_time
 
 # FSx for Lustre's smallest file system (1.2 TiB, SCRATCH_2) has a baseline of 200 MB/s per TiB,
 # 240 MB/s; 200 MiB/s stays below it. Other storage: pass its rate.
@@ -32,8 +32,6 @@ DEFAULT_STORAGE_WRITE_MIB_S = 200.0
 # only keeps a pod a little longer, one estimated too short kills the save it waited for.
 # (AMX bf16 steps measure 20-40% of the tile peak; fp32 steps ~40% of the FMA peak.)
 ASSUMED_MFU = 0.10
-# Sapphire Rapids' all-core turbo on c7i/m7i/r7i; the per-cycle rates come from cputrain.hardware.
-ASSUMED_CLOCK_GHZ = 3.2
 # The agent's exit after its ranks have saved: closing the rendezvous, the last log lines.
 EXIT_MARGIN_S = 30
 # A spot instance gets two minutes' notice before it is reclaimed, whatever the grace period.
@@ -69,33 +67,14 @@ def checkpoint_bytes(shape: ModelShape, strategy: str, precision: str) -> int:
     return shape.trainable_params * (p_bytes + k_bytes)
 
 
-def step_flops(shape: ModelShape, seq_len: int, global_batch: int,
-               activation_checkpointing: bool | int | str) -> float:
-    """Model FLOPs of one optimizer step, counted as cputrain.metrics.flops counts them."""
-    embeddings = [p for p in shape.params if "embed_tokens" in p.name]
-    # The input table is a lookup, not a matmul; a tied lm_head still multiplies by it.
-    untied = 0 if shape.tied_embeddings else sum(p.numel for p in embeddings)
-    non_embedding = shape.total_params - untied
-    trained = shape.trainable_params - (0 if shape.tied_embeddings else sum(p.numel for p in embeddings if p.trainable))
-    per_token = flops_per_token(non_embedding, shape.layers, shape.hidden, seq_len, trained_params=trained)
-    # the forward of each block checkpointed whole runs again in the backward; selective blocks
-    # run no matmul again (only norms, RoPE, SiLU × up and LoRA's thin lora_B: no count here)
-    per_token += 2 * non_embedding * checkpointed_blocks(activation_checkpointing, shape.layers) / shape.layers
-    return per_token * seq_len * global_batch
-
-
-def instance_peak_flops(instance: Instance, precision: str) -> float:
-    """The instance's theoretical peak: AVX-512 with two FMA pipes on every built-in family, AMX
-    where the table says so."""
-    flags = {"avx512f": True, "fma": True, "amx_bf16": instance.amx}
-    return peak_flops(flags, instance.physical_cores, ASSUMED_CLOCK_GHZ)[0][precision]
-
-
-def stop_window(shape: ModelShape, strategy: str, precision: str, seq_len: int, global_batch: int,
-                activation_checkpointing: bool | int | str, instance: Instance, nnodes: int,
+def stop_window(plan, global_batch: int, instance: Instance, nnodes: int,
                 storage_write_mib_s: float = DEFAULT_STORAGE_WRITE_MIB_S) -> StopWindow:
-    flops = step_flops(shape, seq_len, global_batch, activation_checkpointing)
-    step_s = flops / (instance_peak_flops(instance, precision) * nnodes * ASSUMED_MFU)
-    ckpt = checkpoint_bytes(shape, strategy, precision)
+    """The stop window of memory plan `plan` (cputrain.plan.memory.build.Plan) on `nnodes` nodes of `instance`."""
+    ranks_per_node = plan.inputs.world_size // nnodes
+    settings = StepSettings.of_plan(plan, global_batch)
+    compute = Compute(rank_peak_flops(settings.precision, instance=instance, ranks_per_node=ranks_per_node),
+                      ASSUMED_MFU, "assumed")
+    step_s = plan_step_time(settings, plan.inputs.world_size, ranks_per_node, plan.shape, compute).compute_s
+    ckpt = checkpoint_bytes(plan.shape, settings.strategy, settings.precision)
     return StopWindow(step_s=step_s, checkpoint_bytes=ckpt, save_s=ckpt / (storage_write_mib_s * 2**20),
                       storage_write_mib_s=storage_write_mib_s)

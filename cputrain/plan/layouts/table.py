@@ -3,7 +3,7 @@ the network's share of the step, USD per million tokens, and whether the memory 
 then, per instance type, "will these nodes beat one?": its fastest layout that fits against one
 node of the same type (the same ranks per node and global batch, decided as on one node: full_shard).
 
-Each cell is the plan of cputrain.plan.time.layout_choice (the layout's memory plan, its step on
+Each cell is the plan of cputrain.plan.layouts.choice (the layout's memory plan, its step on
 that instance's link and MFU), so the table and parallel.layout=auto never disagree.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from cputrain.parallel.fsdp_layouts import LAYOUTS
 from cputrain.plan.instances import Instance, flow_cap
 from cputrain.plan.memory.fit import fits
-from cputrain.plan.time.layout_choice import LayoutFigures, fastest, figures_on_instance, plans_by_layout
-from cputrain.plan.time.on_instance import Network, step_on_instance
+from cputrain.plan.layouts.choice import LayoutFigures, fastest, figures_on_instance, plans_by_layout
+from cputrain.plan.time import Network, step_on_instance
 
 GIB = 2**30
 

@@ -1,5 +1,5 @@
-"""What each FSDP layout (parallel.layout, cputrain.parallel.fsdp_layouts) holds per rank beyond
-its shards, and over how many ranks it shards.
+"""What each FSDP layout (parallel.layout, its spec in cputrain.parallel.fsdp_layouts) holds per
+rank beyond its shards, and over how many ranks it shards.
 
 Every layout holds, while a micro-batch runs, the root (embeddings, final norm, head) gathered —
 kept from the step's first forward to its last backward — the block that runs and the one
@@ -28,17 +28,11 @@ a reduce-scatter runs at all (FSDP2 skips it on a shard group of one rank).
 
 from __future__ import annotations
 
+from cputrain.parallel.fsdp_layouts import FsdpLayout
 from cputrain.plan.model_shape import ModelShape
 
 
-def shard_world(layout: str, world_size: int, ranks_per_node: int | None) -> int:
-    """Ranks each parameter is split over: a node's under hybrid, else the world's."""
-    if layout == "hybrid":
-        return ranks_per_node or world_size
-    return world_size
-
-
-def fsdp_buffer_bytes(m: ModelShape, layout: str, world_size: int, ranks_per_node: int | None,
+def fsdp_buffer_bytes(m: ModelShape, spec: FsdpLayout, world_size: int, ranks_per_node: int | None,
                       gathered_bytes: int, reduce_bytes: int, all_to_all: bool, micro_batches: int = 1) -> int:
     """One rank's gathered parameters and unsharded gradients at the peak of a micro-batch;
     `micro_batches`: per rank per step (the accumulation)."""
@@ -47,13 +41,13 @@ def fsdp_buffer_bytes(m: ModelShape, layout: str, world_size: int, ranks_per_nod
     root = units.get("root", 0)
     trained_blocks = [n for u, n in m.unit_params(trainable_only=True).items() if u != "root"] or [0]
     one_block_grads = max(trained_blocks) * reduce_bytes
-    if layout == "gather_once":
+    if spec.once_a_step:
         accumulated = m.trainable_params * reduce_bytes if micro_batches > 1 else 0
         held = (root + sum(blocks)) * gathered_bytes + accumulated + one_block_grads
     else:
         held = (root + 2 * max(blocks)) * gathered_bytes + one_block_grads
-    if layout == "node_reshard" and ranks_per_node:
+    if spec.keeps_node_share and ranks_per_node:
         held += int(sum(blocks) * gathered_bytes * (1 / ranks_per_node - 1 / world_size))
-    if all_to_all and shard_world(layout, world_size, ranks_per_node) > 1:
+    if all_to_all and spec.shard_world(world_size, ranks_per_node) > 1:
         held += one_block_grads  # the all-to-all's receive buffer
     return held

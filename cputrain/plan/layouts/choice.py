@@ -21,14 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cputrain.parallel.fsdp_layouts import LAYOUTS, layout_error
-from cputrain.plan.instances import NETWORK_GBIT_S, Instance, flow_cap
-from cputrain.plan.time.on_instance import Network, step_on_instance
-from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, LAYOUTS, layout_error
+from cputrain.plan.instances import Instance
+from cputrain.plan.time import (RUN_NETWORK, Compute, Network, StepSettings, StepTimePlan, plan_step_time,
+                                rank_peak_flops, step_on_instance)
 
 GIB = 2**30
-# A run's link: the smallest built-in instance's (8xlarge), EC2's per-flow cap outside a placement group.
-RUN_NETWORK = Network(NETWORK_GBIT_S["8xlarge"], placement_group=False)
 
 
 @dataclass(frozen=True)
@@ -83,16 +81,14 @@ def figures_on_instance(plans: dict, global_batch: int, instance: Instance, rank
 
 
 def figures_here(plans: dict, global_batch: int, ranks_per_node: int, fits: Callable[[int], bool],
-                 rank_peak_flops: float, mfu: float, mfu_source: str,
-                 network: Network = RUN_NETWORK) -> list[LayoutFigures]:
+                 compute: Compute, network: Network = RUN_NETWORK) -> list[LayoutFigures]:
     """Each layout's plan on a running node: `fits(peak rank bytes)`, the rank's own peak and MFU,
     and `network` (a run knows no link: RUN_NETWORK)."""
-    cap, cap_source = flow_cap(network.placement_group)
+    link = network.link(network.link_gbit_s)
     out = []
     for layout, plan in plans.items():
         step = plan_step_time(StepSettings.of_plan(plan, global_batch), plan.inputs.world_size, ranks_per_node,
-                              plan.shape, link_gbit_s=network.link_gbit_s, peak_flops_per_s=rank_peak_flops,
-                              mfu=mfu, mfu_source=mfu_source, flow_cap_gbit_s=cap, flow_cap_source=cap_source)
+                              plan.shape, compute, link)
         peak = plan.peak_rank.total_bytes
         out.append(LayoutFigures(layout, peak, fits(peak), step))
     return out
@@ -116,12 +112,12 @@ def layout_choice(figures: list[LayoutFigures], nnodes: int, where: str, how: st
     """parallel.layout and why. `figures`: each admissible layout's (none needed on one node);
     `where`: what a rank must fit in, `how`: what the time plan assumed (for the words)."""
     if nnodes <= 1:
-        return "full_shard", ONE_NODE
+        return DEFAULT_LAYOUT, ONE_NODE
     by_name = {f.layout: f for f in figures}
-    full = by_name["full_shard"]
+    full = by_name[DEFAULT_LAYOUT]
     fitting = [f for f in figures if f.fits]
     if not fitting:
-        return "full_shard", (f"no layout's memory plan fits {where}: full_shard, the least "
+        return DEFAULT_LAYOUT, (f"no layout's memory plan fits {where}: full_shard, the least "
                               f"({full.peak_rank_bytes / GIB:,.1f} GiB a rank; `cputrain plan` shows what fits)")
     best = fastest(fitting)
     others = [(_figure(f) if f.fits else f"{f.layout} does not fit ({f.peak_rank_bytes / GIB:,.1f} GiB a rank)")
@@ -145,7 +141,7 @@ def full_shard_fit(cfg, world_size: int, ranks_per_node: int | None, instances: 
     instance a plan's layout is chosen on, and its ranks per node where none are given."""
     from cputrain.plan.memory.build import make_plan
 
-    planned = with_layout(least_memory_checkpointing(cfg), "full_shard")
+    planned = with_layout(least_memory_checkpointing(cfg), DEFAULT_LAYOUT)
     if planned.parallel.reduce_dtype == "auto":
         planned = planned.model_copy(update={"parallel": planned.parallel.model_copy(update={"reduce_dtype": "fp32"})})
     return make_plan(planned, world_size, nproc_per_node=ranks_per_node, instances=instances,
@@ -175,20 +171,20 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     RUN_NETWORK."""
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
+    from cputrain.plan.time import cpu_kind, measured_mfu
 
     nnodes = world_size // max(ranks_per_node, 1)
     if nnodes <= 1:
         return layout_choice([], nnodes, "", "")
-    base = make_plan(with_layout(least_memory_checkpointing(cfg), "full_shard"), world_size,
+    base = make_plan(with_layout(least_memory_checkpointing(cfg), DEFAULT_LAYOUT), world_size,
                      nproc_per_node=ranks_per_node, vocab_size=vocab_size)
     precision = cfg.hardware.precision
-    peak = hw.peak_flops[precision] * min(1.0, cfg.hardware.threads / max(1, hw.physical_cores))
+    peak = rank_peak_flops(precision, hw=hw, threads=cfg.hardware.threads)
     mfu = measured_mfu(precision, cpu_kind(hw.flags), cfg.model.lora.enabled)
     memory_bytes = hw.memory_gib * GIB
     figures = figures_here(plans_by_layout(base, ranks_per_node), cfg.train.global_batch_size, ranks_per_node,
-                           lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes, peak,
-                           mfu.row.executed_share_of_peak, mfu.describe())
+                           lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes,
+                           Compute(peak, mfu.row.executed_share_of_peak, mfu.describe()))
     where = f"this node's {hw.memory_gib:.1f} GiB with {ranks_per_node} rank(s) (the plan's pod rule: each × 1.1)"
     how = (f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
            "link rate, so the smallest built-in instance's, outside a placement group")
