@@ -440,7 +440,7 @@ class TrainConfig(Section):
     once at the end; each report is a write through the Kubernetes API, hence the floor of 1 s.
     Elsewhere nothing is sent."""
 
-    objective: Literal["lm", "dpo", "simpo", "kto", "reward"] = "lm"
+    objective: Literal["lm", "dpo", "simpo", "kto", "reward", "grpo", "rloo"] = "lm"
     """What a step minimises. lm: the next-token loss on the trained tokens. dpo: Direct Preference
     Optimization's sigmoid loss on preference pairs (data.format=preference), against a reference:
     the base model with the LoRA adapters off (model.lora.enabled=true). simpo: SimPO's
@@ -450,7 +450,10 @@ class TrainConfig(Section):
     off) and its KL estimate from mismatched prompt/completion pairs. reward: a reward model, a
     scalar score head on the model (transformers' sequence classifier, num_labels=1) trained with
     the Bradley–Terry loss on preference pairs (TRL's RewardTrainer); its model/ loads with
-    AutoModelForSequenceClassification and `cputrain score` scores records with it."""
+    AutoModelForSequenceClassification and `cputrain score` scores records with it. grpo and rloo:
+    online reinforcement learning (TRL's GRPOTrainer and RLOOTrainer) on prompts (data.format=prompt):
+    each step samples train.num_generations completions of each of its prompts from the policy,
+    scores them with train.rewards, and trains on their advantages within each prompt's group."""
 
     dpo_beta: float = Field(0.1, gt=0)
     """DPO's β: how far the policy may move from the reference (TRL's default, 0.1)."""
@@ -488,6 +491,73 @@ class TrainConfig(Section):
     center_rewards_coefficient: float | None = Field(None, ge=0)
     """reward: a penalty on the squared sum of each pair's two rewards, times this, that keeps the
     rewards centred on zero (TRL's center_rewards_coefficient; 0.01 is its recommendation). Empty: none."""
+
+    num_generations: int = Field(8, ge=2)
+    """grpo, rloo: completions sampled per prompt, one group whose rewards make each other's baseline
+    (TRL's num_generations, 8). train.global_batch_size counts completions, as TRL's batch does,
+    and must be a multiple of it: a step trains global_batch_size ÷ num_generations prompts, each
+    prompt's group on one rank."""
+
+    max_completion_length: int = Field(256, gt=0)
+    """grpo, rloo: the most tokens sampled for one completion (TRL's max_completion_length, 256); a
+    completion that reaches it unfinished counts in completions/clipped_ratio. A prompt longer than
+    data.seq_len − this is refused before any work."""
+
+    temperature: float = Field(1.0, gt=0)
+    """grpo, rloo: the sampling temperature of the rollouts (TRL's, 1.0)."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """grpo, rloo: nucleus sampling's share of probability kept (1.0: off, TRL's)."""
+
+    top_k: int = Field(0, ge=0)
+    """grpo, rloo: sample among the k most likely tokens only (0: off, TRL's)."""
+
+    rewards: list[str] = Field(default_factory=list)
+    """grpo, rloo: the reward functions, each one of: a Python callable `module:function` with TRL's
+    signature f(prompts, completions, completion_ids, **columns) -> list[float | None] (the
+    prompts' other columns, e.g. `answer`, as lists); a built-in, `exact_answer` (1.0 where the
+    completion's text, stripped, equals the record's `answer` column, else 0.0) or
+    `regex:<pattern>` (1.0 where the completion matches the pattern from its start, else 0.0); or a
+    reward model's run folder (`train.objective=reward`), scored in process. Each is logged as
+    rewards/<name>/mean."""
+
+    reward_weights: list[float] | None = None
+    """grpo, rloo: one weight per entry of train.rewards; a completion's reward is the weighted sum
+    (TRL's reward_weights). Empty: every weight 1.0."""
+
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """grpo: how the per-token losses are summed (TRL's loss_type, dapo by default). grpo: the mean
+    over each completion's tokens, then over the completions; dapo: over every completion token of
+    the global batch; dr_grpo: the sum ÷ (completions × train.max_completion_length). Each is
+    normalised over the global batch, whatever the micro-batches and ranks."""
+
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """grpo: the advantage is the reward minus its group's mean, divided by the standard deviation
+    of the rewards of the group (group, TRL's default), of the whole global batch (batch), or not
+    divided (none: Dr. GRPO's advice)."""
+
+    normalize_advantages: bool = False
+    """rloo: scale the leave-one-out advantages of the global batch to mean 0 and standard deviation
+    1 (TRL's normalize_advantages, false)."""
+
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    """grpo, rloo: the clipping range's lower side: the probability ratio to the policy that
+    sampled is clipped at 1 − epsilon (TRL's, 0.2)."""
+
+    epsilon_high: float | None = Field(None, gt=0)
+    """grpo, rloo: the clipping range's upper side, 1 + epsilon_high (DAPO recommends 0.28). Empty:
+    train.epsilon."""
+
+    num_iterations: int = Field(1, gt=0)
+    """grpo, rloo: optimizer steps taken on each batch of rollouts (TRL's μ, 1): one sampling every
+    this many steps, the later steps against the log-probabilities of the policy that sampled."""
+
+    rl_beta: float = Field(0.0, ge=0)
+    """grpo, rloo: the weight of the KL divergence to the reference (TRL's beta; 0: none, and no
+    reference pass). grpo adds it to each token's loss, rloo subtracts β × the completion's
+    summed log-ratio from its reward, as TRL does. The reference is the model with the LoRA adapters
+    off; with full weights it would need a frozen copy of the starting model (twice the weights'
+    memory), which is not kept: with full weights rl_beta > 0 is refused."""
 
     stop_at_step: int | None = Field(None, gt=0)
     """Stop after this optimizer step, with a checkpoint, leaving the schedule (set by max_steps)

@@ -64,6 +64,11 @@ class Objective(ABC):
     summary_figures: ClassVar[tuple[str, ...]] = ()
     """The figures summary.json carries of a run (the last logged step's, the first and last
     validation's; metrics.run_metrics); empty: none, and no pairs per second."""
+    batches_from_rollouts: ClassVar[bool] = False
+    """Whether a step's micro-batches are made by the objective from its rows (online RL: prompts
+    sampled from the policy, scored by reward functions: step_batches) rather than cut from the
+    token cache; the trainer then hands it the run's reward functions (use_rewards), and the plans
+    count the rollout."""
 
     @classmethod
     @abstractmethod
@@ -82,6 +87,12 @@ class Objective(ABC):
         """Refuse, in one line, a reference it cannot run under this config (preflight); nothing by
         default."""
 
+    @classmethod
+    def rows_per_step(cls, train_cfg) -> int:
+        """Rows of the data a step takes (the batch order's global batch): train.global_batch_size
+        by default; online RL's prompts, each sampled num_generations times."""
+        return train_cfg.global_batch_size
+
     # ---- the built objective (the trainer, evaluation) -------------------------------------------
     def __init__(self, train_cfg=None, reference: Reference = None, chunked: bool = False):
         """`reference(model)`: the converter's context in which `model` is the reference; `chunked`:
@@ -94,6 +105,23 @@ class Objective(ABC):
 
     def start_step(self, model, micro_batches: list, autocast) -> None:
         """Before a step's micro-batches, over all of them (KTO: its KL estimate); nothing by default."""
+
+    def step_batches(self, model, rows, indices: list, micro_batch: int, autocast) -> list:
+        """This rank's micro-batches of the step from its rows (`indices`: one array of row indices
+        per micro-batch, the batch order's cut): those rows by default; online RL samples, scores
+        and cuts completions."""
+        return [rows.batch(i) for i in indices]
+
+    def use_rewards(self, rewards) -> None:
+        """The run's reward functions, built by the trainer (batches_from_rollouts); none by default."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the objective for an exact resume (online RL: its sampling
+        generator's state); nothing by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The objective's state as a checkpoint kept it (state_dict)."""
 
     @abstractmethod
     def items(self, batch) -> int:

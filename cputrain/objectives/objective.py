@@ -6,11 +6,13 @@ from __future__ import annotations
 from cputrain.objectives.contract import Objective, Reference
 from cputrain.objectives.kto import KtoObjective
 from cputrain.objectives.lm import LmObjective
+from cputrain.objectives.online_rl import GrpoObjective, RlooObjective
 from cputrain.objectives.preference import DpoObjective, SimpoObjective
 from cputrain.objectives.reward import RewardObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (LmObjective, DpoObjective, SimpoObjective, KtoObjective, RewardObjective)
+    cls.name: cls for cls in (LmObjective, DpoObjective, SimpoObjective, KtoObjective, RewardObjective,
+                             GrpoObjective, RlooObjective)
 }
 
 

@@ -28,7 +28,8 @@ def test_the_facts_the_plans_and_preflight_read_before_any_model():
              for name, cls in OBJECTIVES.items()}
     assert facts == {"lm": ("text", "lm", 0, False), "dpo": ("preference", "lm", 0, True),
                      "simpo": ("preference", "lm", 0, False), "kto": ("feedback", "lm", 1, True),
-                     "reward": ("preference", "score", 0, False)}
+                     "reward": ("preference", "score", 0, False), "grpo": ("prompt", "lm", 0, False),
+                     "rloo": ("prompt", "lm", 0, False)}
     assert [name for name, cls in OBJECTIVES.items() if cls.perplexity] == ["lm"]
     assert [name for name, cls in OBJECTIVES.items() if not cls.summary_figures] == ["lm"]
 
@@ -38,6 +39,13 @@ def test_the_facts_the_plans_and_preflight_read_before_any_model():
     (["train.objective=reward", "parallel.strategy=zero3"], "parallel.strategy=zero3 does not train a reward model"),
     (["train.objective=reward", "parallel.strategy=fsdp"], "a reward model from random weights does not take"),
     (["data.packing=false", "train.global_batch_pairs=8"], "train.objective=lm trains no pairs"),
+    (["train.objective=grpo", "train.rewards=[exact_answer]", "train.global_batch_size=12"],
+     r"must be a multiple of train.num_generations \(8\), each prompt's group whole; set train.global_batch_size=16"),
+    (["train.objective=rloo"], "needs at least one reward function"),
+    (["train.objective=grpo", "train.rewards=[exact_answer]", "train.reward_weights=[1.0,2.0]"],
+     "has 2 weight"),
+    (["train.objective=grpo", "train.rewards=[exact_answer]", "data.seq_len=256"],
+     r"data.seq_len \(256\) leaves no room for a prompt"),
 ])
 def test_an_objective_refuses_a_config_it_cannot_train_under(overrides, expect):
     cfg = load_config(None, overrides)  # the config alone is valid: the objective refuses it

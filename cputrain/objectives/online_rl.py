@@ -1,0 +1,301 @@
+"""Online RL (train.objective=grpo, rloo): TRL's GRPOTrainer and RLOOTrainer, whose batches are
+not read from the token cache but made each step from its prompts: sampled from the policy
+(cputrain.rollouts), scored by the run's reward functions, given advantages within each prompt's
+group, then trained on (objectives.rl_loss).
+
+A step's prompts are global_batch_size ÷ num_generations; each rank takes its share whole, so a
+prompt's group never spans ranks and its advantages are computed where it was sampled. What spans
+the global batch (scale_rewards=batch's std, RLOO's normalisation, the logged reward figures) is
+one all-reduce of sums. With num_iterations μ > 1 the same rollouts train μ steps, against the
+log-probabilities of the policy that sampled them (taken once, without gradients, as TRL does).
+
+The reference (rl_beta > 0) is the model with the LoRA adapters off (the converter's reference);
+with full weights it would be a frozen copy of the starting model, twice the weights' memory, and
+is refused (check_reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+
+from cputrain.distributed import process_group as pg
+from cputrain.errors import ConfigError
+from cputrain.objectives import rl_loss
+from cputrain.objectives.contract import Objective
+from cputrain.objectives.rollout_batch import RolloutBatch, completion_logps, rollout_batch
+
+
+def _cut(values, micro_batch: int) -> list:
+    return [values[i : i + micro_batch] for i in range(0, len(values), micro_batch)]
+
+
+class OnlineRlObjective(Objective):
+    """What GRPO and RLOO share: the rollouts, the rewards, the batches; each says its advantages and loss."""
+
+    data_format = "prompt"
+    batches_from_rollouts = True
+    items_key = "completions"
+    item_described = "prompt"
+    names = rl_loss.SUM_NAMES
+    summary_figures = ("reward", "reward_std", "completions/mean_length")
+    sequence_level = False  # RLOO's ratio is the completion's, GRPO's each token's
+
+    def __init__(self, train_cfg=None, reference=None, chunked: bool = False):
+        super().__init__(train_cfg, reference, chunked)
+        self.rewards = None  # the run's reward functions (handed in by the trainer: use_rewards)
+        self.generator = torch.Generator().manual_seed(0)  # the rollouts' only source of randomness
+        self.pad_id = 0
+        self.rollout_figures: dict[str, float] = {}  # the last rollout's reward and length figures
+        self.kept: list | None = None  # num_iterations > 1: the rollouts the next steps train on again
+        self.iteration = 0  # steps taken on self.kept
+
+    # ---- facts ------------------------------------------------------------------------------
+    @classmethod
+    def check_data(cls, data_format: str) -> None:
+        if data_format != "prompt":
+            raise ConfigError(f"train.objective={cls.name} samples its completions from prompts (TRL's prompt-only "
+                              f"records: a `prompt` field, plain or conversational: data.format=prompt), but "
+                              f"data.format is {data_format}; set data.format=prompt (or auto)")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        train = cfg.train
+        if train.global_batch_size % train.num_generations:
+            raise ConfigError(f"train.global_batch_size ({train.global_batch_size}) counts completions and must be a "
+                              f"multiple of train.num_generations ({train.num_generations}), each prompt's group "
+                              f"whole; set train.global_batch_size="
+                              f"{max(1, round(train.global_batch_size / train.num_generations)) * train.num_generations}")
+        if not train.rewards:
+            raise ConfigError(f"train.objective={cls.name} needs at least one reward function: set train.rewards, "
+                              "e.g. [exact_answer] or ['regex:^The'] or ['my_module:my_reward']")
+        if train.reward_weights is not None and len(train.reward_weights) != len(train.rewards):
+            raise ConfigError(f"train.reward_weights has {len(train.reward_weights)} weight(s) for "
+                              f"{len(train.rewards)} reward function(s) in train.rewards; give one weight each")
+        if cfg.model.chunked_loss is True:
+            raise ConfigError(f"model.chunked_loss=true computes the loss block by block without logits, and "
+                              f"train.objective={cls.name} reads each completion token's log-probability at the "
+                              "sampling temperature; set model.chunked_loss=false")
+        if cfg.data.seq_len <= train.max_completion_length:
+            raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) leaves no room for a prompt before "
+                              f"train.max_completion_length ({train.max_completion_length}) sampled tokens; raise "
+                              "data.seq_len or lower train.max_completion_length")
+
+    @classmethod
+    def check_reference(cls, cfg) -> None:
+        if cfg.train.rl_beta > 0 and not cfg.model.lora.enabled:
+            raise ConfigError(f"train.rl_beta={cfg.train.rl_beta} needs a reference, and with full weights that is a "
+                              "frozen copy of the starting model (twice the weights' memory), which cputrain does "
+                              "not keep; set model.lora.enabled=true (the reference is then the adapters off), or "
+                              "train.rl_beta=0")
+
+    @classmethod
+    def rows_per_step(cls, train_cfg) -> int:
+        return train_cfg.global_batch_size // train_cfg.num_generations
+
+    # ---- the built objective ------------------------------------------------------------------
+    def use_rewards(self, rewards) -> None:
+        """The run's reward functions: .names, .weights ([functions]) and .score(records,
+        completion_ids) → [completions, functions] (built above the objectives: a reward model is
+        a finished model)."""
+        self.rewards = rewards
+
+    def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
+        self.pad_id = rows[0].pad_id
+        self.generator.manual_seed(int(getattr(self.cfg, "seed", 0) or 0))
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to sample the same completions: the generator's state."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+    def step_batches(self, model, rows, indices: list, micro_batch: int, autocast) -> list:
+        """This rank's prompts of the step (`indices`, rows of prompts) sampled, scored and cut into
+        micro-batches of `micro_batch` completions; with num_iterations > 1 the rollouts of the
+        cycle's first step again."""
+        cfg = self.cfg
+        if self.kept is not None and self.iteration < cfg.num_iterations:
+            self.iteration += 1
+            return self.kept
+        records = rows.prompt_records(np.concatenate(indices) if len(indices) else np.zeros(0, dtype=np.int64))
+        prompt_ids = [r.ids for r in records for _ in range(cfg.num_generations)]
+        rollout = self._sample(model, prompt_ids)
+        scores = self.rewards.score([r for r in records for _ in range(cfg.num_generations)],
+                                    rollout.completion_ids)
+        batches = self.batches_from_completions(model, prompt_ids, rollout.completion_ids, scores, micro_batch,
+                                                autocast, stopped=rollout.stopped)
+        self.rollout_figures.update(self._rollout_speed(rollout))
+        self.kept, self.iteration = (batches, 1) if cfg.num_iterations > 1 else (None, 0)
+        return batches
+
+    def _sample(self, model, prompt_ids: list[list[int]]):
+        from cputrain.rollouts.sampling import SamplingSettings, sample
+
+        cfg = self.cfg
+        settings = SamplingSettings(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
+                                    tuple(self.stop_token_ids), self.pad_id)
+        # ranks of a sharded model run the same number of decode steps (rollouts.sample)
+        several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        any_running = (lambda running: pg.all_reduce_sum([float(running)])[0] > 0) if several else None
+        return sample(model, prompt_ids, settings, self.generator, any_running)
+
+    stop_token_ids: tuple[int, ...] = ()  # EOS and a chat turn's end (set by the trainer from the tokenizer)
+
+    def _rollout_speed(self, rollout) -> dict[str, float]:
+        seconds = rollout.prefill_s + rollout.decode_s
+        return {"rollout/tokens_per_s": rollout.new_tokens / max(seconds, 1e-9), "rollout/time_s": seconds}
+
+    @torch.no_grad()
+    def batches_from_completions(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                                 scores: torch.Tensor, micro_batch: int, autocast,
+                                 stopped: list[bool] | None = None) -> list[RolloutBatch]:
+        """The micro-batches of given completions (each prompt's group side by side) and their
+        rewards per function [completions, functions]: advantages, the old policy's and the
+        reference's log-probabilities where the step needs them; the rollout's figures logged."""
+        cfg = self.cfg
+        weights = torch.as_tensor(self.rewards.weights if self.rewards is not None else [1.0] * scores.shape[1],
+                                  dtype=torch.float32)
+        rewards = (scores.float() * weights).sum(dim=1)
+        batches = [rollout_batch(p, c, self.pad_id) for p, c in zip(_cut(prompt_ids, micro_batch),
+                                                                      _cut(completion_ids, micro_batch))]
+        kl = None
+        with autocast():
+            for batch in batches:
+                if cfg.num_iterations > 1 or self.needs_old_logps():
+                    batch.old_logps = completion_logps(model, batch, cfg.temperature)
+                if cfg.rl_beta != 0.0:
+                    with self.reference(_unwrapped(model)) if self.reference else contextlib.nullcontext():
+                        batch.ref_logps = completion_logps(model, batch, cfg.temperature)
+        if cfg.rl_beta != 0.0 and self.sequence_level:  # RLOO: the KL is a penalty on the reward
+            kl = torch.cat([((b.old_logps - b.ref_logps) * b.completion_mask).sum(-1) for b in batches])
+            rewards = rewards - cfg.rl_beta * kl
+        advantages = self.advantages(rewards)
+        at = 0
+        for batch in batches:
+            n = batch.completions
+            batch.advantages, batch.rewards = advantages[at : at + n], rewards[at : at + n]
+            at += n
+        self.rollout_figures = self._reward_figures(scores, weights, completion_ids, stopped, batches, kl)
+        return batches
+
+    def needs_old_logps(self) -> bool:
+        """Whether the old policy's log-probabilities are taken at sampling beyond num_iterations > 1."""
+        return False
+
+    def _reward_figures(self, scores, weights, completion_ids, stopped, batches, kl) -> dict[str, float]:
+        """TRL's reward and completion figures over the global batch (one all-reduce of sums)."""
+        cfg, n = self.cfg, len(completion_ids)
+        rewards = (scores.float() * weights).sum(dim=1)
+        grouped = rewards.view(-1, cfg.num_generations)
+        zero_std = torch.isclose(grouped.std(dim=1), torch.zeros(())).float().sum()
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float64)
+        clipped = float(sum(not s for s in stopped)) if stopped is not None else float(
+            (lengths >= cfg.max_completion_length).sum())
+        kl_sum = float(kl.sum()) if kl is not None else 0.0
+        kl_tokens = float(sum(b.completion_tokens for b in batches)) if kl is not None else 0.0
+        sums = pg.all_reduce_sum([float(n), float(rewards.sum()), float((rewards.double() ** 2).sum()),
+                                  float(zero_std), float(grouped.shape[0]), float(lengths.sum()), clipped,
+                                  kl_sum, kl_tokens, *scores.double().sum(dim=0).tolist()])
+        total, r_sum, r_sq, zero, groups, length, clipped, kl_sum, kl_tokens, *per_func = sums
+        mean = r_sum / total
+        figures = {"reward": mean, "reward_std": math.sqrt(max(r_sq - total * mean * mean, 0.0) / max(total - 1, 1)),
+                   "frac_reward_zero_std": zero / max(groups, 1), "completions/mean_length": length / total,
+                   "completions/clipped_ratio": clipped / total}
+        names = self.rewards.names if self.rewards is not None else [f"reward_{i}" for i in range(len(per_func))]
+        figures.update({f"rewards/{name}/mean": s / total for name, s in zip(names, per_func)})
+        if kl is not None:
+            figures["kl"] = kl_sum / max(kl_tokens, 1.0)
+        return figures
+
+    def _global_mean_std(self, values: torch.Tensor) -> tuple[float, float]:
+        n, s, sq = pg.all_reduce_sum([float(len(values)), float(values.sum()), float((values.double() ** 2).sum())])
+        mean = s / n
+        return mean, math.sqrt(max(sq - n * mean * mean, 0.0) / max(n - 1, 1))
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def items(self, batch) -> int:
+        return rl_loss.items_of(self.loss_type, batch.completions, batch.completion_tokens,
+                                self.cfg.max_completion_length)
+
+    loss_type = "grpo"
+
+    def figures(self, sums, items: int) -> dict[str, float]:
+        figures = dict(self.rollout_figures)
+        if float(sums[1]) > 0:  # completions trained this step
+            figures.update(rl_loss.loss_figures(sums, self.sequence_level, self.cfg.rl_beta))
+        return figures
+
+    @torch.no_grad()
+    def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
+        """Validation: each held-out prompt sampled once from the generator seeded by the run's seed
+        (the same completions' randomness at every evaluation); ([−sum of the rewards, 0…], prompts):
+        val_loss is the negative mean reward, eval_reward its mean."""
+        records = rows.prompt_records(np.asarray(indices))
+        if not records:
+            return np.zeros(1 + len(self.names)), 0
+        saved = self.generator.get_state()
+        self.generator.manual_seed(int(getattr(self.cfg, "seed", 0) or 0) + 1)
+        try:
+            rollout = self._sample(model, [r.ids for r in records])
+        finally:
+            self.generator.set_state(saved)
+        scores = self.rewards.score(records, rollout.completion_ids)
+        weights = torch.as_tensor(self.rewards.weights, dtype=torch.float32)
+        total = float((scores.float() * weights).sum())
+        return np.concatenate([[-total], np.zeros(len(self.names))]), len(records)
+
+
+def _unwrapped(model):
+    return getattr(model, "module", model)
+
+
+class GrpoObjective(OnlineRlObjective):
+    name = "grpo"
+
+    @property
+    def loss_type(self) -> str:
+        return self.cfg.loss_type
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        batch_std = self._global_mean_std(rewards)[1] if cfg.scale_rewards == "batch" else None
+        advantages, _ = rl_loss.group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
+        return advantages
+
+    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logps = completion_logps(model, batch, cfg.temperature)
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
+        eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        out = rl_loss.grpo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.loss_type, cfg.epsilon,
+                                eps_high, cfg.max_completion_length, cfg.rl_beta, batch.ref_logps)
+        return out.summed / divisor, out.sums
+
+
+class RlooObjective(OnlineRlObjective):
+    name = "rloo"
+    sequence_level = True
+
+    def needs_old_logps(self) -> bool:
+        return self.cfg.rl_beta != 0.0  # its KL penalty reads the sampling policy's log-probabilities
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        advantages = rl_loss.leave_one_out_advantages(rewards, self.cfg.num_generations)
+        if self.cfg.normalize_advantages:
+            advantages = rl_loss.normalized(advantages, *self._global_mean_std(advantages))
+        return advantages
+
+    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logps = completion_logps(model, batch, cfg.temperature)
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
+        eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        out = rl_loss.rloo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.epsilon, eps_high)
+        return out.summed / divisor, out.sums
