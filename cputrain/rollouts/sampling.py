@@ -3,6 +3,14 @@ then decoded a token a step from a KV cache, each row ending at a stop token or 
 
 Sampling follows transformers' order (temperature, then top-k, then top-p) and draws only from the
 generator it is given, so a resumed run that restores the generator's state samples the same.
+
+What makes it faster than `model.generate()` (each measured, docs/benchmarks/online-rl.md):
+- the prefill's head computes the last position's logits only;
+- the KV cache is written in place into tensors sized once (kv_cache.py), not concatenated;
+- the attention mask is built once and passed as a view (attention_masks.py);
+- one uniform number a row draws the token (token_draw.py), not an exponential per vocabulary entry;
+- finished rows leave the batch (their cache rows dropped), so the last long completions decode
+  alone instead of dragging the whole batch along.
 """
 
 from __future__ import annotations
@@ -13,6 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from cputrain.rollouts.attention_masks import RolloutMasks
+from cputrain.rollouts.kv_cache import keep_rows, rollout_cache
+from cputrain.rollouts.token_draw import next_tokens
 
 
 @dataclass(frozen=True)
@@ -34,35 +46,9 @@ class Rollout:
     new_tokens: int
 
 
-def next_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from the last position's logits (rows × vocab): argmax where the
-    temperature is 0, else drawn from the distribution that temperature, top-k and top-p leave."""
-    if settings.temperature == 0:
-        return logits.argmax(dim=-1)
-    return torch.multinomial(warped_scores(logits, settings).softmax(dim=-1), 1, generator=generator).squeeze(-1)
-
-
-def warped_scores(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """The scores sampling draws from: the logits divided by the temperature, then all but the top-k
-    set to -inf, then all outside the top-p mass (transformers' warpers, in their order)."""
-    scores = logits.float() / settings.temperature
-    if 0 < settings.top_k < scores.shape[-1]:
-        kth_best = torch.topk(scores, settings.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth_best, float("-inf"))
-    if settings.top_p < 1.0:
-        # transformers' TopPLogitsWarper: drop the least likely tokens whose mass together stays
-        # within 1 - top_p, always keeping the most likely one
-        ascending, order = torch.sort(scores, dim=-1)
-        mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = mass_below <= 1 - settings.top_p
-        drop_sorted[..., -1] = False
-        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return scores
-
-
 def _left_padded(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts as one left-padded batch, and its attention mask (1 on real tokens)."""
-    width = max(len(p) for p in prompt_ids)
+    """The prompts as one left-padded batch, and its padding mask (1 on real tokens)."""
+    width = max(max(len(p) for p in prompt_ids), 1)
     ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
     for row, prompt in enumerate(prompt_ids):
@@ -78,11 +64,23 @@ def _dummy_forward(model, pad_token_id: int) -> None:
     model(input_ids=torch.tensor([[pad_token_id]]), use_cache=False)
 
 
-def cache_keyword(model) -> str:
-    """The name the model's forward takes its KV cache under: `cache` from transformers 5.x, where
-    `past_key_values` is deprecated; `past_key_values` before."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+class _Forward:
+    """The model's forward as a rollout calls it: the cache under the keyword this transformers
+    takes (`cache` from 5.x, `past_key_values` before), the logits of the last position only where
+    the model can keep just those."""
+
+    def __init__(self, model):
+        self.model = model
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+        parameters = inspect.signature(inner.forward).parameters
+        self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        self.config = inner.config
+
+    def __call__(self, ids, mask, positions, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_keyword: cache}, **self.last_only)
+        return out.logits[:, -1, :]
 
 
 def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, generator: torch.Generator,
@@ -100,6 +98,12 @@ def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, gener
             module.training = training
 
 
+def _rows_worth_dropping(finished: int, batch: int) -> bool:
+    """Whether to compact the batch now: dropping rows copies the whole cache (about one step's
+    attention reads), so wait until an eighth of the batch is finished rather than copy per row."""
+    return finished > 0 and finished * 8 >= batch
+
+
 def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout:
     rows = len(prompt_ids)
     completions: list[list[int]] = [[] for _ in range(rows)]
@@ -112,33 +116,32 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout
             while any_rank_running(False):
                 _dummy_forward(model, settings.pad_token_id)
         return Rollout(completions, stopped, time.perf_counter() - start, 0.0, 0)
-    ids, mask = _left_padded(prompt_ids, settings.pad_token_id)
+    forward = _Forward(model)
+    ids, padding = _left_padded(prompt_ids, settings.pad_token_id)
+    width = ids.shape[1]
+    cache = rollout_cache(forward.config, width + settings.max_new_tokens)
+    masks = RolloutMasks(padding, width + settings.max_new_tokens,
+                         getattr(forward.config, "_attn_implementation", None), next(model.parameters()).dtype)
     # positions count real tokens only, so a left-padded row sees the positions it would alone
-    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-    from transformers import DynamicCache
-
-    keyword = cache_keyword(model)
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{keyword: cache}).logits[:, -1, :]
+    positions = (padding.cumsum(dim=-1) - 1).clamp(min=0)
+    logits = forward(ids, masks.prefill(), positions, cache)
+    masks.start_decoding()
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    running = torch.ones(rows, dtype=torch.bool)
+    row_of = list(range(rows))  # the batch's rows → the prompts they complete
+    live = torch.ones(rows, dtype=torch.bool)  # rows still writing; finished ones stay until compacted
     next_position = positions[:, -1:] + 1
-    step = 0
-    while True:
-        token = next_tokens(logits, settings, generator)
-        token = torch.where(running, token, torch.full_like(token, settings.pad_token_id))
-        for row in running.nonzero().flatten().tolist():
-            completions[row].append(int(token[row]))
-        step += 1
-        ends = running & torch.isin(token, stop)
-        for row in ends.nonzero().flatten().tolist():
-            stopped[row] = True
-        running = running & ~ends
-        if step >= settings.max_new_tokens:
-            running[:] = False
-        local = bool(running.any())
+    seen = width
+    for step in range(1, settings.max_new_tokens + 1):
+        token = next_tokens(logits, settings.temperature, settings.top_k, settings.top_p, generator)
+        for index, value in zip(live.nonzero().flatten().tolist(), token[live].tolist()):
+            completions[row_of[index]].append(value)
+        if len(stop):
+            ends = live & torch.isin(token, stop)
+            for index in ends.nonzero().flatten().tolist():
+                stopped[row_of[index]] = True
+            live &= ~ends
+        local = step < settings.max_new_tokens and bool(live.any())
         if not (any_rank_running(local) if any_rank_running is not None else local):
             break
         if not local:  # this rank is done, another is not: meet its collectives until all are done
@@ -146,9 +149,14 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout
             while any_rank_running(False):
                 _dummy_forward(model, settings.pad_token_id)
             break
-        mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype)], dim=-1)
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position, use_cache=True,
-                       **{keyword: cache}).logits[:, -1, :]
+        if _rows_worth_dropping(int((~live).sum()), len(row_of)):
+            kept = live.nonzero().flatten()
+            keep_rows(cache, kept)
+            masks.keep_rows(kept)
+            row_of = [row_of[i] for i in kept.tolist()]
+            token, next_position, live = token[kept], next_position[kept], live[kept]
+        seen += 1
+        logits = forward(token[:, None], masks.decode(seen), next_position, cache)
         next_position = next_position + 1
     return Rollout(completions, stopped, prefill_s, time.perf_counter() - start,
                    sum(len(c) for c in completions))

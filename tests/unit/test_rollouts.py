@@ -104,14 +104,14 @@ def test_the_warpers_match_transformers():
     """temperature, then top-k, then top-p, as transformers' logits processors leave the scores."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from cputrain.rollouts.sampling import warped_scores
+    from cputrain.rollouts.token_draw import warped_scores
 
     logits = torch.randn(5, VOCAB, generator=_seeded(5))
     settings = SamplingSettings(max_new_tokens=1, temperature=0.7, top_k=30, top_p=0.8)
     expected = logits
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(30), TopPLogitsWarper(0.8)):
         expected = warper(None, expected)
-    assert torch.equal(warped_scores(logits, settings), expected)
+    assert torch.equal(warped_scores(logits, settings.temperature, settings.top_k, settings.top_p), expected)
 
 
 def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
