@@ -61,6 +61,15 @@ def rollout_cache(config, capacity: int):
     return cache
 
 
+def cache_keyword(model) -> str:
+    """The keyword the model's forward takes its cache under: `cache` from transformers 5.x (where
+    `past_key_values` is deprecated), `past_key_values` before."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
 def keep_rows(cache, indices: torch.Tensor) -> None:
     """Only the rows `indices` stay in the cache (finished rows dropped)."""
     cache.batch_select_indices(indices)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cputrain.rollouts.attention_masks import RolloutMasks
-from cputrain.rollouts.kv_cache import keep_rows, rollout_cache
+from cputrain.rollouts.kv_cache import cache_keyword, keep_rows, rollout_cache
 from cputrain.rollouts.token_draw import next_tokens
 
 
@@ -73,7 +73,7 @@ class _Forward:
         self.model = model
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
         parameters = inspect.signature(inner.forward).parameters
-        self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self.cache_keyword = cache_keyword(model)
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         self.config = inner.config
 

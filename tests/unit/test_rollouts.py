@@ -142,3 +142,29 @@ def test_no_grad_and_timings():
 def test_an_empty_or_single_batch(prompts):
     rollout = sample(tiny_llama(), prompts, SamplingSettings(max_new_tokens=3, temperature=0), _seeded())
     assert len(rollout.completion_ids) == len(prompts) == len(rollout.stopped)
+
+
+def test_kv_cache_bytes_is_what_the_rollout_cache_holds():
+    """The plan's figure equals the bytes sample()'s cache allocates, for a GQA model, in fp32 and bf16."""
+    from cputrain.rollouts.kv_cache import cache_keyword, rollout_cache
+    from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_llama(dtype=dtype)
+        rows, width, new = 3, 5, 7
+        cache = rollout_cache(model.config, width + new)
+        model(input_ids=torch.ones((rows, width), dtype=torch.long), use_cache=True,
+              **{cache_keyword(model): cache})
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.key_store, layer.value_store))
+        assert kv_cache_bytes(model.config, rows, width + new, dtype) == held
+        assert kv_cache_bytes(model.config.to_dict(), rows, width + new, str(dtype).removeprefix("torch.")) == held
+
+
+def test_kv_cache_bytes_of_the_demo_shape():
+    from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+
+    demo = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4}
+    # 2 (keys, values) × 4 layers × 64 rows × 256 (heads × head_dim) × 176 positions × 2 bytes
+    assert kv_cache_bytes(demo, rows=64, max_len=176, dtype="bf16") == 2 * 4 * 64 * 256 * 176 * 2
+    with pytest.raises(ValueError, match="no element size"):
+        kv_cache_bytes(demo, rows=1, max_len=1, dtype="int3")
