@@ -21,7 +21,7 @@ LAYERS = [
     ["model"],  # the Hugging Face model: found, its files read, its skeleton shaped, what a run does to it
     ["run_folder", "data"],  # the run folder's files; sources → tokens → packed sequences
     ["metrics"],  # a run's figures
-    ["parallel", "lora"],  # strategies; LoRA's converter and adapter folder
+    ["parallel", "lora", "rollouts"],  # strategies; LoRA's converter and adapter folder; sampling from the policy
     ["objectives"],  # what a step minimises: the LM loss, DPO, SimPO, KTO, a reward model's; the validation-loss loop
     ["finished"],  # a finished model: sampled, evaluated, scored (reward models), benchmarked via lm-eval, as GGUF
     ["plan"],  # memory per rank and the time of a step, before any run

@@ -1,0 +1,1 @@
+"""Rollouts: completions sampled from the policy being trained, batched, with a KV cache."""

@@ -1,0 +1,56 @@
+"""The attention masks of a left-padded rollout, built once: a decode step passes a view (rows × 1 ×
+1 × positions so far) instead of a 2D mask that the model would turn into a 4D one every step."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RolloutMasks:
+    """What each row may attend to, in the form the model's attention implementation takes: bool
+    (True: attend) for sdpa, additive (0 or the dtype's minimum) for eager; for any other
+    implementation the plain 2D padding mask, which the model expands itself."""
+
+    def __init__(self, padding: torch.Tensor, capacity: int, attn_implementation: str | None, dtype: torch.dtype):
+        rows, width = padding.shape
+        self.width = width
+        self.kind = attn_implementation if attn_implementation in ("sdpa", "eager") else "2d"
+        self.dtype = dtype
+        valid = torch.ones((rows, capacity), dtype=torch.bool)
+        valid[:, :width] = padding.bool()
+        self.valid = valid  # every new position is a real token
+
+    def _form(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self.kind == "eager":
+            return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        return allowed
+
+    def prefill(self) -> torch.Tensor:
+        """Causal within the prompt, pads masked; a pad position attends to itself, so that no row of
+        the softmax is empty (its output is never read)."""
+        if self.kind == "2d":
+            return self.valid[:, :self.width].long()
+        causal = torch.ones((self.width, self.width), dtype=torch.bool).tril()
+        allowed = causal[None] & self.valid[:, None, :self.width]
+        allowed |= torch.eye(self.width, dtype=torch.bool)[None]
+        return self._form(allowed[:, None])
+
+    def decode(self, positions: int) -> torch.Tensor:
+        """The mask of a one-token step that attends to `positions` positions (the new one included)."""
+        if self.kind == "2d":
+            return self._decode_2d[:, :positions]
+        return self._decode_4d[:, :, :, :positions]
+
+    def start_decoding(self) -> None:
+        """Builds the decode masks once (after the prefill, before the first step)."""
+        if self.kind == "2d":
+            self._decode_2d = self.valid.long()
+        else:
+            self._decode_4d = self._form(self.valid)[:, None, None, :]
+
+    def keep_rows(self, indices: torch.Tensor) -> None:
+        self.valid = self.valid.index_select(0, indices)
+        if self.kind == "2d":
+            self._decode_2d = self._decode_2d.index_select(0, indices)
+        else:
+            self._decode_4d = self._decode_4d.index_select(0, indices)

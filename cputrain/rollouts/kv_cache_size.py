@@ -1,0 +1,39 @@
+"""The bytes a rollout's KV cache holds, for the memory plan: pure arithmetic on the model's
+shape, no torch, so the plan can count it before any model exists.
+
+sample() sizes its cache once for the whole rollout: every row holds the longest prompt of its
+batch plus max_new_tokens positions, in every full-attention layer, keys and values, in the
+model's dtype (the dtype the trainer holds the policy in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+_BYTES_PER_ELEMENT = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+                      "half": 2, "float64": 8, "fp64": 8}
+
+
+def _field(config, name: str, default=None):
+    value = config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
+    return default if value is None else value
+
+
+def bytes_per_element(dtype) -> int:
+    """2 for "bf16"/"bfloat16"/torch.bfloat16, 4 for fp32, …"""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _BYTES_PER_ELEMENT:
+        raise ValueError(f"no element size for dtype {dtype!r}; known: {sorted(_BYTES_PER_ELEMENT)}")
+    return _BYTES_PER_ELEMENT[name]
+
+
+def kv_cache_bytes(config, rows: int, max_len: int, dtype) -> int:
+    """Keys and values of `rows` sequences of `max_len` positions (the longest prompt +
+    max_new_tokens) in every layer of the model `config` describes (a transformers config or its
+    dict; grouped-query attention counted by its key-value heads)."""
+    config = _field(config, "text_config", config)  # a multimodal config keeps the decoder's shape here
+    layers = int(_field(config, "num_hidden_layers"))
+    heads = int(_field(config, "num_attention_heads"))
+    kv_heads = int(_field(config, "num_key_value_heads", heads))
+    head_dim = int(_field(config, "head_dim", int(_field(config, "hidden_size")) // heads))
+    return 2 * layers * rows * kv_heads * head_dim * max_len * bytes_per_element(dtype)

@@ -1,0 +1,162 @@
+"""Completions sampled from the policy as the trainer holds it: a batch of prompts, prefilled once,
+then decoded a token a step from a KV cache, each row ending at a stop token or at max_new_tokens.
+
+Sampling follows transformers' order (temperature, then top-k, then top-p) and draws only from the
+generator it is given, so a resumed run that restores the generator's state samples the same.
+
+What makes it faster than `model.generate()` (each measured, docs/benchmarks/online-rl.md):
+- the prefill's head computes the last position's logits only;
+- the KV cache is written in place into tensors sized once (kv_cache.py), not concatenated;
+- the attention mask is built once and passed as a view (attention_masks.py);
+- one uniform number a row draws the token (token_draw.py), not an exponential per vocabulary entry;
+- finished rows leave the batch (their cache rows dropped), so the last long completions decode
+  alone instead of dragging the whole batch along.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cputrain.rollouts.attention_masks import RolloutMasks
+from cputrain.rollouts.kv_cache import cache_keyword, keep_rows, rollout_cache
+from cputrain.rollouts.token_draw import next_tokens
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop_token_ids: tuple[int, ...] = ()  # EOS and the end of a chat turn
+    pad_token_id: int = 0
+
+
+@dataclass
+class Rollout:
+    completion_ids: list[list[int]]  # each unpadded; ends with its stop token where one was sampled
+    stopped: list[bool]  # False: max_new_tokens reached first ("clipped")
+    prefill_s: float
+    decode_s: float
+    new_tokens: int
+
+
+def _left_padded(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded batch, and its padding mask (1 on real tokens)."""
+    width = max(max(len(p) for p in prompt_ids), 1)
+    ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, prompt in enumerate(prompt_ids):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def _dummy_forward(model, pad_token_id: int) -> None:
+    """One forward of one token, no cache: what a rank with nothing left to decode runs so that a
+    sharded model's collectives meet those of the ranks still decoding."""
+    model(input_ids=torch.tensor([[pad_token_id]]), use_cache=False)
+
+
+class _Forward:
+    """The model's forward as a rollout calls it: the cache under the keyword this transformers
+    takes (`cache` from 5.x, `past_key_values` before), the logits of the last position only where
+    the model can keep just those."""
+
+    def __init__(self, model):
+        self.model = model
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+        parameters = inspect.signature(inner.forward).parameters
+        self.cache_keyword = cache_keyword(model)
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        self.config = inner.config
+
+    def __call__(self, ids, mask, positions, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_keyword: cache}, **self.last_only)
+        return out.logits[:, -1, :]
+
+
+def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, generator: torch.Generator,
+           any_rank_running: Callable[[bool], bool] | None = None) -> Rollout:
+    """Completions of `prompt_ids` (one per prompt) from `model`, in eval mode and without grad; the
+    model's train/eval modes are restored after. `any_rank_running` (an all-reduce the caller
+    provides) keeps the ranks of a sharded model stepping together until every rank is done."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _sample(model, prompt_ids, settings, generator, any_rank_running)
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _rows_worth_dropping(finished: int, batch: int) -> bool:
+    """Whether to compact the batch now: dropping rows copies the whole cache (about one step's
+    attention reads), so wait until an eighth of the batch is finished rather than copy per row."""
+    return finished > 0 and finished * 8 >= batch
+
+
+def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout:
+    rows = len(prompt_ids)
+    completions: list[list[int]] = [[] for _ in range(rows)]
+    stopped = [False] * rows
+    stop = torch.tensor(settings.stop_token_ids, dtype=torch.long)
+    start = time.perf_counter()
+    if rows == 0 or settings.max_new_tokens <= 0:
+        if any_rank_running is not None:
+            _dummy_forward(model, settings.pad_token_id)
+            while any_rank_running(False):
+                _dummy_forward(model, settings.pad_token_id)
+        return Rollout(completions, stopped, time.perf_counter() - start, 0.0, 0)
+    forward = _Forward(model)
+    ids, padding = _left_padded(prompt_ids, settings.pad_token_id)
+    width = ids.shape[1]
+    cache = rollout_cache(forward.config, width + settings.max_new_tokens)
+    masks = RolloutMasks(padding, width + settings.max_new_tokens,
+                         getattr(forward.config, "_attn_implementation", None), next(model.parameters()).dtype)
+    # positions count real tokens only, so a left-padded row sees the positions it would alone
+    positions = (padding.cumsum(dim=-1) - 1).clamp(min=0)
+    logits = forward(ids, masks.prefill(), positions, cache)
+    masks.start_decoding()
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    row_of = list(range(rows))  # the batch's rows → the prompts they complete
+    live = torch.ones(rows, dtype=torch.bool)  # rows still writing; finished ones stay until compacted
+    next_position = positions[:, -1:] + 1
+    seen = width
+    for step in range(1, settings.max_new_tokens + 1):
+        token = next_tokens(logits, settings.temperature, settings.top_k, settings.top_p, generator)
+        for index, value in zip(live.nonzero().flatten().tolist(), token[live].tolist()):
+            completions[row_of[index]].append(value)
+        if len(stop):
+            ends = live & torch.isin(token, stop)
+            for index in ends.nonzero().flatten().tolist():
+                stopped[row_of[index]] = True
+            live &= ~ends
+        local = step < settings.max_new_tokens and bool(live.any())
+        if not (any_rank_running(local) if any_rank_running is not None else local):
+            break
+        if not local:  # this rank is done, another is not: meet its collectives until all are done
+            _dummy_forward(model, settings.pad_token_id)
+            while any_rank_running(False):
+                _dummy_forward(model, settings.pad_token_id)
+            break
+        if _rows_worth_dropping(int((~live).sum()), len(row_of)):
+            kept = live.nonzero().flatten()
+            keep_rows(cache, kept)
+            masks.keep_rows(kept)
+            row_of = [row_of[i] for i in kept.tolist()]
+            token, next_position, live = token[kept], next_position[kept], live[kept]
+        seen += 1
+        logits = forward(token[:, None], masks.decode(seen), next_position, cache)
+        next_position = next_position + 1
+    return Rollout(completions, stopped, prefill_s, time.perf_counter() - start,
+                   sum(len(c) for c in completions))

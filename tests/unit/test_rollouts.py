@@ -1,0 +1,170 @@
+"""Rollouts: sample() against transformers' generate, its sampling reproducible from the generator,
+its stops and clips, a LoRA-wrapped policy, and the model's modes restored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cputrain.rollouts.sampling import SamplingSettings, sample
+
+VOCAB = 97
+PROMPTS = [[5, 9, 13, 2, 44, 71, 8], [3, 17], [60, 61, 62, 63], [11]]  # lengths differ: rows are left-padded
+
+
+def tiny_llama(seed: int = 0, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=0)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def generate_greedy(model, prompt_ids, max_new_tokens, stop=()):
+    """transformers' greedy completion of each prompt alone: unpadded, cut after its stop token."""
+    completions = []
+    for prompt in prompt_ids:
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                             eos_token_id=list(stop) or None, pad_token_id=0)
+        completions.append(out[0, len(prompt):].tolist())
+    return completions
+
+
+def _seeded(seed: int = 1234) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_equals_generate_for_prompts_of_different_lengths():
+    model = tiny_llama()
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=12, temperature=0), _seeded())
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 12)
+    assert rollout.stopped == [False] * len(PROMPTS)
+    assert rollout.new_tokens == 12 * len(PROMPTS)
+
+
+def test_stop_tokens_end_a_row_and_stopped_says_so():
+    model = tiny_llama()
+    free = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded()).completion_ids
+    # a token the first row writes first at its third place or later: it ends there, the others where they meet it
+    at = next(i for i, token in enumerate(free[0]) if i >= 2 and free[0].index(token) == i)
+    stop = free[0][at]
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0, stop_token_ids=(stop,)),
+                     _seeded())
+    assert rollout.completion_ids[0] == free[0][:at + 1]
+    for completion, was_free, stopped in zip(rollout.completion_ids, free, rollout.stopped):
+        cut = was_free.index(stop) + 1 if stop in was_free else len(was_free)
+        assert completion == was_free[:cut]
+        assert stopped == (stop in was_free)
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 10, stop=(stop,))
+    assert rollout.new_tokens == sum(len(c) for c in rollout.completion_ids)
+
+
+def test_max_new_tokens_clips():
+    model = tiny_llama()
+    long = sample(model, PROMPTS, SamplingSettings(max_new_tokens=9, temperature=0), _seeded())
+    short = sample(model, PROMPTS, SamplingSettings(max_new_tokens=3, temperature=0), _seeded())
+    assert short.completion_ids == [c[:3] for c in long.completion_ids]
+    assert short.stopped == [False] * len(PROMPTS)
+
+
+def test_seeded_sampling_is_reproducible_and_resumes_from_the_generator_state():
+    model = tiny_llama()
+    settings = SamplingSettings(max_new_tokens=8, temperature=0.9, top_p=0.95, top_k=20)
+    generator = _seeded(7)
+    first = sample(model, PROMPTS, settings, generator).completion_ids
+    state = generator.get_state()
+    second = sample(model, PROMPTS, settings, generator).completion_ids
+    assert sample(model, PROMPTS, settings, _seeded(7)).completion_ids == first
+    resumed = torch.Generator()
+    resumed.set_state(state)
+    assert sample(model, PROMPTS, settings, resumed).completion_ids == second
+    assert second != first  # the generator moved on
+
+
+def test_sampling_draws_only_from_the_generator():
+    model = tiny_llama()
+    settings = SamplingSettings(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(0)
+    first = sample(model, PROMPTS, settings, _seeded(3)).completion_ids
+    torch.manual_seed(99)
+    assert sample(model, PROMPTS, settings, _seeded(3)).completion_ids == first
+
+
+def test_top_k_one_is_greedy():
+    model = tiny_llama()
+    greedy = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    top1 = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=1.3, top_k=1), _seeded())
+    assert top1.completion_ids == greedy.completion_ids
+
+
+def test_the_warpers_match_transformers():
+    """temperature, then top-k, then top-p, as transformers' logits processors leave the scores."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from cputrain.rollouts.token_draw import warped_scores
+
+    logits = torch.randn(5, VOCAB, generator=_seeded(5))
+    settings = SamplingSettings(max_new_tokens=1, temperature=0.7, top_k=30, top_p=0.8)
+    expected = logits
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(30), TopPLogitsWarper(0.8)):
+        expected = warper(None, expected)
+    assert torch.equal(warped_scores(logits, settings.temperature, settings.top_k, settings.top_p), expected)
+
+
+def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False))
+    model.train()
+    model.base_model.model.model.embed_tokens.eval()  # a module left in its own mode stays in it
+    modes = {name: m.training for name, m in model.named_modules()}
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded())
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    model.eval()
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 6)
+    with model.disable_adapter():  # the adapters count: without them the completions differ
+        assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0),
+                      _seeded()).completion_ids != rollout.completion_ids
+
+
+def test_no_grad_and_timings():
+    model = tiny_llama()
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=4, temperature=0), _seeded())
+    assert rollout.prefill_s > 0 and rollout.decode_s >= 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("prompts", [[], [[4, 5]]])
+def test_an_empty_or_single_batch(prompts):
+    rollout = sample(tiny_llama(), prompts, SamplingSettings(max_new_tokens=3, temperature=0), _seeded())
+    assert len(rollout.completion_ids) == len(prompts) == len(rollout.stopped)
+
+
+def test_kv_cache_bytes_is_what_the_rollout_cache_holds():
+    """The plan's figure equals the bytes sample()'s cache allocates, for a GQA model, in fp32 and bf16."""
+    from cputrain.rollouts.kv_cache import cache_keyword, rollout_cache
+    from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_llama(dtype=dtype)
+        rows, width, new = 3, 5, 7
+        cache = rollout_cache(model.config, width + new)
+        model(input_ids=torch.ones((rows, width), dtype=torch.long), use_cache=True,
+              **{cache_keyword(model): cache})
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.key_store, layer.value_store))
+        assert kv_cache_bytes(model.config, rows, width + new, dtype) == held
+        assert kv_cache_bytes(model.config.to_dict(), rows, width + new, str(dtype).removeprefix("torch.")) == held
+
+
+def test_kv_cache_bytes_of_the_demo_shape():
+    from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+
+    demo = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4}
+    # 2 (keys, values) × 4 layers × 64 rows × 256 (heads × head_dim) × 176 positions × 2 bytes
+    assert kv_cache_bytes(demo, rows=64, max_len=176, dtype="bf16") == 2 * 4 * 64 * 256 * 176 * 2
+    with pytest.raises(ValueError, match="no element size"):
+        kv_cache_bytes(demo, rows=1, max_len=1, dtype="int3")
