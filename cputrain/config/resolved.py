@@ -92,7 +92,7 @@ class DecidedModelConfig(ResolvedModelConfig):
 
 
 class DecidedDataConfig(ResolvedDataConfig):
-    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "feedback"]
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "feedback", "prompt"]
     train_on: Literal["assistant", "completion", "all"]
     shared_prompt: bool
 

@@ -229,7 +229,7 @@ class DataConfig(Section):
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/Hugging Face records (data.format=text)."""
 
-    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "feedback", "auto"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "alpaca", "preference", "feedback", "prompt", "auto"] = "text"
     """What a record is. text: raw text, every token trained (pretraining). chat: a list of
     {role, content} messages (roles system, user, assistant, tool; content text or a list of text
     parts; assistant tool_calls) in data.messages_field, rendered with the chat template.
@@ -243,11 +243,14 @@ class DataConfig(Section):
     prompt (data.prompt_field), its completion (data.completion_field) and a boolean label
     (data.label_field: true desirable, false undesirable); strings, or conversations rendered with
     the chat template; without a prompt, the completion is the whole conversation and its closing
-    assistant turns are the answer; for train.objective=kto. auto: preference if the first record
-    has data.chosen_field and data.rejected_field, else feedback if it has data.label_field and
-    data.completion_field, else chat if it has data.messages_field, else prompt_completion if it
-    has both of those fields, else alpaca if it has instruction and output, else text; the choice
-    is logged."""
+    assistant turns are the answer; for train.objective=kto. prompt (TRL's prompt-only): a prompt
+    alone (data.prompt_field; a string, or a conversation rendered through the assistant's header),
+    its other columns (e.g. `answer`) handed to the reward functions, for train.objective=grpo and
+    rloo. auto: preference if the first record has data.chosen_field and data.rejected_field, else
+    feedback if it has data.label_field and data.completion_field, else chat if it has
+    data.messages_field, else prompt_completion if it has both of those fields, else alpaca if it
+    has instruction and output, else prompt if it has data.prompt_field alone, else text; the
+    choice is logged."""
 
     messages_field: str = "messages"
     """Field holding a conversation's messages (data.format=chat)."""
@@ -345,7 +348,7 @@ class DataConfig(Section):
         if self.format in fits and self.train_on not in fits[self.format]:
             raise ValueError(f"data.train_on={self.train_on} does not apply to data.format={self.format}; "
                              f"choose one of {', '.join(fits[self.format])}")
-        if self.format in ("chat", "prompt_completion", "alpaca", "preference", "feedback") and \
+        if self.format in ("chat", "prompt_completion", "alpaca", "preference", "feedback", "prompt") and \
                 self.source.lower().endswith(".txt"):
             raise ValueError(f"data.format={self.format} needs records with fields (.jsonl, .parquet or hf:), "
                              f"but '{self.source}' is plain text; use data.format=text or convert it to .jsonl")

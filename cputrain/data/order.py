@@ -24,10 +24,12 @@ from cputrain.config.sections import TrainConfig, batch_key
 from cputrain.errors import ConfigError
 
 
-def check_batch_fits(train: TrainConfig, rows: int, world_size: int, pairs: int | None = None) -> None:
+def check_batch_fits(train: TrainConfig, rows: int, world_size: int, pairs: int | None = None,
+                     rows_per_step: int | None = None) -> None:
     """Refuse a global batch of more rows than the training set holds, in one line that says what
-    the data made (`pairs`: the preference pairs in those rows) and the largest batch that fits."""
-    batch = train.global_batch_size
+    the data made (`pairs`: the preference pairs in those rows) and the largest batch that fits.
+    `rows_per_step`: the rows a step takes where it is not the global batch (online RL's prompts)."""
+    batch = train.global_batch_size if rows_per_step is None else rows_per_step
     if batch <= rows:
         return
     key, micro = batch_key(train), train.micro_batch_size

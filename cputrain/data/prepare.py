@@ -22,6 +22,7 @@ from cputrain.data.examples.kind import ExampleKind
 from cputrain.data.feedback.kind import FeedbackKind
 from cputrain.data.kind import DataKind
 from cputrain.data.preference.kind import PreferenceKind
+from cputrain.data.prompts.kind import PromptKind
 from cputrain.data.stop_on_signal import PreparationStopped, die_with_parent, stop_on_signal
 from cputrain.data.text.kind import TextKind
 from cputrain.errors import DataError
@@ -37,6 +38,8 @@ def kind_of(data_cfg: DataConfig, data_format: str, tokenizer) -> DataKind:
         return PreferenceKind(data_cfg, tokenizer)
     if data_format == "feedback":
         return FeedbackKind(data_cfg, tokenizer)
+    if data_format == "prompt":
+        return PromptKind(data_cfg, tokenizer)
     return ExampleKind(data_cfg, data_format, tokenizer)
 
 

@@ -317,7 +317,7 @@ def _text_field(cfg: DataConfig) -> str:
         return "text"
     fmt = record_format(cfg)
     return {"chat": cfg.messages_field, "prompt_completion": cfg.prompt_field, "alpaca": "output",
-            "preference": cfg.chosen_field, "feedback": cfg.completion_field}.get(
+            "preference": cfg.chosen_field, "feedback": cfg.completion_field, "prompt": cfg.prompt_field}.get(
         fmt, cfg.text_field)
 
 
@@ -378,6 +378,9 @@ def format_choice(cfg: DataConfig) -> tuple[str, str]:
         fmt, why = "prompt_completion", f"the first record has '{cfg.prompt_field}' and '{cfg.completion_field}'"
     elif "instruction" in fields and "output" in fields:
         fmt, why = "alpaca", "the first record has 'instruction' and 'output'"
+    elif cfg.prompt_field in fields:
+        fmt, why = "prompt", (f"the first record has '{cfg.prompt_field}' and no answer (TRL's prompt-only records, "
+                              "for online RL)")
     else:
         fmt, why = "text", f"the first record has neither '{cfg.messages_field}' nor '{cfg.prompt_field}' + " \
                            f"'{cfg.completion_field}' nor Alpaca's 'instruction' + 'output'"

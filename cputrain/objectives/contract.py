@@ -112,8 +112,18 @@ class Objective(ABC):
         and cuts completions."""
         return [rows.batch(i) for i in indices]
 
-    def use_rewards(self, rewards) -> None:
-        """The run's reward functions, built by the trainer (batches_from_rollouts); none by default."""
+    def use_rewards(self, rewards, seed: int) -> None:
+        """The run's reward functions, built by the trainer (batches_from_rollouts), and this rank's
+        seed of the sampling; nothing by default."""
+
+    def check_rows(self, rows: list, world_size: int) -> None:
+        """Refuse, in one line, rows it cannot train on ([train rows, validation rows]), before the
+        model is built (online RL: a prompt that leaves no room to sample); nothing by default."""
+
+    def samples(self) -> list[dict]:
+        """Records of the last step the run folder keeps (online RL: completions with their rewards,
+        completions.jsonl); none by default."""
+        return []
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the objective for an exact resume (online RL: its sampling

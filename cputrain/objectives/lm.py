@@ -25,6 +25,9 @@ class LmObjective(Objective):
         if data_format == "feedback":
             raise ConfigError("data.format=feedback holds answers with a thumbs-up or down, which the language-model "
                               "loss (train.objective=lm) does not read; set train.objective=kto")
+        if data_format == "prompt":
+            raise ConfigError("data.format=prompt holds prompts without answers, which the language-model loss "
+                              "(train.objective=lm) does not read; set train.objective=grpo or rloo (and train.rewards)")
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -40,7 +40,7 @@ class OnlineRlObjective(Objective):
     batches_from_rollouts = True
     items_key = "completions"
     item_described = "prompt"
-    names = rl_loss.SUM_NAMES
+    names = (*rl_loss.SUM_NAMES, "reward_sum")  # the loss's sums; reward_sum: validation's rewards
     summary_figures = ("reward", "reward_std", "completions/mean_length")
     sequence_level = False  # RLOO's ratio is the completion's, GRPO's each token's
 
@@ -51,6 +51,8 @@ class OnlineRlObjective(Objective):
         self.pad_id = 0
         self.rollout_figures: dict[str, float] = {}  # the last rollout's reward and length figures
         self.kept: list | None = None  # num_iterations > 1: the rollouts the next steps train on again
+        self.seed = 0
+        self.last_samples: list[dict] = []  # the last rollout's first group, for completions.jsonl
         self.iteration = 0  # steps taken on self.kept
 
     # ---- facts ------------------------------------------------------------------------------
@@ -97,15 +99,41 @@ class OnlineRlObjective(Objective):
         return train_cfg.global_batch_size // train_cfg.num_generations
 
     # ---- the built objective ------------------------------------------------------------------
-    def use_rewards(self, rewards) -> None:
-        """The run's reward functions: .names, .weights ([functions]) and .score(records,
-        completion_ids) → [completions, functions] (built above the objectives: a reward model is
-        a finished model)."""
+    def use_rewards(self, rewards, seed: int) -> None:
+        """The run's reward functions: .names, .weights ([functions]), .tokenizer and
+        .score(records, completion_ids) → [completions, functions] (built above the objectives: a
+        reward model is a finished model); the sampling stops at the tokenizer's EOS and a chat
+        turn's end. `seed`: this rank's (each rank samples its own prompts)."""
         self.rewards = rewards
+        self.seed = seed
+        self.generator.manual_seed(seed)
+        tokenizer = rewards.tokenizer
+        stops = {tokenizer.eos_token_id}
+        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+            token_id = tokenizer.convert_tokens_to_ids(token) if token in tokenizer.get_vocab() else None
+            if token_id is not None:
+                stops.add(token_id)
+        self.stop_token_ids = tuple(sorted(i for i in stops if i is not None))
+
+    def check_rows(self, rows: list, world_size: int) -> None:
+        cfg = self.cfg
+        room = rows[0].seq_len - cfg.max_completion_length
+        for split, split_rows in zip(("training", "validation"), rows):
+            longest, row = split_rows.longest_prompt
+            if longest > room:
+                raise ConfigError(f"{split} prompt {row} has {longest} tokens, more than data.seq_len "
+                                  f"({split_rows.seq_len}) − train.max_completion_length ({cfg.max_completion_length})"
+                                  f" = {room} leave for it; raise data.seq_len, lower train.max_completion_length, or "
+                                  "shorten the prompt")
+        prompts = self.rows_per_step(cfg)
+        if prompts % world_size:
+            raise ConfigError(f"a step's {prompts} prompts (train.global_batch_size {cfg.global_batch_size} ÷ "
+                              f"train.num_generations {cfg.num_generations}) do not divide among {world_size} ranks, "
+                              f"each prompt's group on one rank; set train.global_batch_size to a multiple of "
+                              f"{cfg.num_generations * world_size}")
 
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
         self.pad_id = rows[0].pad_id
-        self.generator.manual_seed(int(getattr(self.cfg, "seed", 0) or 0))
 
     def state_dict(self) -> dict:
         """What a resumed run needs to sample the same completions: the generator's state."""
@@ -130,6 +158,7 @@ class OnlineRlObjective(Objective):
         batches = self.batches_from_completions(model, prompt_ids, rollout.completion_ids, scores, micro_batch,
                                                 autocast, stopped=rollout.stopped)
         self.rollout_figures.update(self._rollout_speed(rollout))
+        self.last_samples = self._first_group(records[0] if records else None, rollout.completion_ids, scores, batches)
         self.kept, self.iteration = (batches, 1) if cfg.num_iterations > 1 else (None, 0)
         return batches
 
@@ -142,9 +171,24 @@ class OnlineRlObjective(Objective):
         # ranks of a sharded model run the same number of decode steps (rollouts.sample)
         several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         any_running = (lambda running: pg.all_reduce_sum([float(running)])[0] > 0) if several else None
-        return sample(model, prompt_ids, settings, self.generator, any_running)
+        return sample(_unwrapped(model), prompt_ids, settings, self.generator, any_running)
 
     stop_token_ids: tuple[int, ...] = ()  # EOS and a chat turn's end (set by the trainer from the tokenizer)
+
+    def _first_group(self, record, completion_ids, scores, batches) -> list[dict]:
+        """The completions of the step's first prompt, as text, with each reward and the advantage."""
+        if record is None or self.rewards is None:
+            return []
+        advantages = torch.cat([b.advantages for b in batches]).tolist()
+        texts = self.rewards.tokenizer.batch_decode(completion_ids[: self.cfg.num_generations],
+                                                    skip_special_tokens=True)
+        return [{"prompt": record.prompt, "completion": text,
+                 **{f"rewards/{name}": float(scores[i, f]) for f, name in enumerate(self.rewards.names)},
+                 "advantage": advantages[i]} for i, text in enumerate(texts)]
+
+    def samples(self) -> list[dict]:
+        samples, self.last_samples = self.last_samples, []
+        return samples
 
     def _rollout_speed(self, rollout) -> dict[str, float]:
         seconds = rollout.prefill_s + rollout.decode_s
@@ -227,10 +271,12 @@ class OnlineRlObjective(Objective):
     loss_type = "grpo"
 
     def figures(self, sums, items: int) -> dict[str, float]:
-        figures = dict(self.rollout_figures)
-        if float(sums[1]) > 0:  # completions trained this step
-            figures.update(rl_loss.loss_figures(sums, self.sequence_level, self.cfg.rl_beta))
-        return figures
+        """A step's: the rollout's reward and length figures and the loss's clip ratios (and kl);
+        validation's (no completion trained): the mean reward of one completion a held-out prompt."""
+        if float(sums[1]) == 0:
+            return {"reward": float(sums[-1]) / max(items, 1)}
+        return {**self.rollout_figures,
+                **rl_loss.loss_figures(sums[: len(rl_loss.SUM_NAMES)], self.sequence_level, self.cfg.rl_beta)}
 
     @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:
@@ -241,7 +287,7 @@ class OnlineRlObjective(Objective):
         if not records:
             return np.zeros(1 + len(self.names)), 0
         saved = self.generator.get_state()
-        self.generator.manual_seed(int(getattr(self.cfg, "seed", 0) or 0) + 1)
+        self.generator.manual_seed(self.seed + 7919)  # the same validation draws at every evaluation
         try:
             rollout = self._sample(model, [r.ids for r in records])
         finally:
@@ -249,7 +295,7 @@ class OnlineRlObjective(Objective):
         scores = self.rewards.score(records, rollout.completion_ids)
         weights = torch.as_tensor(self.rewards.weights, dtype=torch.float32)
         total = float((scores.float() * weights).sum())
-        return np.concatenate([[-total], np.zeros(len(self.names))]), len(records)
+        return np.array([-total, *[0.0] * len(rl_loss.SUM_NAMES), total]), len(records)
 
 
 def _unwrapped(model):
@@ -276,7 +322,7 @@ class GrpoObjective(OnlineRlObjective):
         eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
         out = rl_loss.grpo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.loss_type, cfg.epsilon,
                                 eps_high, cfg.max_completion_length, cfg.rl_beta, batch.ref_logps)
-        return out.summed / divisor, out.sums
+        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])
 
 
 class RlooObjective(OnlineRlObjective):
@@ -298,4 +344,4 @@ class RlooObjective(OnlineRlObjective):
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
         out = rl_loss.rloo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.epsilon, eps_high)
-        return out.summed / divisor, out.sums
+        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])

@@ -43,6 +43,7 @@ class Checkpoints:
         self.last_save_s = time.monotonic()  # the session's start counts as a save for checkpoint_every_s
         self.healthy_step: int | None = None  # the newest checkpoint known to hold healthy weights
         self.unconfirmed: list[int] = []  # saved in this session, not yet followed by a healthy step
+        self.objective_state: dict = {}  # the objective's, as the loaded checkpoint kept it (save's objective_state)
 
     def time_due(self) -> bool:
         """train.checkpoint_every_s has passed since the last save, on this rank's clock (the
@@ -55,13 +56,15 @@ class Checkpoints:
         stops early (train.stop_at_step), so the next one resumes there."""
         return step % self.cfg.train.checkpoint_every == 0 or step in (total_steps, stop_at)
 
-    def save(self, step: int, strategy, model, optimizer, schedule) -> None:
+    def save(self, step: int, strategy, model, optimizer, schedule, objective_state: dict | None = None) -> None:
+        """`objective_state`: what the objective keeps for an exact resume (online RL: its sampling
+        generator), saved per rank beside the RNG states and read back into `objective_state`."""
         tmp = self.run.step_path(step, tmp=True)
         if self.ranks.is_main and self.run.fs.exists(tmp):
             self.run.fs.rm(tmp, recursive=True)  # left by a save that was killed
         pg.barrier()
         try:
-            self._write(step, tmp, strategy, model, optimizer, schedule)
+            self._write(step, tmp, strategy, model, optimizer, schedule, objective_state or {})
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             # A full disk shows as ENOSPC, or only as a short write deep in a writer ("unexpected
             # pos" from torch.save's zip stream): the free space left says which it was.
@@ -87,13 +90,15 @@ class Checkpoints:
             f"({'' if free is None else f'{free / 2**20:,.1f} MiB free; '}{room}); the partial {tmp.rsplit('/', 1)[-1]} was "
             f"removed and {kept}. Free space there (or lower train.keep_last, or move output_dir), then re-run to resume")
 
-    def _write(self, step: int, tmp: str, strategy, model, optimizer, schedule) -> None:
+    def _write(self, step: int, tmp: str, strategy, model, optimizer, schedule, objective_state: dict) -> None:
         with warnings.catch_warnings():
             # DCP notes that it runs without a process group; for one rank that is the intent.
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             with strategy.meter.suspended():  # checkpoint traffic is not training-step traffic
                 strategy.checkpoint_state(model, optimizer).save(self.run.url_of(f"{tmp}/state"))
         rng = {"torch": torch.get_rng_state(), "python": list(_flatten(random.getstate()))}
+        if objective_state:
+            rng["objective"] = objective_state
         buf = io.BytesIO()
         torch.save(rng, buf)
         self.run.fs.makedirs(f"{tmp}/rng", exist_ok=True)
@@ -185,6 +190,7 @@ class Checkpoints:
             rng = torch.load(io.BytesIO(self.run.fs.cat_file(rng_file)), weights_only=True)
             torch.set_rng_state(rng["torch"])
             random.setstate(_unflatten(rng["python"]))
+            self.objective_state = rng.get("objective", {})
         self.healthy_step = int(state["step"])  # an earlier session's: never set aside by this one
         return int(state["step"])
 

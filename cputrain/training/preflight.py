@@ -24,6 +24,7 @@ def check_before_work(cfg: Config, probe_output_dir: bool = True) -> None:
     check_model_weights(cfg)
     check_report_to(cfg)
     check_objective_fits(cfg)
+    check_rewards(cfg)
     check_fsdp_layout(cfg)
 
 
@@ -120,6 +121,18 @@ def check_objective_fits(cfg: Config) -> None:
     from cputrain.data.preference.rows import shared_prompt_choice
 
     shared_prompt_choice(data.shared_prompt, fmt)  # data.shared_prompt=true lays out pairs only
+
+
+def check_rewards(cfg: Config) -> None:
+    """Online RL: every reward function of train.rewards importable (or a reward model's folder)
+    before any work; the rank builds them again."""
+    from cputrain.objectives.objective import objective_class
+
+    if objective_class(cfg.train.objective).batches_from_rollouts:
+        from cputrain.rewards.functions import reward_function
+
+        for spec in cfg.train.rewards:
+            reward_function(spec)
 
 
 def check_report_to(cfg: Config) -> None:

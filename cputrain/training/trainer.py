@@ -141,10 +141,17 @@ class Trainer:
         self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
         if ranks.is_main:
             log.info("data: %s", self.data.describe())
+        objective = self.objective
+        if objective.batches_from_rollouts:  # online RL: its reward functions, each imported or refused now
+            from cputrain.rewards.functions import build_rewards
+
+            objective.use_rewards(build_rewards(cfg.train, self.tokenizer), cfg.seed * 1000 + ranks.rank)
+        objective.check_rows([self.train_rows, self.val_rows], ranks.world_size)
         # before the model is built: a batch of more rows than the data made would repeat rows in a step
         pairs = self.data.stats.get("train_pairs")  # preference data counts its pairs
-        order.check_batch_fits(cfg.train, len(self.train_rows), ranks.world_size, pairs)
-        self.order = order.BatchOrder(len(self.train_rows), cfg.train.global_batch_size, cfg.seed)
+        rows_per_step = objective.rows_per_step(cfg.train)  # online RL: prompts, each sampled several times
+        order.check_batch_fits(cfg.train, len(self.train_rows), ranks.world_size, pairs, rows_per_step)
+        self.order = order.BatchOrder(len(self.train_rows), rows_per_step, cfg.seed)
         if ranks.is_main and pairs is not None:
             log.info("batch: %s", order.pairs_per_step(cfg.train, len(self.train_rows), pairs))
         self.total_steps = self._total_steps()  # known once the data is (train.epochs)
@@ -225,6 +232,8 @@ class Trainer:
         resumed = self.checkpoints.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
         if resumed is not None:
             self.step = resumed
+            if self.checkpoints.objective_state:  # online RL: where its sampling generator stood
+                self.objective.load_state_dict(self.checkpoints.objective_state)
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
         self.metrics = RunMetrics(cfg, self.hw, ranks, self.run, self.counts, self.hf_config, self.strategy.meter,
                                   self.total_steps, self.objective.summary_figures)
@@ -251,14 +260,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     def train_step(self) -> StepOutcome:
         """One optimizer step over this rank's share of the global batch."""
-        micro_batches = [self.train_rows.batch(indices) for indices in self.order.rank_micro_batches(
-            self.step, self.ranks.rank, self.ranks.world_size, self.cfg.train.micro_batch_size)]
+        # this rank's rows of the step as the objective makes them micro-batches (cut from the cache;
+        # online RL: its prompts sampled and scored)
+        objective, mbs = self.objective, self.cfg.train.micro_batch_size
+        micro_batches = objective.step_batches(
+            self.model, self.train_rows,
+            self.order.rank_micro_batches(self.step, self.ranks.rank, self.ranks.world_size, mbs), mbs,
+            self.strategy.autocast)
         # The step's loss is the sum of the losses of every item of the global batch (trained
         # target, or preference pair) ÷ their number, over all micro-batches and ranks: a mean of
         # per-micro-batch means is wrong when micro-batches hold different numbers of them (chat
         # data, packed pairs). Strategies average gradients over ranks, so each rank divides by the
         # global count ÷ world size.
-        objective = self.objective
         trained, tokens, items = (int(n) for n in pg.all_reduce_sum([
             sum(b.trained_targets for b in micro_batches), sum(b.tokens for b in micro_batches),
             sum(objective.items(b) for b in micro_batches)]))
@@ -358,6 +371,7 @@ class Trainer:
                 if self._validation_due() and not outcome.stop_signal:
                     row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)
+                self._keep_samples()
                 profiling.step()
                 self.guard.judge(self.step, outcome)  # after the row: the step that stops the run is on record
                 saved = False
@@ -375,6 +389,18 @@ class Trainer:
             self.stop_request.uninstall()
         return self._finish()
 
+    def _keep_samples(self) -> None:
+        """Rank 0 appends the objective's records of the step (online RL: completions with their
+        rewards) to completions.jsonl, on the steps metrics.jsonl logs."""
+        samples = self.objective.samples()
+        if not samples or not self.ranks.is_main or self.step % self.cfg.train.log_every:
+            return
+        import json
+
+        with self.run.fs.open(self.run.path("completions.jsonl"), "a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": self.step, **sample}, ensure_ascii=False, default=str) + "\n")
+
     def _save_unless_in_a_bad_streak(self) -> bool:
         """Save the step, unless it is inside a streak of bad steps: its weights are then not known
         to be healthy, and a save would rotate out a checkpoint that is."""
@@ -383,7 +409,8 @@ class Trainer:
                 log.warning("step %d: checkpoint not written: %d bad step(s) in a row; the newest checkpoint is kept",
                             self.step, self.guard.bad_steps_in_row)
             return False
-        self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule)
+        self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule,
+                              self.objective.state_dict())
         self.metrics.exclude_pause()
         return True
 

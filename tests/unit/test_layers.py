@@ -24,7 +24,7 @@ LAYERS = [
     ["parallel", "lora", "rollouts"],  # strategies; LoRA's converter and adapter folder; sampling from the policy
     ["objectives"],  # what a step minimises: the LM loss, DPO, SimPO, KTO, a reward model's; the validation-loss loop
     ["finished"],  # a finished model: sampled, evaluated, scored (reward models), benchmarked via lm-eval, as GGUF
-    ["plan"],  # memory per rank and the time of a step, before any run
+    ["plan", "rewards"],  # memory per rank and the time of a step, before any run; online RL's reward functions
     ["training"],  # a run: refused before any work, launched, decided, its ranks' loop
     ["k8s"],  # manifests sized by the plan the run's choices decide
     ["commands"],  # one module per subcommand: its parser and its body

@@ -31,6 +31,8 @@ def train_on_choice(setting: str, data_format: str) -> tuple[str, str]:
         return "completion", "preference: each answer and the token that ends it, not the prompt"
     if data_format == "feedback":
         return "completion", "feedback: the answer and the token that ends it, not the prompt"
+    if data_format == "prompt":
+        return "completion", "prompt: the completions sampled from each prompt, not the prompt"
     return "completion", f"{data_format}: the answer and EOS, not the prompt"
 
 
