@@ -519,8 +519,9 @@ class TrainConfig(Section):
     """grpo, rloo: the reward functions, each one of: a Python callable `module:function` with TRL's
     signature f(prompts, completions, completion_ids, **columns) -> list[float | None] (the
     prompts' other columns, e.g. `answer`, as lists); a built-in, `exact_answer` (1.0 where the
-    completion's text, stripped, equals the record's `answer` column, else 0.0) or
-    `regex:<pattern>` (1.0 where the completion matches the pattern from its start, else 0.0); or a
+    completion's text, stripped, equals the record's `answer` column, else 0.0),
+    `starts_with_answer` (1.0 where it opens with `answer`, case aside) or `regex:<pattern>` (1.0
+    where the completion matches the pattern from its start, else 0.0); or a
     reward model's run folder (`train.objective=reward`), scored in process. Each is logged as
     rewards/<name>/mean."""
 

@@ -1,6 +1,7 @@
 """The built-in verifiable rewards, with TRL's signature f(prompts, completions, **columns):
-`exact_answer` (the completion, stripped, equals the record's `answer` column) and `regex:<pattern>`
-(the completion matches the pattern from its start: a format reward)."""
+`exact_answer` (the completion, stripped, equals the record's `answer` column), `starts_with_answer`
+(the completion opens with it, case aside) and `regex:<pattern>` (the completion matches the
+pattern from its start: a format reward)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def exact_answer(prompts, completions, answer=None, **columns) -> list[float]:
     if answer is None:
         raise KeyError("answer")
     return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def starts_with_answer(prompts, completions, answer=None, **columns) -> list[float]:
+    """1.0 where the completion's text, stripped, starts with the record's `answer`, case aside, else 0.0."""
+    if answer is None:
+        raise KeyError("answer")
+    return [float(completion_text(c).strip().lower().startswith(str(a).strip().lower()))
+            for c, a in zip(completions, answer)]
 
 
 def regex_reward(pattern: str):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from cputrain.errors import ConfigError, UserError
-from cputrain.rewards.builtin import exact_answer, regex_reward
+from cputrain.rewards.builtin import exact_answer, regex_reward, starts_with_answer
 
 
 class RewardError(UserError):
@@ -33,10 +33,13 @@ def _imported(spec: str):
     return function
 
 
+BUILTIN = {"exact_answer": exact_answer, "starts_with_answer": starts_with_answer}
+
+
 def reward_function(spec: str):
     """(its logged name, the callable) of one entry of train.rewards."""
-    if spec == "exact_answer":
-        return spec, exact_answer
+    if spec in BUILTIN:
+        return spec, BUILTIN[spec]
     if spec.startswith("regex:"):
         return spec, regex_reward(spec[len("regex:"):])
     if Path(spec).is_dir():
@@ -45,8 +48,8 @@ def reward_function(spec: str):
         return Path(spec).name or spec, reward_model_function(spec)
     if ":" in spec:
         return spec.split(":", 1)[1], _imported(spec)
-    raise ConfigError(f"train.rewards: '{spec}' is none of exact_answer, regex:<pattern>, a reward model's folder "
-                      "(no such folder) or module:function")
+    raise ConfigError(f"train.rewards: '{spec}' is none of {', '.join(BUILTIN)}, regex:<pattern>, a reward model's "
+                      "folder (no such folder) or module:function")
 
 
 @dataclass
