@@ -6,12 +6,13 @@
 #   make demo-dpo  the SFT demo, then DPO of its model with LoRA on preference pairs (configs/demo-dpo.yaml)
 #   make demo-kto  the SFT demo, then KTO of its model with LoRA on thumbs-up/down answers (configs/demo-kto.yaml)
 #   make demo-reward  the SFT demo, then a LoRA reward model on its model, its held-out accuracy (configs/demo-reward.yaml)
+#   make demo-grpo  the SFT demo, then online RL (GRPO, LoRA) of its model against a format reward (configs/demo-grpo.yaml)
 VENV ?= .venv
 # mlflow is left out: with it installed, DeepSpeed's autotuner imports it into every zero3 rank
 # (about 0.1 GiB more RSS, which the plan-vs-measured test would count). Its test skips without it.
 EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer,eval
 
-.PHONY: demo demo-sft demo-dpo demo-kto demo-reward test test-fast install install-test install-mpi
+.PHONY: demo demo-sft demo-dpo demo-kto demo-reward demo-grpo test test-fast install install-test install-mpi
 
 install:
 	bash scripts/install.sh
@@ -46,6 +47,11 @@ demo-reward: install
 	test -f runs/demo-sft/model/config.json || $(VENV)/bin/cputrain train configs/demo-sft.yaml
 	$(VENV)/bin/cputrain train configs/demo-reward.yaml
 	$(VENV)/bin/cputrain eval runs/demo-reward
+
+demo-grpo: install
+	test -f runs/default/model/config.json || $(VENV)/bin/cputrain train
+	test -f runs/demo-sft/model/config.json || $(VENV)/bin/cputrain train configs/demo-sft.yaml
+	$(VENV)/bin/cputrain train configs/demo-grpo.yaml
 
 # Two test processes (pytest-xdist), a test file each at a time so its module fixtures are made
 # once: 1,201 s against 1,690 s serial on 2 cores (tests/harness/README.md). Tests marked

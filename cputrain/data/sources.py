@@ -117,13 +117,25 @@ def _pydoc_garbled():
         yield {**pair, "rejected": [{"role": "assistant", "content": " ".join(words)}]}
 
 
+def _pydoc_prompts():
+    # Prompts alone for the offline online-RL demo (configs/demo-grpo.yaml): each help topic's
+    # question as builtin:pydoc-dpo asks it, a conversation, with the topic's title in an `answer`
+    # column for the reward functions (TRL hands such columns to them).
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        title = topics[name].strip().partition("\n")[0].strip()
+        if title:
+            yield {"prompt": [{"role": "user", "content": f"What is {title} in Python?"}], "answer": title}
+
+
 def _chat(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
 BUILTINS = {"builtin:pydoc": _pydoc_paragraphs, "builtin:pydoc-sft": _pydoc_instructions,
             "builtin:pydoc-dpo": _pydoc_preferences, "builtin:pydoc-kto": _pydoc_feedback,
-            "builtin:pydoc-reward": _pydoc_garbled}
+            "builtin:pydoc-reward": _pydoc_garbled, "builtin:pydoc-grpo": _pydoc_prompts}
 
 
 def _pydoc_documents() -> list[str]:
@@ -334,6 +346,8 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
         return ["prompt", "chosen", "rejected"]
     if cfg.source == "builtin:pydoc-kto":
         return ["prompt", "completion", "label"]
+    if cfg.source == "builtin:pydoc-grpo":
+        return ["prompt", "answer"]
     if cfg.source.startswith(BUILTIN_PREFIX) or _plain_text_files(cfg):
         return ["text"]
     if cfg.source.startswith(HF_PREFIX):

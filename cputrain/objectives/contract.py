@@ -64,6 +64,9 @@ class Objective(ABC):
     summary_figures: ClassVar[tuple[str, ...]] = ()
     """The figures summary.json carries of a run (the last logged step's, the first and last
     validation's; metrics.run_metrics); empty: none, and no pairs per second."""
+    whole_logits: ClassVar[bool] = False
+    """Whether its loss reads every logit of a token (online RL: each completion token's
+    log-probability at the sampling temperature), so model.chunked_loss=auto leaves the head whole."""
     batches_from_rollouts: ClassVar[bool] = False
     """Whether a step's micro-batches are made by the objective from its rows (online RL: prompts
     sampled from the policy, scored by reward functions: step_batches) rather than cut from the

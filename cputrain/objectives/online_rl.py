@@ -38,6 +38,7 @@ class OnlineRlObjective(Objective):
 
     data_format = "prompt"
     batches_from_rollouts = True
+    whole_logits = True  # log-probabilities at the sampling temperature, from the whole logits
     items_key = "completions"
     item_described = "prompt"
     names = (*rl_loss.SUM_NAMES, "reward_sum")  # the loss's sums; reward_sum: validation's rewards
@@ -152,7 +153,8 @@ class OnlineRlObjective(Objective):
             return self.kept
         records = rows.prompt_records(np.concatenate(indices) if len(indices) else np.zeros(0, dtype=np.int64))
         prompt_ids = [r.ids for r in records for _ in range(cfg.num_generations)]
-        rollout = self._sample(model, prompt_ids)
+        with autocast():  # the precision the step's forwards run in
+            rollout = self._sample(model, prompt_ids)
         scores = self.rewards.score([r for r in records for _ in range(cfg.num_generations)],
                                     rollout.completion_ids)
         batches = self.batches_from_completions(model, prompt_ids, rollout.completion_ids, scores, micro_batch,
@@ -289,7 +291,8 @@ class OnlineRlObjective(Objective):
         saved = self.generator.get_state()
         self.generator.manual_seed(self.seed + 7919)  # the same validation draws at every evaluation
         try:
-            rollout = self._sample(model, [r.ids for r in records])
+            with autocast():
+                rollout = self._sample(model, [r.ids for r in records])
         finally:
             self.generator.set_state(saved)
         scores = self.rewards.score(records, rollout.completion_ids)

@@ -165,9 +165,11 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
         from cputrain.model.score_head import SCORE
         from cputrain.objectives.objective import objective_class
 
-        score = now.train.objective if objective_class(now.train.objective).head == SCORE else None
+        objective = objective_class(now.train.objective)
+        score = now.train.objective if objective.head == SCORE else None
+        whole = now.train.objective if objective.whole_logits else None
         walk.record("model.chunked_loss", *chunked_loss_choice(
-            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, score))
+            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, score, whole))
     if walk.config.parallel.strategy == "fsdp":
         _record_fsdp_choices(walk, facts, vocab)
     if walk.config.model.activation_checkpointing == "auto":
