@@ -31,6 +31,14 @@ class Plan:
         return max(self.ranks, key=lambda r: r.total_bytes)
 
 
+
+def rollout_inputs(cfg, world_size: int) -> dict:
+    """Online RL's rollout as the plans count it: this rank's completions a step, each row up to
+    data.seq_len positions (a prompt leaves train.max_completion_length of it); none otherwise."""
+    if not objective_class(cfg.train.objective).batches_from_rollouts:
+        return {}
+    return {"rollout_rows": cfg.train.global_batch_size // world_size, "rollout_len": cfg.data.seq_len}
+
 def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
     """From the DeepSpeed config the zero3 strategy will run with (generated or the user's file)."""
     if cfg.parallel.strategy != "zero3":
@@ -102,6 +110,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         prefetch=parallel.strategy == "fsdp" and parallel.prefetch,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         extra_forwards=objective_class(cfg.train.objective).extra_forwards,
+        **rollout_inputs(cfg, world_size),
         **zero3,
     )
     if fsdp and ranks_per_node:

@@ -63,6 +63,8 @@ class PlanInputs:
     ranks_per_node: int | None = None  # node_reshard and hybrid read it (None: not known)
     accumulation: int = 1  # micro-batches per rank per step: gather_once accumulates unsharded gradients over them
     extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (the objective's extra_forwards)
+    rollout_rows: int = 0  # online RL: completions this rank samples a step (0: no rollout)
+    rollout_len: int = 0  # online RL: the positions a rollout's row holds (prompt + completion ≤ data.seq_len)
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,15 @@ class RankPlan:
     process_overhead_bytes: int
     load_bytes: int = 0  # held only while the weights are built or loaded, beside the parameters
     offload_buffer_bytes: int = 0  # zero3 offload: host gradient buffers the offloaded optimizer steps on
+    rollout_bytes: int = 0  # online RL: the rollout's KV cache and its last position's logits, before the step's forwards
 
     @property
     def training_peak_bytes(self) -> int:
         # The forward/backward working set (activations, gathered parameters, unreduced
         # gradients) and the optimizer step's temporaries are never alive together: the step
         # runs after the backward has freed activations and released what it gathered.
-        working = max(self.activation_bytes + self.comm_buffer_bytes, self.optimizer_step_bytes)
+        # Online RL's rollout runs before the step's forwards, its KV cache freed when it ends.
+        working = max(self.activation_bytes + self.comm_buffer_bytes, self.optimizer_step_bytes, self.rollout_bytes)
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.offload_buffer_bytes + working
                 + self.process_overhead_bytes)
 
@@ -247,7 +251,21 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         # its own (stage3 _initialize_optimizer_states), beside the gradient partitions the
         # backward reduces into: a second fp32 copy of this rank's gradients, kept all run.
         offload_buffer_bytes=state.local_params * FP32_BYTES if inp.strategy == "zero3" and inp.offload_optimizer else 0,
+        rollout_bytes=rollout_bytes(m, inp),
     )
+
+
+def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
+    """Online RL's rollout on this rank: its KV cache (cputrain.rollouts.kv_cache_size, sized once
+    for the whole rollout in the precision the forwards run in) and the fp32 logits of each row's
+    last position with their warped copy; 0 without a rollout."""
+    if not inp.rollout_rows:
+        return 0
+    from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+
+    shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
+             "hidden_size": m.hidden}
+    return kv_cache_bytes(shape, inp.rollout_rows, inp.rollout_len, inp.precision) + 2 * inp.rollout_rows * m.vocab * 4
 
 
 def plan_all_ranks(m: ModelShape, inp: PlanInputs) -> list[RankPlan]:

@@ -105,6 +105,11 @@ def time_lines(tp: TimePlan) -> list[str]:
                      "hides)")
     elif "in_node" in s.source:
         lines.append(f"  in the node      {s.source['in_node']}")
+    if s.rollout_s:
+        from cputrain.plan.time.step_time import ROLLOUT_MFU_SHARE
+
+        lines.append(f"  rollout          {_s(s.rollout_s)}   (online RL: one forward a sampled position, at "
+                     f"{ROLLOUT_MFU_SHARE:.0%} of the assumed MFU: decode's matmuls are a few rows each)")
     lines.append(f"  step             {_s(s.step_s)}   network {s.network_share:.0%} of it; "
                  f"{s.tokens_per_s_per_rank:,.0f} tokens/s per rank, {s.tokens_per_s:,.0f} for the cluster; "
                  f"MFU {s.mfu:.1%}")

@@ -40,6 +40,7 @@ class StepSettings:
     reduce_scatter: str = "auto"  # fsdp and zero3: parallel.reduce_scatter (auto: the all-to-all, as on gloo)
     prefetch: bool = False  # fsdp: parallel.prefetch, each block's gather issued one block ahead
     extra_forwards: int = 0  # no-grad forwards of the blocks beyond the step's own (KTO's KL sequences: 1)
+    rollout_positions: int = 0  # online RL: positions a rank's rollout computes a step (its rows × data.seq_len)
 
     @classmethod
     def of_config(cls, cfg: Config) -> StepSettings:
@@ -55,14 +56,31 @@ class StepSettings:
                    cfg.train.global_batch_size, cfg.model.activation_checkpointing,
                    layout=p.layout if fsdp else DEFAULT_LAYOUT, reduce_dtype=p.reduce_dtype if fsdp else None,
                    reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch,
-                   extra_forwards=objective_class(cfg.train.objective).extra_forwards)
+                   extra_forwards=objective_class(cfg.train.objective).extra_forwards,
+                   rollout_positions=_rollout_positions(cfg, cfg.launch.nproc_per_node * cfg.launch.nnodes))
 
     @classmethod
     def of_plan(cls, plan, global_batch: int) -> StepSettings:
         i = plan.inputs
         return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
                    i.persistence_threshold, i.max_reuse_distance, i.layout, i.reduce_dtype, i.reduce_scatter,
-                   i.prefetch, i.extra_forwards)
+                   i.prefetch, i.extra_forwards, i.rollout_rows * i.rollout_len)
+
+
+def _rollout_positions(cfg, world_size: int) -> int:
+    from cputrain.plan.memory.build import rollout_inputs
+
+    inputs = rollout_inputs(cfg, world_size)
+    return inputs.get("rollout_rows", 0) * inputs.get("rollout_len", 0)
+
+
+# The rollout's decode as the time plan counts it: every position a rank's rollout holds (its
+# completions × data.seq_len, an upper bound: a prompt and its completion fill at most that) takes
+# one forward of the model, at this share of the step's assumed MFU. A decode step's matmuls have
+# as many rows as the rollout has unfinished completions, far fewer than a training micro-batch's
+# tokens, so they run well below the matmul ceiling; a quarter is assumed until the rollout
+# benchmark (benchmarks/online_rl/) measures it.
+ROLLOUT_MFU_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,7 @@ class StepTimePlan:
     flow_cap_gbit_s: float | None = None  # what one TCP flow gets at most (None: no cap)
     in_node_s: float = 0.0  # a node's own collectives over loopback (planned where gloo_cpu_capped), never hidden
     collectives: list[CollectiveTime] = field(default_factory=list)
+    rollout_s: float = 0.0  # online RL: the rollout's prefill and decode (ROLLOUT_MFU_SHARE), in step_s
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "collectives"}
@@ -260,7 +279,9 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
     exposed = _exposed_s(s, timer, timed, compute_s, block_s)
     hidden = 1 - exposed / network_s if network_s else 1.0
     exposed += in_node_s  # gloo's loopback work on the cores the compute uses: none of it hides
-    step_s = compute_s + exposed
+    # online RL: one forward a rollout position (the model's FLOPs are forward and backward, 3 forwards)
+    rollout_s = s.rollout_positions * ft.model / 3 / (rate * ROLLOUT_MFU_SHARE)
+    step_s = compute_s + exposed + rollout_s
     messages, efficiencies = _by_kind(timed, timer.fixed)
     return StepTimePlan(
         world_size=world_size, nnodes=nnodes, micro_batches=micro_batches, tokens_per_rank=tokens,
@@ -275,4 +296,4 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         link_gbit_s=link.gbit_s, peak_flops_per_s=compute.peak_flops_per_s,
         whole_parameter_bytes=pattern.whole_parameter_bytes, source=source, layout=pattern.layout,
         reduce_dtype=pattern.reduce_dtype, reduce_scatter=pattern.reduce_scatter,
-        flow_cap_gbit_s=link.flow_cap_gbit_s, in_node_s=in_node_s, collectives=timed)
+        flow_cap_gbit_s=link.flow_cap_gbit_s, in_node_s=in_node_s, collectives=timed, rollout_s=rollout_s)

@@ -1,0 +1,36 @@
+"""The plans count online RL's rollout: the memory plan its KV cache (cputrain.rollouts'
+kv_cache_bytes) and last-position logits, the time plan its forwards; an lm run's plans are as
+they were."""
+
+from __future__ import annotations
+
+from cputrain.config.file import load_config
+from cputrain.plan.time.step_time import ROLLOUT_MFU_SHARE, StepSettings
+from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+from cputrain.training.choices import decide_and_plan
+
+RL = ["train.objective=grpo", "train.rewards=[exact_answer]", "data.format=prompt", "data.source=prompts.jsonl",
+      "train.num_generations=8", "train.global_batch_size=32", "train.max_completion_length=64",
+      "data.seq_len=256", "hardware.precision=fp32"]
+
+
+def _plan(overrides):
+    return decide_and_plan(load_config(None, overrides), 1, vocab_size=4096)
+
+
+def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits():
+    plan, lm = _plan(RL), _plan(RL[-2:])
+    rank = plan.peak_rank
+    m = plan.shape
+    shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
+             "hidden_size": m.hidden}
+    assert rank.rollout_bytes == kv_cache_bytes(shape, 32, 256, "fp32") + 2 * 32 * m.vocab * 4
+    assert lm.peak_rank.rollout_bytes == 0
+
+
+def test_the_time_plan_counts_one_forward_a_rollout_position():
+    plan = _plan(RL)
+    with_rollout = StepSettings.of_plan(plan, 32)
+    assert with_rollout.rollout_positions == 32 * 256
+    assert StepSettings.of_plan(_plan(RL[-2:]), 32).rollout_positions == 0
+    assert 0 < ROLLOUT_MFU_SHARE < 1
