@@ -70,6 +70,7 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
-def keep_rows(cache, indices: torch.Tensor) -> None:
-    """Only the rows `indices` stay in the cache (finished rows dropped)."""
+def select_rows(cache, indices: torch.Tensor) -> None:
+    """Only the rows `indices` stay in the cache, in their order: finished rows dropped, or a shared
+    prompt's rows repeated for each of its completions."""
     cache.batch_select_indices(indices)

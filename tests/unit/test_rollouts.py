@@ -12,12 +12,13 @@ VOCAB = 97
 PROMPTS = [[5, 9, 13, 2, 44, 71, 8], [3, 17], [60, 61, 62, 63], [11]]  # lengths differ: rows are left-padded
 
 
-def tiny_llama(seed: int = 0, dtype=torch.float32):
+def tiny_llama(seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=False, pad_token_id=0)
+    config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).eval()
 
@@ -43,6 +44,24 @@ def test_greedy_equals_generate_for_prompts_of_different_lengths():
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 12)
     assert rollout.stopped == [False] * len(PROMPTS)
     assert rollout.new_tokens == 12 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_greedy_equals_generate_and_the_attention_implementation_is_restored(attn_implementation):
+    model = tiny_llama(attn_implementation=attn_implementation)
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded())
+    assert model.config._attn_implementation == attn_implementation
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 10)
+
+
+def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
+    """GRPO's generations: the rows of one prompt share its prefill, and each writes its own completion."""
+    model = tiny_llama()
+    rows = [p for p in PROMPTS[:3] for _ in range(3)]
+    greedy = sample(model, rows, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    assert greedy.completion_ids == generate_greedy(model, rows, 8)
+    sampled = sample(model, rows, SamplingSettings(max_new_tokens=8, temperature=1.5), _seeded(11)).completion_ids
+    assert len({tuple(c) for c in sampled[:3]}) > 1  # the copies of one prompt draw apart
 
 
 def test_stop_tokens_end_a_row_and_stopped_says_so():
