@@ -28,9 +28,12 @@ def rollout_attention(module, query, key, value, attention_mask, scaling, dropou
     rows, heads, _, dim = query.shape
     kv_heads, positions = key.shape[1], key.shape[2]
     group = heads // kv_heads  # grouped-query attention: a kv head's query heads share one product
-    scores = torch.bmm(query.reshape(rows * kv_heads, group, dim),
-                       key.reshape(rows * kv_heads, positions, dim).transpose(1, 2))
-    scores = scores.view(rows, heads, positions).float() * scaling + attention_mask.view(rows, 1, positions).float()
+    # keys × query, not query × keysᵀ: the keys are a view of the preallocated cache, and a transposed
+    # strided bf16 operand is copied first (0.72 ms against 0.41 ms at 64 rows × 4 heads × 80
+    # positions, one core; fp32 the same either way)
+    scores = torch.bmm(key.reshape(rows * kv_heads, positions, dim),
+                       query.reshape(rows * kv_heads, group, dim).transpose(1, 2)).transpose(1, 2)
+    scores = scores.reshape(rows, heads, positions).float() * scaling + attention_mask.view(rows, 1, positions).float()
     weights = scores.softmax(dim=-1).to(value.dtype).view(rows * kv_heads, group, positions)
     out = torch.bmm(weights, value.reshape(rows * kv_heads, positions, dim))
     return out.view(rows, heads, 1, dim).transpose(1, 2), None
