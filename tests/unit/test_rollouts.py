@@ -187,3 +187,22 @@ def test_kv_cache_bytes_of_the_demo_shape():
     assert kv_cache_bytes(demo, rows=64, max_len=176, dtype="bf16") == 2 * 4 * 64 * 256 * 176 * 2
     with pytest.raises(ValueError, match="no element size"):
         kv_cache_bytes(demo, rows=1, max_len=1, dtype="int3")
+
+
+def test_under_the_trainers_bf16_autocast_the_cache_holds_bf16(monkeypatch):
+    """The trainer holds fp32 weights and computes in bf16 under autocast: sample() called inside its
+    autocast keeps the cache in bf16 (what attention's products read), its completions as long as asked."""
+    from cputrain.rollouts import kv_cache, sampling
+
+    caches = []
+
+    def kept(config, capacity):
+        caches.append(kv_cache.rollout_cache(config, capacity))
+        return caches[-1]
+
+    monkeypatch.setattr(sampling, "rollout_cache", kept)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rollout = sample(tiny_llama(), PROMPTS, SamplingSettings(max_new_tokens=5, temperature=1.0), _seeded())
+    assert [len(c) for c in rollout.completion_ids] == [5] * len(PROMPTS)
+    assert all(0 <= t < VOCAB for c in rollout.completion_ids for t in c)
+    assert {layer.key_store.dtype for layer in caches[0].layers} == {torch.bfloat16}
