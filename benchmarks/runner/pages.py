@@ -59,6 +59,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("kto", "sft-and-dpo.md", "## KTO against TRL"),
     ("reward_model", "sft-and-dpo.md", "## Reward models against TRL"),
     ("revision-parity", "revision-parity.md", None),
+    ("rollouts", "online-rl.md", "## Rollouts: sample() against generate()"),
 )
 
 FENCE = re.compile(r"^\s*(```|~~~)")

@@ -7,21 +7,22 @@ import torch
 
 
 class RolloutMasks:
-    """What each row may attend to, in the form the model's attention implementation takes: bool
-    (True: attend) for sdpa, additive (0 or the dtype's minimum) for eager; for any other
-    implementation the plain 2D padding mask, which the model expands itself."""
+    """What each row may attend to, in the form the model's attention implementation takes:
+    - "rollout" (decode_attention.py's): bool for the prefill (it goes to sdpa), additive for a step;
+    - "sdpa": bool (True: attend); "eager": additive (0, or the dtype's minimum);
+    - any other: the plain 2D padding mask, which the model expands itself."""
 
-    def __init__(self, padding: torch.Tensor, capacity: int, attn_implementation: str | None, dtype: torch.dtype):
+    def __init__(self, padding: torch.Tensor, capacity: int, kind: str | None, dtype: torch.dtype):
         rows, width = padding.shape
         self.width = width
-        self.kind = attn_implementation if attn_implementation in ("sdpa", "eager") else "2d"
+        self.kind = kind if kind in ("rollout", "sdpa", "eager") else "2d"
         self.dtype = dtype
         valid = torch.ones((rows, capacity), dtype=torch.bool)
         valid[:, :width] = padding.bool()
         self.valid = valid  # every new position is a real token
 
-    def _form(self, allowed: torch.Tensor) -> torch.Tensor:
-        if self.kind == "eager":
+    def _form(self, allowed: torch.Tensor, step: bool = False) -> torch.Tensor:
+        if self.kind == "eager" or (self.kind == "rollout" and step):
             return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
         return allowed
 
@@ -46,9 +47,10 @@ class RolloutMasks:
         if self.kind == "2d":
             self._decode_2d = self.valid.long()
         else:
-            self._decode_4d = self._form(self.valid)[:, None, None, :]
+            self._decode_4d = self._form(self.valid, step=True)[:, None, None, :]
 
-    def keep_rows(self, indices: torch.Tensor) -> None:
+    def select_rows(self, indices: torch.Tensor) -> None:
+        """Only the rows `indices` stay (finished ones dropped), in their order (repeats allowed)."""
         self.valid = self.valid.index_select(0, indices)
         if self.kind == "2d":
             self._decode_2d = self._decode_2d.index_select(0, indices)

@@ -22,9 +22,13 @@ def _preallocated_layer_class():
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             rows, heads, _, _ = key_states.shape
             self.device = key_states.device
-            self.key_store = key_states.new_empty((rows, heads, self.capacity, key_states.shape[-1]))
+            # Under the trainer's bf16 autocast, Llama's keys leave the rotary embedding in fp32 and
+            # attention's products cast them to bf16 again every step: kept in bf16, the cache
+            # holds half the bytes and is not cast whole each step (the products see the same values).
+            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else key_states.dtype
+            self.key_store = key_states.new_empty((rows, heads, self.capacity, key_states.shape[-1]), dtype=dtype)
             self.value_store = value_states.new_empty((rows, value_states.shape[1], self.capacity,
-                                                       value_states.shape[-1]))
+                                                       value_states.shape[-1]), dtype=dtype)
             self.is_initialized = True
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -70,6 +74,7 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
-def keep_rows(cache, indices: torch.Tensor) -> None:
-    """Only the rows `indices` stay in the cache (finished rows dropped)."""
+def select_rows(cache, indices: torch.Tensor) -> None:
+    """Only the rows `indices` stay in the cache, in their order: finished rows dropped, or a shared
+    prompt's rows repeated for each of its completions."""
     cache.batch_select_indices(indices)

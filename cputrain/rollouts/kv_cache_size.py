@@ -3,7 +3,7 @@ shape, no torch, so the plan can count it before any model exists.
 
 sample() sizes its cache once for the whole rollout: every row holds the longest prompt of its
 batch plus max_new_tokens positions, in every full-attention layer, keys and values, in the
-model's dtype (the dtype the trainer holds the policy in).
+dtype the policy computes in: the model's dtype, or bf16 where the trainer's bf16 autocast is on.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ What makes it faster than `model.generate()` (each measured, docs/benchmarks/onl
 - the attention mask is built once and passed as a view (attention_masks.py);
 - one uniform number a row draws the token (token_draw.py), not an exponential per vocabulary entry;
 - finished rows leave the batch (their cache rows dropped), so the last long completions decode
-  alone instead of dragging the whole batch along.
+  alone instead of dragging the whole batch along;
+- a prompt repeated in the batch (GRPO's generations of one prompt) is prefilled once, and its
+  cache rows copied for each completion;
+- a decode step's attention is two batched products (decode_attention.py), not sdpa's CPU kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from cputrain.rollouts.attention_masks import RolloutMasks
-from cputrain.rollouts.kv_cache import cache_keyword, keep_rows, rollout_cache
+from cputrain.rollouts.decode_attention import decode_attention
+from cputrain.rollouts.kv_cache import cache_keyword, rollout_cache, select_rows
 from cputrain.rollouts.token_draw import next_tokens
 
 
@@ -104,11 +108,17 @@ def _rows_worth_dropping(finished: int, batch: int) -> bool:
     return finished > 0 and finished * 8 >= batch
 
 
+def _distinct(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts in order of first appearance, and for each row the index of its prompt."""
+    index: dict[tuple[int, ...], int] = {}
+    copy_of = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
+    return [list(p) for p in index], copy_of
+
+
 def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout:
     rows = len(prompt_ids)
     completions: list[list[int]] = [[] for _ in range(rows)]
     stopped = [False] * rows
-    stop = torch.tensor(settings.stop_token_ids, dtype=torch.long)
     start = time.perf_counter()
     if rows == 0 or settings.max_new_tokens <= 0:
         if any_rank_running is not None:
@@ -117,20 +127,34 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout
                 _dummy_forward(model, settings.pad_token_id)
         return Rollout(completions, stopped, time.perf_counter() - start, 0.0, 0)
     forward = _Forward(model)
-    ids, padding = _left_padded(prompt_ids, settings.pad_token_id)
+    with decode_attention(forward.config) as ours:
+        kind = "rollout" if ours else getattr(forward.config, "_attn_implementation", None)
+        return _prefill_and_decode(model, forward, kind, prompt_ids, settings, generator, any_rank_running, start,
+                                   completions, stopped)
+
+
+def _prefill_and_decode(model, forward, kind, prompt_ids, settings, generator, any_rank_running, start,
+                        completions, stopped) -> Rollout:
+    distinct, copy_of = _distinct(prompt_ids)
+    ids, padding = _left_padded(distinct, settings.pad_token_id)
     width = ids.shape[1]
     cache = rollout_cache(forward.config, width + settings.max_new_tokens)
-    masks = RolloutMasks(padding, width + settings.max_new_tokens,
-                         getattr(forward.config, "_attn_implementation", None), next(model.parameters()).dtype)
+    masks = RolloutMasks(padding, width + settings.max_new_tokens, kind, next(model.parameters()).dtype)
     # positions count real tokens only, so a left-padded row sees the positions it would alone
     positions = (padding.cumsum(dim=-1) - 1).clamp(min=0)
     logits = forward(ids, masks.prefill(), positions, cache)
     masks.start_decoding()
+    next_position = positions[:, -1:] + 1
+    if len(distinct) < len(prompt_ids):  # each completion of a shared prompt gets its own copy of the cache rows
+        rows_of_prompts = torch.tensor(copy_of)
+        select_rows(cache, rows_of_prompts)
+        masks.select_rows(rows_of_prompts)
+        logits, next_position = logits[rows_of_prompts], next_position[rows_of_prompts]
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    row_of = list(range(rows))  # the batch's rows → the prompts they complete
-    live = torch.ones(rows, dtype=torch.bool)  # rows still writing; finished ones stay until compacted
-    next_position = positions[:, -1:] + 1
+    stop = torch.tensor(settings.stop_token_ids, dtype=torch.long)
+    row_of = list(range(len(prompt_ids)))  # the batch's rows → the prompts they complete
+    live = torch.ones(len(prompt_ids), dtype=torch.bool)  # rows still writing; finished ones stay until compacted
     seen = width
     for step in range(1, settings.max_new_tokens + 1):
         token = next_tokens(logits, settings.temperature, settings.top_k, settings.top_p, generator)
@@ -151,8 +175,8 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout
             break
         if _rows_worth_dropping(int((~live).sum()), len(row_of)):
             kept = live.nonzero().flatten()
-            keep_rows(cache, kept)
-            masks.keep_rows(kept)
+            select_rows(cache, kept)
+            masks.select_rows(kept)
             row_of = [row_of[i] for i in kept.tolist()]
             token, next_position, live = token[kept], next_position[kept], live[kept]
         seen += 1

@@ -12,12 +12,13 @@ VOCAB = 97
 PROMPTS = [[5, 9, 13, 2, 44, 71, 8], [3, 17], [60, 61, 62, 63], [11]]  # lengths differ: rows are left-padded
 
 
-def tiny_llama(seed: int = 0, dtype=torch.float32):
+def tiny_llama(seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=False, pad_token_id=0)
+    config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).eval()
 
@@ -43,6 +44,24 @@ def test_greedy_equals_generate_for_prompts_of_different_lengths():
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 12)
     assert rollout.stopped == [False] * len(PROMPTS)
     assert rollout.new_tokens == 12 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_greedy_equals_generate_and_the_attention_implementation_is_restored(attn_implementation):
+    model = tiny_llama(attn_implementation=attn_implementation)
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded())
+    assert model.config._attn_implementation == attn_implementation
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 10)
+
+
+def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
+    """GRPO's generations: the rows of one prompt share its prefill, and each writes its own completion."""
+    model = tiny_llama()
+    rows = [p for p in PROMPTS[:3] for _ in range(3)]
+    greedy = sample(model, rows, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    assert greedy.completion_ids == generate_greedy(model, rows, 8)
+    sampled = sample(model, rows, SamplingSettings(max_new_tokens=8, temperature=1.5), _seeded(11)).completion_ids
+    assert len({tuple(c) for c in sampled[:3]}) > 1  # the copies of one prompt draw apart
 
 
 def test_stop_tokens_end_a_row_and_stopped_says_so():
@@ -168,3 +187,22 @@ def test_kv_cache_bytes_of_the_demo_shape():
     assert kv_cache_bytes(demo, rows=64, max_len=176, dtype="bf16") == 2 * 4 * 64 * 256 * 176 * 2
     with pytest.raises(ValueError, match="no element size"):
         kv_cache_bytes(demo, rows=1, max_len=1, dtype="int3")
+
+
+def test_under_the_trainers_bf16_autocast_the_cache_holds_bf16(monkeypatch):
+    """The trainer holds fp32 weights and computes in bf16 under autocast: sample() called inside its
+    autocast keeps the cache in bf16 (what attention's products read), its completions as long as asked."""
+    from cputrain.rollouts import kv_cache, sampling
+
+    caches = []
+
+    def kept(config, capacity):
+        caches.append(kv_cache.rollout_cache(config, capacity))
+        return caches[-1]
+
+    monkeypatch.setattr(sampling, "rollout_cache", kept)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rollout = sample(tiny_llama(), PROMPTS, SamplingSettings(max_new_tokens=5, temperature=1.0), _seeded())
+    assert [len(c) for c in rollout.completion_ids] == [5] * len(PROMPTS)
+    assert all(0 <= t < VOCAB for c in rollout.completion_ids for t in c)
+    assert {layer.key_store.dtype for layer in caches[0].layers} == {torch.bfloat16}

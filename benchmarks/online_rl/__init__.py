@@ -1,0 +1,1 @@
+"""Online RL: rollouts and steps (docs/benchmarks/online-rl.md)."""
