@@ -60,6 +60,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("reward_model", "sft-and-dpo.md", "## Reward models against TRL"),
     ("revision-parity", "revision-parity.md", None),
     ("rollouts", "online-rl.md", "## Rollouts: sample() against generate()"),
+    ("grpo_step", "online-rl.md", "## A GRPO step against TRL's GRPOTrainer"),
 )
 
 FENCE = re.compile(r"^\s*(```|~~~)")
