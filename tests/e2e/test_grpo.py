@@ -109,3 +109,17 @@ def test_a_reward_folder_that_is_not_a_reward_model_is_refused(tmp_path, cache_d
     proc = run_cli_here("train", *_args(tmp_path / "run", cache_dir, base, **{"train.rewards": f"[{base}]",
                                                                               "train.reward_weights": "null"}))
     assert proc.returncode == 2 and "is not a reward model" in proc.stderr, proc.stderr
+
+
+def test_a_reward_model_from_a_reward_run_is_a_reward(tmp_path, cache_dir, base):
+    """train.objective=reward's run folder as a reward function, scored in process, beside a built-in."""
+    reward_model = tmp_path / "reward-model"
+    run_cli("train", *tiny_overrides(reward_model, cache_dir, **{
+        "model.name_or_path": base, "data.source": "builtin:pydoc-reward", "data.format": "auto", "data.seq_len": 256,
+        "train.objective": "reward", "train.max_steps": 2, "train.global_batch_size": 4, "train.micro_batch_size": 2}),
+        check=True)
+    out = tmp_path / "grpo"
+    run_cli("train", *_args(out, cache_dir, base, **{"train.rewards": f"[{reward_model}, exact_answer]",
+                                                       "train.max_steps": 1, "train.eval_every": 1}), check=True)
+    row = metrics_rows(out)[0]
+    assert row["rewards/reward-model/mean"] != 0.0 and "rewards/exact_answer/mean" in row
