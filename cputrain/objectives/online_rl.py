@@ -264,7 +264,20 @@ class OnlineRlObjective(Objective):
         return mean, math.sqrt(max(sq - n * mean * mean, 0.0) / max(n - 1, 1))
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Each completion's advantage within its group (GRPO's group-relative, RLOO's leave-one-out)."""
         raise NotImplementedError
+
+    def clipped_loss(self, logps, old, batch, epsilon_high: float) -> rl_loss.MicroBatchLoss:
+        """The micro-batch's clipped loss from its log-probabilities and the sampling policy's."""
+        raise NotImplementedError
+
+    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logps = completion_logps(model, batch, cfg.temperature)
+        # μ = 1: the sampling policy is this one, its log-probabilities these (TRL's shortcut: no extra forward)
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
+        out = self.clipped_loss(logps, old, batch, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
+        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])  # no reward_sum
 
     def items(self, batch) -> int:
         return rl_loss.items_of(self.loss_type, batch.completions, batch.completion_tokens,
@@ -318,14 +331,10 @@ class GrpoObjective(OnlineRlObjective):
         advantages, _ = rl_loss.group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
         return advantages
 
-    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def clipped_loss(self, logps, old, batch, epsilon_high: float) -> rl_loss.MicroBatchLoss:
         cfg = self.cfg
-        logps = completion_logps(model, batch, cfg.temperature)
-        old = batch.old_logps if batch.old_logps is not None else logps.detach()
-        eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-        out = rl_loss.grpo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.loss_type, cfg.epsilon,
-                                eps_high, cfg.max_completion_length, cfg.rl_beta, batch.ref_logps)
-        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])
+        return rl_loss.grpo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.loss_type, cfg.epsilon,
+                                 epsilon_high, cfg.max_completion_length, cfg.rl_beta, batch.ref_logps)
 
 
 class RlooObjective(OnlineRlObjective):
@@ -341,10 +350,5 @@ class RlooObjective(OnlineRlObjective):
             advantages = rl_loss.normalized(advantages, *self._global_mean_std(advantages))
         return advantages
 
-    def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        logps = completion_logps(model, batch, cfg.temperature)
-        old = batch.old_logps if batch.old_logps is not None else logps.detach()
-        eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-        out = rl_loss.rloo_loss(logps, old, batch.advantages, batch.completion_mask, cfg.epsilon, eps_high)
-        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])
+    def clipped_loss(self, logps, old, batch, epsilon_high: float) -> rl_loss.MicroBatchLoss:
+        return rl_loss.rloo_loss(logps, old, batch.advantages, batch.completion_mask, self.cfg.epsilon, epsilon_high)
