@@ -4,6 +4,8 @@ they were."""
 
 from __future__ import annotations
 
+import pytest
+
 from cputrain.config.file import load_config
 from cputrain.plan.time.step_time import ROLLOUT_MFU_SHARE, StepSettings
 from cputrain.rollouts.kv_cache_size import kv_cache_bytes
@@ -14,12 +16,14 @@ RL = ["train.objective=grpo", "train.rewards=[exact_answer]", "data.format=promp
       "data.seq_len=256", "hardware.precision=fp32"]
 
 
-def _plan(overrides):
-    return decide_and_plan(load_config(None, overrides), 1, vocab_size=4096)
+@pytest.fixture(scope="module")
+def plans():
+    """(a GRPO run's plan, the same shape's lm run's), decided once for the module."""
+    return tuple(decide_and_plan(load_config(None, overrides), 1, vocab_size=4096) for overrides in (RL, RL[-2:]))
 
 
-def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits():
-    plan, lm = _plan(RL), _plan(RL[-2:])
+def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits(plans):
+    plan, lm = plans
     rank = plan.peak_rank
     m = plan.shape
     shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
@@ -28,9 +32,8 @@ def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits():
     assert lm.peak_rank.rollout_bytes == 0
 
 
-def test_the_time_plan_counts_one_forward_a_rollout_position():
-    plan = _plan(RL)
-    with_rollout = StepSettings.of_plan(plan, 32)
-    assert with_rollout.rollout_positions == 32 * 256
-    assert StepSettings.of_plan(_plan(RL[-2:]), 32).rollout_positions == 0
+def test_the_time_plan_counts_one_forward_a_rollout_position(plans):
+    plan, lm = plans
+    assert StepSettings.of_plan(plan, 32).rollout_positions == 32 * 256
+    assert StepSettings.of_plan(lm, 32).rollout_positions == 0
     assert 0 < ROLLOUT_MFU_SHARE < 1
