@@ -123,3 +123,17 @@ def test_a_reward_model_from_a_reward_run_is_a_reward(tmp_path, cache_dir, base)
                                                        "train.max_steps": 1, "train.eval_every": 1}), check=True)
     row = metrics_rows(out)[0]
     assert row["rewards/reward-model/mean"] != 0.0 and "rewards/exact_answer/mean" in row
+
+
+def test_grpo_raises_the_reward_it_is_trained_on(tmp_path, cache_dir, base):
+    """A format reward the random tiny model meets a quarter of the time (a completion opening with a
+    space): 30 steps of full-weight GRPO take the mean reward of the last 5 steps well above the
+    first 5's (0.26 → 0.74 when this was written)."""
+    out = tmp_path / "learns"
+    run_cli("train", *_args(out, cache_dir, base, **{
+        "train.rewards": '["regex:^ "]', "train.reward_weights": "null", "train.num_generations": 8,
+        "train.max_completion_length": 4, "train.global_batch_size": 32, "train.micro_batch_size": 32,
+        "train.max_steps": 30, "train.eval_every": 30, "model.lora.enabled": "false", "train.rl_beta": 0.0,
+        "train.checkpoint_every": 30}), check=True)
+    rewards = [r["reward"] for r in metrics_rows(out)]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
