@@ -49,11 +49,23 @@ def run(args) -> int:
     if given:
         raise UserError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --tasks (benchmark tasks); validation loss takes --max-sequences")
     cfg = resolved_here(config_path, args.overrides)
-    result = evaluate_on_data(args.path, cfg, args.split, args.max_sequences)
+    result = evaluate_on_data(args.path, cfg, args.split, args.max_sequences, _rewards_of(cfg))
     from cputrain.metrics.finite_json import dumps
 
     print(dumps(result, indent=2))  # a diverged model's NaN loss is null: NaN is not JSON
     return 0
+
+
+def _rewards_of(cfg):
+    """Online RL: what hands the objective the run's reward functions (built here, above the
+    objectives and finished models); None for every other objective."""
+    from cputrain.objectives.objective import objective_class
+
+    if not objective_class(cfg.train.objective).batches_from_rollouts:
+        return None
+    from cputrain.rewards.functions import build_rewards
+
+    return lambda objective, tokenizer: objective.use_rewards(build_rewards(cfg.train, tokenizer), cfg.seed * 1000)
 
 
 def _benchmark_tasks(args, config_path) -> int:

@@ -5,10 +5,11 @@ figures on held-out pairs or feedback."""
 from __future__ import annotations
 
 
-def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
+def evaluate_on_data(path: str, cfg, split: str, max_sequences: int, equip=None) -> dict:
     """The figures over the first `max_sequences` rows of `split` (the train split where the data
     has no validation rows), with the model folder, the data source and the split they came from.
-    `cfg` is resolved for this machine, with what the data is (data.format, data.train_on)."""
+    `cfg` is resolved for this machine, with what the data is (data.format, data.train_on);
+    `equip(objective, tokenizer)`: what the objective is handed before it runs (evaluate_pairs)."""
     from cputrain.data.prepare import prepare, rows_of
     from cputrain.finished.load import load_for_inference, model_folder
     from cputrain.objectives.objective import objective_class
@@ -30,7 +31,7 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     if preference:  # held-out pairs or feedback: the objective's loss and figures (TRL's names)
         from cputrain.finished.preference_eval import evaluate_pairs
 
-        result = evaluate_pairs(path, cfg, rows, max_sequences)
+        result = evaluate_pairs(path, cfg, rows, max_sequences, equip)
     else:
         result = evaluate_loss(model, rows, max_sequences, cfg.train.micro_batch_size)
     result.update({"model": model_folder(path), "data": cfg.data.source, "split": split})

@@ -36,9 +36,11 @@ def require_reference(path: str, cfg) -> None:
                          "from a model folder")
 
 
-def evaluate_pairs(path: str, cfg, rows, max_rows: int) -> dict:
+def evaluate_pairs(path: str, cfg, rows, max_rows: int, equip=None) -> dict:
     """The objective's loss and TRL's figures, means over the pairs (KTO: examples) of the first
-    `max_rows` rows (the caller has checked require_reference before reading the data)."""
+    `max_rows` rows (the caller has checked require_reference before reading the data).
+    `equip(objective, tokenizer)`: what the caller hands the objective before it runs (online RL:
+    its reward functions, built above this layer)."""
     from cputrain.finished.load import load_for_inference, model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
@@ -61,7 +63,9 @@ def evaluate_pairs(path: str, cfg, rows, max_rows: int) -> dict:
         reference = str(cfg.model.name_or_path)
         del starting
         gc.collect()
-    policy, _ = load_for_inference(path, cfg.model.trust_remote_code)
+    policy, tokenizer = load_for_inference(path, cfg.model.trust_remote_code)
+    if equip is not None:
+        equip(objective, tokenizer)
     if objective.stores_reference and adapters:  # the base is under the adapters: run it with them off
         reference = "the LoRA base, adapters off"
         if not objective.live_reference:  # read from the rows' table (KTO: its KL sequences' too)

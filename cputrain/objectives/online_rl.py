@@ -298,6 +298,7 @@ class OnlineRlObjective(Objective):
         """Validation: each held-out prompt sampled once from the generator seeded by the run's seed
         (the same completions' randomness at every evaluation); ([−sum of the rewards, 0…], prompts):
         val_loss is the negative mean reward, eval_reward its mean."""
+        self.pad_id = rows.pad_id  # a finished model, evaluated outside a run, was never prepared
         records = rows.prompt_records(np.asarray(indices))
         if not records:
             return np.zeros(1 + len(self.names)), 0

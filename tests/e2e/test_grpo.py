@@ -135,5 +135,12 @@ def test_grpo_raises_the_reward_it_is_trained_on(tmp_path, cache_dir, base):
         "train.max_completion_length": 4, "train.global_batch_size": 32, "train.micro_batch_size": 32,
         "train.max_steps": 30, "train.eval_every": 30, "model.lora.enabled": "false", "train.rl_beta": 0.0,
         "train.checkpoint_every": 30}), check=True)
-    rewards = [r["reward"] for r in metrics_rows(out)]
+    rows = metrics_rows(out)
+    rewards = [r["reward"] for r in rows]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
+    # `cputrain eval`: held-out mean reward of the trained model (the run's last validation) and of
+    # the model it started from, under the run's config
+    after = json.loads(run_cli("eval", out, check=True).stdout)
+    before = json.loads(run_cli("eval", base, out / "config.yaml", check=True).stdout)
+    assert after["reward"] == rows[-1]["eval_reward"] and after["loss"] == -after["reward"]
+    assert before["reward"] < after["reward"], (before, after)
