@@ -240,7 +240,8 @@ class RunMetrics:
         }
         summary.update(comm.summarize(steady))
         summary.update(_objective_figures(rows, cfg.train.objective, self.summary_figures))
-        if self.summary_figures:
+        # online RL logs no pairs_per_s on its steps (its objective logs_item_rate=False)
+        if self.summary_figures and (not train_rows or any("pairs_per_s" in r for r in train_rows)):
             summary["pairs_per_s"] = steady_median("pairs_per_s")
             # every logged step's, not only the steady ones: a count, not a speed
             per_step = [r["pairs_per_step"] for r in train_rows if "pairs_per_step" in r]

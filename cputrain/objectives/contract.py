@@ -64,6 +64,10 @@ class Objective(ABC):
     summary_figures: ClassVar[tuple[str, ...]] = ()
     """The figures summary.json carries of a run (the last logged step's, the first and last
     validation's; metrics.run_metrics); empty: none, and no pairs per second."""
+    logs_item_rate: ClassVar[bool] = True
+    """Where it has figures (`names`), whether a step logs its items per second and per step
+    (pairs_per_s, pairs_per_step: pairs, examples); online RL's items are what its loss divides by
+    (tokens, completions), no batch's unit."""
     whole_logits: ClassVar[bool] = False
     """Whether its loss reads every logit of a token (online RL: each completion token's
     log-probability at the sampling temperature), so model.chunked_loss=auto leaves the head whole."""

@@ -39,6 +39,7 @@ class OnlineRlObjective(Objective):
     data_format = "prompt"
     batches_from_rollouts = True
     whole_logits = True  # log-probabilities at the sampling temperature, from the whole logits
+    logs_item_rate = False  # its items are the loss type's divisor; the step logs completions/… instead
     items_key = "completions"
     item_described = "prompt"
     names = (*rl_loss.SUM_NAMES, "reward_sum")  # the loss's sums; reward_sum: validation's rewards

@@ -314,7 +314,7 @@ class Trainer:
         self.step += 1
         return StepOutcome(loss, grad_norm, trained, tokens, stepped,
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
-                           weights_finite, figures, items if objective.names else None)
+                           weights_finite, figures, items if objective.names and objective.logs_item_rate else None)
 
     def evaluate(self) -> tuple[float, dict]:
         """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
