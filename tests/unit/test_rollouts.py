@@ -38,20 +38,16 @@ def _seeded(seed: int = 1234) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def test_greedy_equals_generate_for_prompts_of_different_lengths():
-    model = tiny_llama()
-    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=12, temperature=0), _seeded())
-    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 12)
-    assert rollout.stopped == [False] * len(PROMPTS)
-    assert rollout.new_tokens == 12 * len(PROMPTS)
-
-
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_greedy_equals_generate_and_the_attention_implementation_is_restored(attn_implementation):
+def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementation):
+    """Token for token, each prompt against generate on it alone; the model's attention implementation
+    is its own again after."""
     model = tiny_llama(attn_implementation=attn_implementation)
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded())
     assert model.config._attn_implementation == attn_implementation
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 10)
+    assert rollout.stopped == [False] * len(PROMPTS)
+    assert rollout.new_tokens == 10 * len(PROMPTS)
 
 
 def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
@@ -131,6 +127,20 @@ def test_the_warpers_match_transformers():
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(30), TopPLogitsWarper(0.8)):
         expected = warper(None, expected)
     assert torch.equal(warped_scores(logits, settings.temperature, settings.top_k, settings.top_p), expected)
+
+
+def test_the_draw_follows_the_warped_distribution():
+    """One uniform number a row against the cumulative distribution: the tokens come as often as the
+    warped probabilities say, and a token top-k or top-p removed never comes."""
+    from cputrain.rollouts.token_draw import next_tokens, warped_scores
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]]).repeat(40_000, 1)
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.8, 4, 1.0), (1.3, 0, 0.7)):
+        expected = warped_scores(logits[:1], temperature, top_k, top_p).softmax(dim=-1)[0]
+        drawn = next_tokens(logits, temperature, top_k, top_p, _seeded(21))
+        frequency = torch.bincount(drawn, minlength=6).float() / len(drawn)
+        assert torch.allclose(frequency, expected, atol=0.01), (frequency, expected)
+        assert not frequency[expected == 0].any()
 
 
 def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
