@@ -1,6 +1,10 @@
 """The rollout's KV cache: every layer's keys and values written in place into tensors sized once
 for the prompt and all new tokens, so a decode step copies only its own token's keys (transformers'
-DynamicCache concatenates, copying the whole cache every step), and rows can be dropped."""
+DynamicCache concatenates, copying the whole cache every step), and rows can be dropped.
+
+Measured, the copies saved are worth little (1.02× at the demo's size, 1.04× at ~100M); what keeps
+it is memory: the cache is allocated once, at the size kv_cache_bytes() tells the plan, where a
+concatenation holds the old cache and the new one at once every step."""
 
 from __future__ import annotations
 

@@ -14,6 +14,12 @@ What makes it faster than `model.generate()` (each measured, docs/benchmarks/onl
 - a prompt repeated in the batch (GRPO's generations of one prompt) is prefilled once, and its
   cache rows copied for each completion;
 - a decode step's attention is two batched products (decode_attention.py), not sdpa's CPU kernel.
+
+What it does not do: compile the decode step. Measured at the demo's size (64 rows, one core), a
+compiled forward over a static cache took 15.1 ms a step against 17.6 eager (fp32; bf16 16.5 against
+18.8), and its first call 23–25 s: about 10,000 decode steps, some 200 rollouts of 48 tokens, before
+it pays, and again whenever the batch's shape changes (rows dropped, a longer prompt). At ~100M the
+step is mostly matmuls, and the few milliseconds compiling saves are a smaller share still.
 """
 
 from __future__ import annotations
