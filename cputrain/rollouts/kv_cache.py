@@ -23,7 +23,8 @@ def _preallocated_layer_class():
             self.capacity = capacity
             self.length = 0
 
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+            value_states = key_states if value_states is None else value_states  # transformers 4.x passes keys only
             rows, heads, _, _ = key_states.shape
             self.device = key_states.device
             # Under the trainer's bf16 autocast, Llama's keys leave the rotary embedding in fp32 and

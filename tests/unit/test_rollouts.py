@@ -160,6 +160,30 @@ def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
                       _seeded()).completion_ids != rollout.completion_ids
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_without_the_decode_attention_the_models_own_attention_gets_its_own_masks(monkeypatch, attn_implementation):
+    """Where transformers has no AttentionInterface, the model attends with its own sdpa or eager,
+    and the masks take its form: the completions are the same."""
+    import contextlib
+
+    from cputrain.rollouts import sampling
+
+    model = tiny_llama(attn_implementation=attn_implementation)
+    ours = sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids
+    monkeypatch.setattr(sampling, "decode_attention", lambda config: contextlib.nullcontext(False))
+    assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids == ours
+
+
+def test_a_model_with_activation_checkpointing_in_train_mode_samples_as_without():
+    model = tiny_llama()
+    plain = sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids
+    # transformers 5.x's name for gradient_checkpointing_enable, which it deprecates
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids == plain
+    assert model.training
+
+
 def test_no_grad_and_timings():
     model = tiny_llama()
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=4, temperature=0), _seeded())
