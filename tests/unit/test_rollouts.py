@@ -143,6 +143,27 @@ def test_the_draw_follows_the_warped_distribution():
         assert not frequency[expected == 0].any()
 
 
+def test_top_k_and_top_p_among_the_likeliest_tokens_draw_as_the_full_sort():
+    """Top-k and top-p drawn among the k (or NUCLEUS_CANDIDATES) most likely tokens follow the
+    warped distribution of the whole vocabulary; a row whose nucleus may reach past the candidates
+    (a flat row) falls back to the full sort and still does."""
+    from cputrain.rollouts.token_draw import NUCLEUS_CANDIDATES, next_tokens, warped_scores
+
+    vocab = 4 * NUCLEUS_CANDIDATES
+    peaked = torch.full((vocab,), -4.0)
+    peaked[[3, 70, 500, 901]] = torch.tensor([2.0, 1.5, 1.0, 0.2])
+    flat = torch.randn(vocab, generator=_seeded(8)) * 0.1
+    flat[[11, 12]] = 1.0
+    for row in (peaked, flat):
+        logits = row.repeat(40_000, 1)
+        for temperature, top_k, top_p in ((1.0, 0, 0.9), (0.7, 3, 1.0), (1.2, 40, 0.8)):
+            expected = warped_scores(logits[:1], temperature, top_k, top_p).softmax(dim=-1)[0]
+            drawn = next_tokens(logits, temperature, top_k, top_p, _seeded(22))
+            frequency = torch.bincount(drawn, minlength=vocab).float() / len(drawn)
+            assert (frequency - expected).abs().max() < 0.01, (temperature, top_k, top_p)
+            assert not frequency[expected == 0].any()
+
+
 def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
     from peft import LoraConfig, get_peft_model
 
