@@ -63,8 +63,8 @@ def demo_shape() -> tuple[dict, int]:
 def build(arch: dict, vocab: int, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=1024, pad_token_id=0, bos_token_id=None,
-                         eos_token_id=None, **arch)
+    config = LlamaConfig(**{"max_position_embeddings": 1024, **arch}, vocab_size=vocab, pad_token_id=0,
+                         bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.generation_config.eos_token_id = None  # no row stops early: every row writes max_new_tokens
@@ -186,6 +186,7 @@ def main() -> None:
     if hw.has_fast_bf16 or args.quick:
         dtypes["bf16"] = torch.bfloat16
     if args.quick:
+        build(*demo_shape(), torch.float32)  # the full run's demo model builds from configs/demo.yaml
         sizes = {"quick": (QUICK_ARCH, 512)}
         prompts, generations, news, runs = 2, 2, (8,), 1
     else:

@@ -38,20 +38,16 @@ def _seeded(seed: int = 1234) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def test_greedy_equals_generate_for_prompts_of_different_lengths():
-    model = tiny_llama()
-    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=12, temperature=0), _seeded())
-    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 12)
-    assert rollout.stopped == [False] * len(PROMPTS)
-    assert rollout.new_tokens == 12 * len(PROMPTS)
-
-
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_greedy_equals_generate_and_the_attention_implementation_is_restored(attn_implementation):
+def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementation):
+    """Token for token, each prompt against generate on it alone; the model's attention implementation
+    is its own again after."""
     model = tiny_llama(attn_implementation=attn_implementation)
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded())
     assert model.config._attn_implementation == attn_implementation
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 10)
+    assert rollout.stopped == [False] * len(PROMPTS)
+    assert rollout.new_tokens == 10 * len(PROMPTS)
 
 
 def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
@@ -133,6 +129,41 @@ def test_the_warpers_match_transformers():
     assert torch.equal(warped_scores(logits, settings.temperature, settings.top_k, settings.top_p), expected)
 
 
+def test_the_draw_follows_the_warped_distribution():
+    """One uniform number a row against the cumulative distribution: the tokens come as often as the
+    warped probabilities say, and a token top-k or top-p removed never comes."""
+    from cputrain.rollouts.token_draw import next_tokens, warped_scores
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]]).repeat(40_000, 1)
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.8, 4, 1.0), (1.3, 0, 0.7)):
+        expected = warped_scores(logits[:1], temperature, top_k, top_p).softmax(dim=-1)[0]
+        drawn = next_tokens(logits, temperature, top_k, top_p, _seeded(21))
+        frequency = torch.bincount(drawn, minlength=6).float() / len(drawn)
+        assert torch.allclose(frequency, expected, atol=0.01), (frequency, expected)
+        assert not frequency[expected == 0].any()
+
+
+def test_top_k_and_top_p_among_the_likeliest_tokens_draw_as_the_full_sort():
+    """Top-k and top-p drawn among the k (or NUCLEUS_CANDIDATES) most likely tokens follow the
+    warped distribution of the whole vocabulary; a row whose nucleus may reach past the candidates
+    (a flat row) falls back to the full sort and still does."""
+    from cputrain.rollouts.token_draw import NUCLEUS_CANDIDATES, next_tokens, warped_scores
+
+    vocab = 4 * NUCLEUS_CANDIDATES
+    peaked = torch.full((vocab,), -4.0)
+    peaked[[3, 70, 500, 901]] = torch.tensor([2.0, 1.5, 1.0, 0.2])
+    flat = torch.randn(vocab, generator=_seeded(8)) * 0.1
+    flat[[11, 12]] = 1.0
+    for row in (peaked, flat):
+        logits = row.repeat(40_000, 1)
+        for temperature, top_k, top_p in ((1.0, 0, 0.9), (0.7, 3, 1.0), (1.2, 40, 0.8)):
+            expected = warped_scores(logits[:1], temperature, top_k, top_p).softmax(dim=-1)[0]
+            drawn = next_tokens(logits, temperature, top_k, top_p, _seeded(22))
+            frequency = torch.bincount(drawn, minlength=vocab).float() / len(drawn)
+            assert (frequency - expected).abs().max() < 0.01, (temperature, top_k, top_p)
+            assert not frequency[expected == 0].any()
+
+
 def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
     from peft import LoraConfig, get_peft_model
 
@@ -148,6 +179,30 @@ def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
     with model.disable_adapter():  # the adapters count: without them the completions differ
         assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0),
                       _seeded()).completion_ids != rollout.completion_ids
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_without_the_decode_attention_the_models_own_attention_gets_its_own_masks(monkeypatch, attn_implementation):
+    """Where transformers has no AttentionInterface, the model attends with its own sdpa or eager,
+    and the masks take its form: the completions are the same."""
+    import contextlib
+
+    from cputrain.rollouts import sampling
+
+    model = tiny_llama(attn_implementation=attn_implementation)
+    ours = sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids
+    monkeypatch.setattr(sampling, "decode_attention", lambda config: contextlib.nullcontext(False))
+    assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids == ours
+
+
+def test_a_model_with_activation_checkpointing_in_train_mode_samples_as_without():
+    model = tiny_llama()
+    plain = sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids
+    # transformers 5.x's name for gradient_checkpointing_enable, which it deprecates
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids == plain
+    assert model.training
 
 
 def test_no_grad_and_timings():
