@@ -2,11 +2,13 @@
 one prompt's group whole, its advantages computed there (scale_rewards=batch: the global batch's
 std, one all-reduce), the loss divided by the global count ÷ 2 and the gradients averaged as DDP
 averages them; the step's loss and gradient equal those of one process taking both groups, for
-dapo (a global token count) and grpo (a mean per completion)."""
+dapo (a global token count) and grpo (a mean per completion). And a GRPO run through the CLI on 2
+FSDP ranks with LoRA and the KL to the reference."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from types import SimpleNamespace
 
@@ -87,3 +89,27 @@ def test_two_ranks_give_one_process_s_loss_and_gradient(tiny_model_dir):
             loss, grad = results[(rank, loss_type)]
             assert loss == pytest.approx(one_loss, abs=1e-6), (loss_type, rank)
             assert torch.allclose(torch.tensor(grad), one_grad, atol=1e-6), (loss_type, rank)
+
+
+def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cache_dir, tiny_model):
+    """The CLI on 2 FSDP ranks: each samples its prompts' groups from the sharded policy (the ranks
+    step together while they sample), the KL to the reference (the adapters off) is logged."""
+    from pydoc_data.topics import topics
+
+    from harness.run_cli import run_cli
+    from harness.run_metrics import metrics_rows
+    from harness.tiny_run import tiny_overrides
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Topic: {name}\nFirst word:", "answer": name}) + "\n"
+                               for name in sorted(topics)[:40]))
+    out = tmp_path / "run"
+    run_cli("train", *tiny_overrides(out, cache_dir, **{
+        "model.name_or_path": tiny_model(), "data.source": prompts, "data.format": "auto", "data.seq_len": 64,
+        "data.val_fraction": 0.1, "data.max_documents": "null", "train.objective": "grpo",
+        "train.rewards": '["regex:^ "]', "train.num_generations": 4, "train.max_completion_length": 8,
+        "train.global_batch_size": 16, "train.micro_batch_size": 4, "train.max_steps": 2, "train.eval_every": 2,
+        "model.lora.enabled": "true", "model.lora.rank": 4, "train.rl_beta": 0.04, "train.lr": 1e-2,
+        "parallel.strategy": "fsdp"}), "--nproc-per-node", "2", check=True)
+    rows = metrics_rows(out)
+    assert len(rows) == 2 and rows[1]["kl"] > 0 and "eval_reward" in rows[1]
