@@ -45,6 +45,7 @@ class OnlineRlObjective(Objective):
     names = (*rl_loss.SUM_NAMES, "reward_sum")  # the loss's sums; reward_sum: validation's rewards
     summary_figures = ("reward", "reward_std", "completions/mean_length")
     sequence_level = False  # RLOO's ratio is the completion's, GRPO's each token's
+    loss_type = "grpo"  # how its summed loss is counted (rl_loss.items_of): RLOO's is a mean over completions
 
     def __init__(self, train_cfg=None, reference=None, chunked: bool = False):
         super().__init__(train_cfg, reference, chunked)
@@ -54,6 +55,7 @@ class OnlineRlObjective(Objective):
         self.rollout_figures: dict[str, float] = {}  # the last rollout's reward and length figures
         self.kept: list | None = None  # num_iterations > 1: the rollouts the next steps train on again
         self.seed = 0
+        self.stop_token_ids: tuple[int, ...] = ()  # EOS and a chat turn's end (use_rewards, from the tokenizer)
         self.last_samples: list[dict] = []  # the last rollout's first group, for completions.jsonl
         self.iteration = 0  # steps taken on self.kept
 
@@ -176,7 +178,6 @@ class OnlineRlObjective(Objective):
         any_running = (lambda running: pg.all_reduce_sum([float(running)])[0] > 0) if several else None
         return sample(_unwrapped(model), prompt_ids, settings, self.generator, any_running)
 
-    stop_token_ids: tuple[int, ...] = ()  # EOS and a chat turn's end (set by the trainer from the tokenizer)
 
     def _first_group(self, record, completion_ids, scores, batches) -> list[dict]:
         """The completions of the step's first prompt, as text, with each reward and the advantage."""
@@ -284,7 +285,6 @@ class OnlineRlObjective(Objective):
         return rl_loss.items_of(self.loss_type, batch.completions, batch.completion_tokens,
                                 self.cfg.max_completion_length)
 
-    loss_type = "grpo"
 
     def figures(self, sums, items: int) -> dict[str, float]:
         """A step's: the rollout's reward and length figures and the loss's clip ratios (and kl);
