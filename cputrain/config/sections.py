@@ -663,14 +663,21 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _fsdp_keys_on_fsdp(self):
+        """A sharding key set away from its default where no strategy of its reads it would do nothing
+        and still be written to config.yaml as if it had: refused, naming the strategies it needs."""
         parallel = self.parallel
-        for key in ("layout", "reduce_dtype"):
+        which = "auto, which resolves to single or ddp" if parallel.strategy == "auto" else parallel.strategy
+        # key: (its default, the strategies that read it)
+        for key, (default, strategies) in {"layout": ("auto", ("fsdp",)), "reduce_dtype": ("auto", ("fsdp",)),
+                                           "reduce_scatter": ("auto", ("fsdp", "zero3")),
+                                           "prefetch": (True, ("fsdp",))}.items():
             value = getattr(parallel, key)
-            if value != "auto" and parallel.strategy != "fsdp":
-                which = ("auto, which resolves to single or ddp" if parallel.strategy == "auto"
-                         else parallel.strategy)
-                raise ValueError(f"parallel.{key}={value} needs parallel.strategy=fsdp (here {which}); set "
-                                 f"parallel.strategy=fsdp or leave parallel.{key}=auto")
+            if value != default and parallel.strategy not in strategies:
+                def shown(v):  # as it is written on the command line
+                    return str(v).lower() if isinstance(v, bool) else v
+                needs = " or ".join(f"parallel.strategy={s}" for s in strategies)
+                raise ValueError(f"parallel.{key}={shown(value)} needs {needs} (here {which}); set "
+                                 f"parallel.strategy={strategies[0]} or leave parallel.{key}={shown(default)}")
         return self
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""parallel.layout and parallel.reduce_dtype refused in one line before any work, through the
+"""parallel.layout, reduce_dtype, reduce_scatter and prefetch refused in one line before any work, through the
 command in this process: on a strategy other than fsdp, a layout the nodes do not admit, ranks
 that do not divide into nodes, a layout whose memory plan does not fit this node."""
 
@@ -62,3 +62,23 @@ def test_cputrain_plan_refuses_a_layout_its_nodes_do_not_admit():
         proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "parallel.layout=hybrid", *args)
         assert proc.returncode != 0 and words in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("strategy, setting, needs", [
+    ("ddp", "parallel.reduce_scatter=all_to_all", "needs parallel.strategy=fsdp or parallel.strategy=zero3 (here ddp)"),
+    ("auto", "parallel.reduce_scatter=native", "(here auto, which resolves to single or ddp)"),
+    ("single", "parallel.prefetch=false", "parallel.prefetch=false needs parallel.strategy=fsdp (here single)"),
+    ("zero3", "parallel.prefetch=false", "leave parallel.prefetch=true"),
+])
+def test_a_sharding_key_no_strategy_of_its_reads(tmp_path, strategy, setting, needs):
+    """reduce_scatter and prefetch do nothing under ddp or single: refused as layout is, not accepted
+    and written to config.yaml as if they had acted."""
+    err = refused(tmp_path, f"parallel.strategy={strategy}", setting)
+    assert needs in err, err
+
+
+def test_reduce_scatter_under_zero3_is_taken(tmp_path):
+    from cputrain.config.file import load_config
+
+    assert load_config(None, ["parallel.strategy=zero3", "parallel.reduce_scatter=native"]).parallel.reduce_scatter \
+        == "native"
