@@ -119,7 +119,12 @@ def named_file_text(path: str | Path, missing: str) -> str:
     """The text of a file the user named; `missing` is the one-line error when it is no file."""
     if not Path(path).is_file():
         raise ConfigError(missing)
-    return Path(path).read_text()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = err.object[: err.start].count(b"\n") + 1
+        raise ConfigError(f"'{path}' line {line} is not UTF-8 text (byte {err.object[err.start]:#04x}); save the "
+                          "file as UTF-8") from None
 
 
 def read_yaml(path: str | Path) -> dict:

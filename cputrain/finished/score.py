@@ -26,8 +26,13 @@ from cputrain.errors import DataError, ModelError, UserError
 def _records(data: Path) -> Iterator[tuple[int, dict]]:
     if not data.is_file():
         raise DataError(f"--data '{data}' is not a file; give a .jsonl file of records")
-    with open(data, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(data, "rb") as f:  # decoded line by line: a byte that is not UTF-8 is named by its line
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{data.name} line {number} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                                f"column {err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -88,6 +93,9 @@ def score_file(path: str, data: Path, out, data_cfg, bf16: bool = False, batch_s
     from cputrain.finished.load import is_reward_model, load_for_inference, model_folder
 
     folder = model_folder(path)
+    records = list(_records(data))  # every line read and checked before the model is loaded
+    if not records:
+        raise UserError(f"--data '{data}' holds no record")
     if not is_reward_model(folder):
         raise ModelError(f"the model in '{folder}' is not a reward model (a sequence classifier); train one with "
                          "train.objective=reward")
@@ -107,14 +115,12 @@ def score_file(path: str, data: Path, out, data_cfg, bf16: bool = False, batch_s
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         pending.clear()
 
-    for number, record in _records(data):
+    for number, record in records:
         pending.append((record, _answers(record, data_cfg, number - 1)))
         scored += 1
         if len(pending) >= batch_size:
             flush()
     flush()
-    if scored == 0:
-        raise UserError(f"--data '{data}' holds no record")
     return scored
 
 

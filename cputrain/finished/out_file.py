@@ -1,0 +1,35 @@
+"""A file a command writes its result to (`score --out`): checked before any work (its folder
+exists, it is no folder itself), then written beside itself and renamed once whole, so a failure
+leaves neither a partial file nor a temporary one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from cputrain.errors import UserError
+
+
+def check_out_file(out: Path, flag: str) -> None:
+    """Refuse, in one line, a path that cannot take the file: before the work that fills it."""
+    if out.is_dir():
+        raise UserError(f"{flag} '{out}' is a folder; name a file, e.g. {flag} {out / 'out.jsonl'}")
+    if not out.parent.is_dir():
+        raise UserError(f"{flag} '{out}': folder '{out.parent}' does not exist; create it or name another file")
+    if not os.access(out.parent, os.W_OK):
+        raise UserError(f"{flag} '{out}': folder '{out.parent}' cannot be written; name another file")
+
+
+@contextlib.contextmanager
+def written_whole(out: Path) -> Iterator[TextIO]:
+    """A text stream whose content becomes `out` only if the block ends without an error."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yield f
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
