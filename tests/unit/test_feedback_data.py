@@ -142,3 +142,20 @@ def test_a_kl_sequence_is_cut_at_seq_len(tok):
     rows, _ = feedback_rows(tok, long, packing=False, seq_len=seq_len)
     kl_ids, kl_mask = rows.kl_sequence(0)  # the long prompt with the long answer
     assert len(kl_ids) == seq_len and kl_mask[-1] == 1
+
+
+@pytest.mark.parametrize("spelled", ["every label a string", "some labels strings"])
+def test_labels_spelled_as_strings_follow_one_rule(tok, tmp_path, spelled):
+    """"true"/"false" are the booleans they spell, whether every label is a string or only some (the
+    JSON reader turns them into booleans in a column it found boolean: refusing them would hold only
+    where all are strings); other strings are refused."""
+    def label(i):
+        value = i % 3 != 0
+        return str(value).lower() if spelled == "every label a string" or i % 4 == 0 else value
+
+    records = [{"prompt": f"Q{i}: ", "completion": f"answer number {i}.", "label": label(i)} for i in range(30)]
+    _, data = prepare.prepare(_cfg(_write(tmp_path / "fb.jsonl", records), tmp_path), tok, isolate=False)
+    assert data.stats["desirable"] + data.stats["val_desirable"] == 20
+    records[5]["label"] = "yes"
+    with pytest.raises(DataError, match="record 6: field 'label' must be true"):
+        prepare.prepare(_cfg(_write(tmp_path / "fb.jsonl", records), tmp_path / "again"), tok, isolate=False)
