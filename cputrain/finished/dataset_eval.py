@@ -4,6 +4,10 @@ figures on held-out pairs or feedback."""
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("cputrain")
+
 
 def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     """The figures over the first `max_sequences` rows of `split` (the train split where the data
@@ -24,14 +28,20 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     else:
         model, tokenizer = load_for_inference(path, cfg.model.trust_remote_code)
     _, data = prepare(cfg, tokenizer)
-    rows = rows_of(data, "val")
-    if split != "val" or len(rows) == 0:
-        rows = rows_of(data, "train")
+    used, note = split, None
+    rows = rows_of(data, split)
+    if split == "val" and len(rows) == 0:  # said in the result: figures on training rows are no validation
+        used, rows = "train", rows_of(data, "train")
+        note = ("the data has no validation rows (data.val_fraction, or every held-out record left out): these "
+                "figures are on the training rows")
+        log.warning("eval: %s", note)
     if preference:  # held-out pairs or feedback: the objective's loss and figures (TRL's names)
         from cputrain.finished.preference_eval import evaluate_pairs
 
         result = evaluate_pairs(path, cfg, rows, max_sequences)
     else:
         result = evaluate_loss(model, rows, max_sequences, cfg.train.micro_batch_size)
-    result.update({"model": model_folder(path), "data": cfg.data.source, "split": split})
+    result.update({"model": model_folder(path), "data": cfg.data.source, "split": used})
+    if note:
+        result["note"] = note
     return result

@@ -90,8 +90,12 @@ def test_auto_finds_feedback_and_stats_count_each_label(tok, tmp_path):
 
 def test_feedback_of_one_label_only_is_refused_in_one_line(tok, tmp_path):
     records = [{"prompt": f"Q{i}: ", "completion": f"answer {i}.", "label": True} for i in range(20)]
+    from cputrain.data.feedback.kind import refuse_one_label
+
+    cfg = _cfg(_write(tmp_path / "up.jsonl", records), tmp_path)
+    _, data = prepare.prepare(cfg, tok, isolate=False)  # evaluation scores it (the check is training's)
     with pytest.raises(DataError) as err:
-        prepare.prepare(_cfg(_write(tmp_path / "up.jsonl", records), tmp_path), tok, isolate=False)
+        refuse_one_label(data.stats, cfg.data)
     assert "label=true" in str(err.value) and "label=false" in str(err.value) and "\n" not in str(err.value)
 
 
