@@ -15,9 +15,9 @@ def resolved_here(config_path, overrides):
     from cputrain.hardware import detect
     from cputrain.config.resolve import resolve
     from cputrain.training.choices import decide_data
-    from cputrain.training.objective_format import objective_sets_format
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
 
-    res = resolve(objective_sets_format(load_config(config_path, overrides)), detect(), world_size=1,
+    res = resolve(objective_sets_data_keys(load_config(config_path, overrides)), detect(), world_size=1,
                   local_world_size=1)
     decided = decide_data(res)
     for key, value, why in decided.reasons[len(res.reasons):]:

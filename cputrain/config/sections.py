@@ -270,7 +270,9 @@ class DataConfig(Section):
     margin_field: str | None = None
     """Field holding how much better the chosen answer is than the rejected one, a number per pair
     (data.format=preference; TRL's `margin` column): train.objective=reward subtracts it inside the
-    Bradley–Terry loss, -logσ(r_chosen - r_rejected - margin). Empty: no margin."""
+    Bradley–Terry loss, -logσ(r_chosen - r_rejected - margin). Empty: under train.objective=reward, a
+    local file's `margin` column by TRL's name for it (data.margin_field=null: none), else no margin.
+    Other objectives read no margin: setting it there is refused."""
 
     train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss: assistant (the assistant turns of a chat, each with the token that

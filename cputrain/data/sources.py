@@ -326,7 +326,7 @@ def _plain_text_files(cfg: DataConfig) -> bool:
         LOCAL_SUFFIXES[local_files(cfg.source)[0].suffix] == "text"
 
 
-def _first_record_fields(cfg: DataConfig) -> list[str]:
+def first_record_fields(cfg: DataConfig) -> list[str]:
     """The field names of the first record, read without converting the corpus."""
     if cfg.source == "builtin:pydoc-sft":
         return ["messages"]
@@ -366,7 +366,7 @@ def format_choice(cfg: DataConfig) -> tuple[str, str]:
     """data.format=auto from the first record's fields, and why ("" when the config fixed it)."""
     if cfg.format != "auto":
         return cfg.format, ""
-    fields = _first_record_fields(cfg)
+    fields = first_record_fields(cfg)
     if cfg.chosen_field in fields and cfg.rejected_field in fields:
         fmt, why = "preference", f"the first record has '{cfg.chosen_field}' and '{cfg.rejected_field}'"
     elif cfg.label_field in fields and cfg.completion_field in fields:

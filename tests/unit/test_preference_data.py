@@ -4,6 +4,8 @@ sequence."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +145,42 @@ def test_rows_pack_whole_pairs_with_each_tokens_sequence():
     assert (batch.labels[0, firsts] == IGNORE_INDEX).all() and batch.labels[0, 11] == IGNORE_INDEX
     unpacked = PairRows(ids, mask, lengths, seq_len=12, packing=False, pad_id=0).batch([2, 0])
     assert unpacked.input_ids.shape == (2, 10) and unpacked.sequence_ids[1].tolist() == [2] * 3 + [3] * 4 + [-1] * 3
+
+
+def _margin_pairs(path, n=24):
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": f" a good answer {i}",
+                                        "rejected": f" bad {i}", "margin": float(i % 3)}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_reward_model_takes_trls_margin_column_by_its_name(tmp_path, tiny_model_dir):
+    """A `margin` column in reward data is TRL's: taken where data.margin_field is unset (logged with
+    its reason), left out with data.margin_field=null."""
+    from harness.run_cli_here import run_cli_here
+    from harness.tiny_run import tiny_overrides
+
+    data = _margin_pairs(tmp_path / "pairs.jsonl")
+    args = tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
+        "train.objective": "reward", "model.name_or_path": tiny_model_dir, "data.source": data,
+        "data.seq_len": 64, "data.max_documents": "null", "data.num_proc": 1})
+    proc = run_cli_here("prepare", *args)
+    assert proc.returncode == 0 and "auto: data.margin_field = margin (the records have TRL's 'margin' column" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert json.loads(next((tmp_path / "cache" / "packed").glob("*/stats.json")).read_text())["margin_field"] == \
+        "margin"
+    proc = run_cli_here("prepare", *args, "data.margin_field=null")
+    assert proc.returncode == 0 and "data.margin_field = margin" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "lm"])
+def test_a_margin_field_where_no_loss_reads_it_is_refused(tmp_path, tiny_model_dir, objective):
+    from harness.run_cli_here import run_cli_here
+    from harness.tiny_run import tiny_overrides
+
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
+        "train.objective": objective, "model.name_or_path": tiny_model_dir,
+        "data.source": _margin_pairs(tmp_path / "pairs.jsonl"), "data.margin_field": "margin"}))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"data.margin_field=margin is read by a reward model's loss only (train.objective=reward; here " \
+           f"{objective})" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
