@@ -646,7 +646,8 @@ class Config(Section):
             return
         if "global_batch_size" in train.model_fields_set and train.global_batch_size != pairs:
             raise ValueError(f"train.global_batch_pairs ({pairs}) and train.global_batch_size "
-                             f"({train.global_batch_size}) both set the batch; set one of them")
+                             f"({train.global_batch_size}) both set the batch; set one of them (to unset one a "
+                             "config file sets: train.global_batch_size=null on the command line)")
         if self.data.packing:
             raise ValueError("train.global_batch_pairs lays one pair in each row: set data.packing=false "
                              "(packing puts a varying number of pairs in a row), or set the batch in rows "
