@@ -104,3 +104,31 @@ def test_a_refused_preparation_leaves_no_partial_entry_to_resume(tmp_path, tiny_
         assert proc.returncode == 2 and "field 'label' must be true" in proc.stderr, proc.stderr[-3000:]
         assert "resuming" not in proc.stderr
         assert list((tmp_path / "cache" / "packed").glob("*")) == []
+
+
+def test_score_nulls_a_record_past_the_models_positions_and_says_so(reward_model, tmp_path):
+    """The tiny Llama has 256 positions: a longer record's score would mean nothing."""
+    data = tmp_path / "records.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" +
+                    json.dumps({"prompt": "a", "completion": " word" * 400}) + "\n")
+    proc = run_cli_here("score", reward_model, "--data", data)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [json.loads(line)["reward"] for line in proc.stdout.splitlines()]
+    assert isinstance(rewards[0], float) and rewards[1] is None
+    assert "1 record(s) of records.jsonl are longer than the model's 256 positions and were scored null (lines 2)" \
+        in proc.stderr
+
+
+def test_score_batches_a_classifier_saved_without_a_pad_token(reward_model, tmp_path):
+    """transformers pools a batch of two only with config.pad_token_id: the tokenizer's is used."""
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(reward_model).pad_token_id is None
+    data = tmp_path / "records.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" +
+                    json.dumps({"prompt": "a", "completion": "a longer answer"}) + "\n")
+    one_by_one = run_cli_here("score", reward_model, "--data", data, "--batch-size", 1)
+    together = run_cli_here("score", reward_model, "--data", data, "--batch-size", 2)
+    assert together.returncode == 0 and "Traceback" not in together.stderr, together.stderr[-3000:]
+    for a, b in zip(one_by_one.stdout.splitlines(), together.stdout.splitlines(), strict=True):
+        assert json.loads(a)["reward"] == pytest.approx(json.loads(b)["reward"], abs=1e-5)
