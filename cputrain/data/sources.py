@@ -303,6 +303,8 @@ def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpu
         if name not in ds.column_names:
             key = "data.text_field" if fields is None else "data.format and its field names (data.messages_field, " \
                 "data.prompt_field, data.completion_field, data.chosen_field, data.rejected_field, data.label_field)"
+            if fields is not None and name == cfg.margin_field:  # the one optional field: it can also be left out
+                key = "data.margin_field to the field that holds each pair's margin, or data.margin_field=null"
             raise DataError(f"dataset '{cfg.source}' has no field '{name}' (fields: {ds.column_names}); set {key}")
     rows = min(len(ds), cfg.max_documents or len(ds))
     if rows == 0:
@@ -346,7 +348,7 @@ def first_record_fields(cfg: DataConfig) -> list[str]:
         import pyarrow.parquet as pq
 
         return list(pq.read_schema(first).names)
-    with open(first, encoding="utf-8", errors="replace") as f:
+    with open(first, encoding="utf-8-sig", errors="replace") as f:  # -sig: a byte-order mark some editors write
         for line in f:
             if line.strip():
                 try:

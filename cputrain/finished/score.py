@@ -33,7 +33,7 @@ def _records(data: Path) -> Iterator[tuple[int, dict]]:
     with open(data, "rb") as f:  # decoded line by line: a byte that is not UTF-8 is named by its line
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark some editors write
             except UnicodeDecodeError as err:
                 raise DataError(f"{data.name} line {number} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
                                 f"column {err.start + 1}); save the file as UTF-8") from None

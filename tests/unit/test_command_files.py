@@ -132,3 +132,16 @@ def test_score_batches_a_classifier_saved_without_a_pad_token(reward_model, tmp_
     assert together.returncode == 0 and "Traceback" not in together.stderr, together.stderr[-3000:]
     for a, b in zip(one_by_one.stdout.splitlines(), together.stdout.splitlines(), strict=True):
         assert json.loads(a)["reward"] == pytest.approx(json.loads(b)["reward"], abs=1e-5)
+
+
+def test_a_byte_order_mark_is_read_past_by_score_and_by_data_format_auto(reward_model, tmp_path):
+    """Editors on Windows start UTF-8 files with a byte-order mark: score read its first line as no
+    JSON, and data.format=auto read no fields there and chose text (then refused: no 'text' field)."""
+    from cputrain.config import DataConfig
+    from cputrain.data.sources import format_choice
+
+    data = tmp_path / "records.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a", "completion": "b"}\n' * 3)
+    proc = run_cli_here("score", reward_model, "--data", data)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 3, proc.stderr[-3000:]
+    assert format_choice(DataConfig(source=str(data), format="auto"))[0] == "prompt_completion"

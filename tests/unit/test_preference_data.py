@@ -184,3 +184,17 @@ def test_a_margin_field_where_no_loss_reads_it_is_refused(tmp_path, tiny_model_d
     assert f"data.margin_field=margin is read by a reward model's loss only (train.objective=reward; here " \
            f"{objective})" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_margin_field_the_data_lacks_names_the_key_that_leaves_it_out(tmp_path, tiny_model_dir):
+    from harness.run_cli_here import run_cli_here
+    from harness.tiny_run import tiny_overrides
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": " yes", "rejected": " no"}) + "\n"
+                             for i in range(8)))
+    proc = run_cli_here("prepare", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
+        "train.objective": "reward", "model.name_or_path": tiny_model_dir, "data.source": pairs,
+        "data.margin_field": "margin"}))
+    assert proc.returncode == 2 and "has no field 'margin'" in proc.stderr, proc.stderr[-3000:]
+    assert "set data.margin_field to the field that holds each pair's margin, or data.margin_field=null" in proc.stderr
