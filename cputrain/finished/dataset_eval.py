@@ -18,7 +18,9 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     from cputrain.objectives.objective import objective_class
     from cputrain.objectives.validation_loss import evaluate_loss
 
-    preference = not objective_class(cfg.train.objective).perplexity
+    objective = objective_class(cfg.train.objective)
+    _check_objective_fits(path, cfg, objective)
+    preference = not objective.perplexity
     if preference:  # the models are loaded by evaluate_pairs, one after the other
         from cputrain.data.tokenizer import load_tokenizer
         from cputrain.finished.preference_eval import require_reference
@@ -45,3 +47,20 @@ def evaluate_on_data(path: str, cfg, split: str, max_sequences: int) -> dict:
     if note:
         result["note"] = note
     return result
+
+
+def _check_objective_fits(path: str, cfg, objective) -> None:
+    """Before any data or model is read: the objective (the run's, or a train.objective override)
+    takes this data's format and this model's head, as training would refuse them."""
+    from cputrain.errors import ModelError
+    from cputrain.finished.load import is_reward_model, model_folder
+    from cputrain.model.score_head import SCORE
+
+    if not objective.perplexity:  # pairs or feedback read as the objective's own kind (the LM loss reads any)
+        objective.check_data(cfg.data.format)
+    folder = model_folder(path)
+    if (objective.head == SCORE) != is_reward_model(folder):
+        what = "a reward model (a score head)" if objective.head == SCORE else "a language model"
+        raise ModelError(f"train.objective={cfg.train.objective} evaluates {what}, and the model in '{folder}' is "
+                         f"{'not one' if objective.head == SCORE else 'a reward model'}; evaluate it under the "
+                         "objective it was trained with (its run's config.yaml)")

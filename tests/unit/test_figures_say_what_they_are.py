@@ -100,3 +100,24 @@ def test_validation_of_a_preference_objective_records_no_perplexity():
         metrics.perplexity, metrics.ranks, metrics._window_t0 = perplexity, SimpleNamespace(is_main=False), 0.0
         row = metrics.with_validation(None, 3, 0.5)
         assert ("val_ppl" in row) is perplexity and row["val_loss"] == 0.5
+
+
+@pytest.mark.parametrize("objective, expect", [
+    ("dpo", "train.objective=dpo trains on preference pairs, but data.format is feedback"),
+    ("reward", "train.objective=reward trains on preference pairs, but data.format is feedback"),
+])
+def test_eval_under_an_objective_the_data_does_not_fit_is_one_line(tmp_path, tiny_model_dir, objective, expect):
+    """`eval RUN train.objective=…` over another objective's data ended in an AttributeError."""
+    data = _feedback(tmp_path / "fb.jsonl", [True, False] * 6)
+    proc = run_cli_here("eval", tiny_model_dir, *_eval_overrides(tmp_path, **{
+        "train.objective": objective, "model.name_or_path": tiny_model_dir, "data.source": data,
+        "data.format": "feedback"}))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert expect in proc.stderr.strip().splitlines()[-1]
+
+
+def test_eval_of_a_language_model_as_a_reward_model_is_one_line(tmp_path, tiny_model_dir):
+    proc = run_cli_here("eval", tiny_model_dir, *_eval_overrides(tmp_path, **{
+        "train.objective": "reward", "data.source": "builtin:pydoc-dpo", "data.format": "preference"}))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "train.objective=reward evaluates a reward model (a score head), and the model in" in proc.stderr
