@@ -19,14 +19,23 @@ def check_out_file(out: Path, flag: str) -> None:
         raise UserError(f"{flag} '{out}' is a folder; name a file, e.g. {flag} {out / 'out.jsonl'}")
     if not out.parent.is_dir():
         raise UserError(f"{flag} '{out}': folder '{out.parent}' does not exist; create it or name another file")
-    if not os.access(out.parent, os.W_OK):
-        raise UserError(f"{flag} '{out}': folder '{out.parent}' cannot be written; name another file")
+    probe = _tmp_beside(out)
+    try:  # a file made and removed: what os.access cannot tell (a read-only mount, a pseudo file system)
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"{flag} '{out}': folder '{out.parent}' cannot be written ({err.strerror}); name another "
+                        "file") from None
+
+
+def _tmp_beside(out: Path) -> Path:
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
 
 
 @contextlib.contextmanager
 def written_whole(out: Path) -> Iterator[TextIO]:
     """A text stream whose content becomes `out` only if the block ends without an error."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = _tmp_beside(out)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             yield f

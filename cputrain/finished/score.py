@@ -30,6 +30,9 @@ log = logging.getLogger("cputrain")
 def _records(data: Path) -> Iterator[tuple[int, dict]]:
     if not data.is_file():
         raise DataError(f"--data '{data}' is not a file; give a .jsonl file of records")
+    if data.suffix in (".parquet", ".arrow"):
+        raise DataError(f"--data '{data}' is a {data.suffix[1:]} file; score reads .jsonl (one JSON object a line): "
+                        "convert it, e.g. datasets.Dataset.from_parquet(path).to_json(out)")
     with open(data, "rb") as f:  # decoded line by line: a byte that is not UTF-8 is named by its line
         for number, raw in enumerate(f, 1):
             try:

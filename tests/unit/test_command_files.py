@@ -27,6 +27,7 @@ def files(tmp_path_factory) -> Path:
     (here / "latin1.json").write_bytes(b'[{"name": "c\xe9", "vcpus": 4, "memory_gib": 8}]\n')
     (here / "records.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     (here / "a-folder").mkdir()
+    (here / "records.parquet").write_bytes(b"PAR1 not really\n")  # the suffix is what is refused
     return here
 
 
@@ -56,6 +57,11 @@ CASES = {
                            "--out '{files}/a-folder' is a folder; name a file"),
     "score out in a missing folder": (["score", "{model}", "--data", "{files}/records.jsonl", "--out",
                                        "{files}/gone/scored.jsonl"], "folder '{files}/gone' does not exist"),
+    "score data a parquet file": (["score", "{model}", "--data", "{files}/records.parquet"],
+                                  "is a parquet file; score reads .jsonl"),
+    "score out on a file system that takes no file": (["score", "{model}", "--data", "{files}/records.jsonl",
+                                                       "--out", "/proc/scored.jsonl"],
+                                                      "folder '/proc' cannot be written"),
     "export gguf into a missing folder": (["export", "{lm}", "--gguf", "f32", "--out", "{files}/gone/m.gguf"],
                                           "folder '{files}/gone' does not exist"),
     "plan config not UTF-8": (["plan", "{files}/latin1.yaml"], "line 2 is not UTF-8"),
