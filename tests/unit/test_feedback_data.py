@@ -165,23 +165,25 @@ def test_labels_spelled_as_strings_follow_one_rule(tok, tmp_path, spelled):
         prepare.prepare(_cfg(_write(tmp_path / "fb.jsonl", records), tmp_path / "again"), tok, isolate=False)
 
 
-def test_kto_over_feedback_with_data_format_left_at_its_default_just_works(tmp_path, tiny_model_dir):
+def test_kto_over_feedback_with_data_format_left_at_its_default_just_works(tmp_path, tiny_model_dir, caplog):
     """The objective says which format it trains on (its class's data_format): data.format left at
     its default (text) is decided from the records, as auto, and logged with its reason; a format
     the user set is kept (and refused where the objective cannot take it)."""
+    from cputrain.config.file import load_config
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
     from harness.run_cli_here import run_cli_here
     from harness.tiny_run import tiny_overrides
 
     data = _write(tmp_path / "fb.jsonl", [{"prompt": f"Q{i}: ", "completion": f"answer number {i}.",
                                            "label": i % 3 != 0} for i in range(30)])
-    args = tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
-        "train.objective": "kto", "model.name_or_path": tiny_model_dir, "data.source": data, "data.seq_len": 64,
-        "data.max_documents": "null"})
-    proc = run_cli_here("prepare", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with caplog.at_level("INFO", logger="cputrain"):
+        cfg = objective_sets_data_keys(load_config(None, ["train.objective=kto", f"data.source={data}"]))
+    assert cfg.data.format == "auto" and sources.format_choice(cfg.data)[0] == "feedback"
     assert "auto: data.format = auto (left at its default, text, but train.objective=kto trains on feedback" \
-        in proc.stderr
-    assert "auto: data.format = feedback (the first record has 'completion' and a 'label'" in proc.stderr
-    proc = run_cli_here("train", *args, "data.format=text")  # refused before work
+        in caplog.text
+    assert objective_sets_data_keys(load_config(None, [f"data.source={data}"])).data.format == "text"  # lm: text
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
+        "train.objective": "kto", "model.name_or_path": tiny_model_dir, "data.source": data,
+        "data.format": "text"}))  # set: kept, and refused before work
     assert proc.returncode == 2 and "train.objective=kto trains on answers each with a thumbs-up or down" \
         in proc.stderr, proc.stderr[-3000:]

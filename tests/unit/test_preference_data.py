@@ -153,23 +153,21 @@ def _margin_pairs(path, n=24):
     return path
 
 
-def test_a_reward_model_takes_trls_margin_column_by_its_name(tmp_path, tiny_model_dir):
+def test_a_reward_model_takes_trls_margin_column_by_its_name(tmp_path, tiny_model_dir, caplog):
     """A `margin` column in reward data is TRL's: taken where data.margin_field is unset (logged with
-    its reason), left out with data.margin_field=null."""
-    from harness.run_cli_here import run_cli_here
-    from harness.tiny_run import tiny_overrides
+    its reason), left out with data.margin_field=null, and kept where it is set."""
+    from cputrain.config.file import load_config
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
 
     data = _margin_pairs(tmp_path / "pairs.jsonl")
-    args = tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
-        "train.objective": "reward", "model.name_or_path": tiny_model_dir, "data.source": data,
-        "data.seq_len": 64, "data.max_documents": "null", "data.num_proc": 1})
-    proc = run_cli_here("prepare", *args)
-    assert proc.returncode == 0 and "auto: data.margin_field = margin (the records have TRL's 'margin' column" \
-        in proc.stderr, proc.stderr[-3000:]
-    assert json.loads(next((tmp_path / "cache" / "packed").glob("*/stats.json")).read_text())["margin_field"] == \
-        "margin"
-    proc = run_cli_here("prepare", *args, "data.margin_field=null")
-    assert proc.returncode == 0 and "data.margin_field = margin" not in proc.stderr, proc.stderr[-3000:]
+    args = ["train.objective=reward", f"model.name_or_path={tiny_model_dir}", f"data.source={data}"]
+    with caplog.at_level("INFO", logger="cputrain"):
+        assert objective_sets_data_keys(load_config(None, args)).data.margin_field == "margin"
+    assert "auto: data.margin_field = margin (the records have TRL's 'margin' column" in caplog.text
+    assert objective_sets_data_keys(load_config(None, [*args, "data.margin_field=null"])).data.margin_field is None
+    assert objective_sets_data_keys(load_config(None, [*args, "data.margin_field=m2"])).data.margin_field == "m2"
+    dpo = ["train.objective=dpo", f"data.source={data}"]  # no margin read: nothing taken
+    assert objective_sets_data_keys(load_config(None, dpo)).data.margin_field is None
 
 
 @pytest.mark.parametrize("objective", ["dpo", "simpo", "lm"])
@@ -186,15 +184,16 @@ def test_a_margin_field_where_no_loss_reads_it_is_refused(tmp_path, tiny_model_d
     assert not (tmp_path / "run").exists()
 
 
-def test_a_margin_field_the_data_lacks_names_the_key_that_leaves_it_out(tmp_path, tiny_model_dir):
-    from harness.run_cli_here import run_cli_here
-    from harness.tiny_run import tiny_overrides
+def test_a_margin_field_the_data_lacks_names_the_key_that_leaves_it_out(tmp_path):
+    from cputrain.config import DataConfig
+    from cputrain.data import sources
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": " yes", "rejected": " no"}) + "\n"
                              for i in range(8)))
-    proc = run_cli_here("prepare", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
-        "train.objective": "reward", "model.name_or_path": tiny_model_dir, "data.source": pairs,
-        "data.margin_field": "margin"}))
-    assert proc.returncode == 2 and "has no field 'margin'" in proc.stderr, proc.stderr[-3000:]
-    assert "set data.margin_field to the field that holds each pair's margin, or data.margin_field=null" in proc.stderr
+    data_cfg = DataConfig(source=str(pairs), format="preference", margin_field="margin", cache_dir=str(tmp_path))
+    with pytest.raises(DataError) as err:
+        sources.open_corpus(data_cfg, fields=("chosen", "rejected", "margin"))
+    assert "has no field 'margin'" in str(err.value)
+    assert "set data.margin_field to the field that holds each pair's margin, or data.margin_field=null" in \
+        str(err.value)
