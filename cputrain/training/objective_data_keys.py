@@ -40,9 +40,13 @@ def objective_sets_data_keys(cfg: Config) -> Config:
                               f"(train.objective=reward; here {cfg.train.objective}), where it would do nothing; "
                               "leave data.margin_field empty")
     elif "margin_field" not in data.model_fields_set and TRL_MARGIN in _local_fields(data):
-        log.info("auto: data.margin_field = %s (the records have TRL's '%s' column, which a reward model subtracts "
-                 "in its loss; data.margin_field=null leaves it out)", TRL_MARGIN, TRL_MARGIN)
-        data = data.model_copy(update={"margin_field": TRL_MARGIN})
+        resumed = _resumed_without_margin(cfg)
+        if resumed:
+            log.info("data.margin_field left empty: %s", resumed)
+        else:
+            log.info("auto: data.margin_field = %s (the records have TRL's '%s' column, which a reward model "
+                     "subtracts in its loss; data.margin_field=null leaves it out)", TRL_MARGIN, TRL_MARGIN)
+            data = data.model_copy(update={"margin_field": TRL_MARGIN})
     return cfg if data is cfg.data else cfg.model_copy(update={"data": data})
 
 
@@ -58,3 +62,18 @@ def _local_fields(data: DataConfig) -> list[str]:
         return first_record_fields(data)
     except (DataError, OSError):
         return []
+
+
+def _resumed_without_margin(cfg: Config) -> str:
+    """Why a run folder's checkpoints keep the margin out ("" where none do): a reward run started
+    before the margin column was taken by its name trained without it, and resumes so."""
+    from cputrain.run_folder.layout import RunFolder
+    from cputrain.run_folder.run_config import read_recorded
+
+    try:
+        recorded = read_recorded(RunFolder(cfg.output_dir))
+    except Exception:  # an output_dir that cannot be read is refused by preflight, with its reason
+        return ""
+    if not recorded.has_checkpoints or recorded.values is None or recorded.value("data.margin_field") is not None:
+        return ""
+    return f"the checkpoints in '{cfg.output_dir}' trained without a margin (config.yaml), and the run resumes so"

@@ -197,3 +197,21 @@ def test_a_margin_field_the_data_lacks_names_the_key_that_leaves_it_out(tmp_path
     assert "has no field 'margin'" in str(err.value)
     assert "set data.margin_field to the field that holds each pair's margin, or data.margin_field=null" in \
         str(err.value)
+
+
+def test_a_resumed_reward_run_that_trained_without_the_margin_keeps_it_out(tmp_path, tiny_model_dir, caplog):
+    """A run folder whose checkpoints were trained with data.margin_field empty resumes so: taking the
+    column now would make the folder's identity check refuse the run."""
+    import yaml
+
+    from cputrain.config.file import load_config
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "trainer_state.json").write_text("{}")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"margin_field": None}}))
+    args = ["train.objective=reward", f"output_dir={run}", f"data.source={_margin_pairs(tmp_path / 'p.jsonl')}"]
+    with caplog.at_level("INFO", logger="cputrain"):
+        assert objective_sets_data_keys(load_config(None, args)).data.margin_field is None
+    assert "trained without a margin (config.yaml), and the run resumes so" in caplog.text
