@@ -18,6 +18,7 @@ def check_out_file(out: Path, flag: str) -> None:
     if out.is_dir():
         raise UserError(f"{flag} '{out}' is a folder; name a file, e.g. {flag} {out / 'out.jsonl'}")
     if not out.parent.is_dir():
+        refuse_under_a_file(out, flag)
         raise UserError(f"{flag} '{out}': folder '{out.parent}' does not exist; create it or name another file")
     probe = _tmp_beside(out)
     try:  # a file made and removed: what os.access cannot tell (a read-only mount, a pseudo file system)
@@ -26,6 +27,13 @@ def check_out_file(out: Path, flag: str) -> None:
     except OSError as err:
         raise UserError(f"{flag} '{out}': folder '{out.parent}' cannot be written ({err.strerror}); name another "
                         "file") from None
+
+
+def refuse_under_a_file(out: Path, flag: str) -> None:
+    """A path whose nearest existing ancestor is a file: no folder can be made there."""
+    existing = next(p for p in out.parents if p.exists())  # the last, '.' or '/', always does
+    if existing.exists() and not existing.is_dir():
+        raise UserError(f"{flag} '{out}': '{existing}' is a file, not a folder; name a path in a folder")
 
 
 def _tmp_beside(out: Path) -> Path:

@@ -42,7 +42,21 @@ def reward_model(tmp_path_factory, tiny_model_dir) -> Path:
     return folder
 
 
-# (command line with {files}, {model} (a reward model) and {lm} (a causal LM) for the fixtures' folders, what its one line says)
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory, tiny_model_dir) -> Path:
+    """A LoRA adapter folder on the tiny Llama, as peft saves one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("lora") / "model"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    model.save_pretrained(folder)
+    return folder
+
+
+# (command line with {files}, {model} (a reward model), {lm} (a causal LM) and {lora} (its adapters)
+# for the fixtures' folders, what its one line says)
 CASES = {
     "train config not UTF-8": (["train", "{files}/latin1.yaml"], "'{files}/latin1.yaml' line 2 is not UTF-8"),
     "prepare config not UTF-8": (["prepare", "{files}/latin1.yaml"], "line 2 is not UTF-8 text (byte 0xe9)"),
@@ -64,6 +78,12 @@ CASES = {
                                                       "folder '/proc' cannot be written"),
     "export gguf into a missing folder": (["export", "{lm}", "--gguf", "f32", "--out", "{files}/gone/m.gguf"],
                                           "folder '{files}/gone' does not exist"),
+    "export merge under a file": (["export", "{lora}", "--merge", "--out", "{files}/records.jsonl/merged"],
+                                  "'{files}/records.jsonl' is a file, not a folder"),
+    "score out under a file": (["score", "{model}", "--data", "{files}/records.jsonl", "--out",
+                                "{files}/records.jsonl/scored.jsonl"], "'{files}/records.jsonl' is a file"),
+    "generate at a negative temperature": (["generate", "{lm}", "--temperature", "-1"],
+                                           "--temperature must be 0 (greedy) or a positive number (got -1)"),
     "plan config not UTF-8": (["plan", "{files}/latin1.yaml"], "line 2 is not UTF-8"),
     "plan instances not UTF-8": (["plan", "--instances-file", "{files}/latin1.json"], "line 1 is not UTF-8"),
     "plan model config a folder without one": (["plan", "--model-config", "{files}/a-folder"],
@@ -75,9 +95,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_commands_files_are_refused_in_one_line_before_work(case, files, reward_model, tiny_model_dir, tmp_path):
+def test_a_commands_files_are_refused_in_one_line_before_work(case, files, reward_model, tiny_model_dir, lora_model,
+                                                              tmp_path):
     args, expected = CASES[case]
-    fill = {"files": files, "model": reward_model, "lm": tiny_model_dir}
+    fill = {"files": files, "model": reward_model, "lm": tiny_model_dir, "lora": lora_model}
     proc = run_cli_here(*(a.format(**fill) for a in args), cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("cputrain: error:")]
