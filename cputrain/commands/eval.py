@@ -81,7 +81,13 @@ def _benchmark_tasks(args, config_path) -> int:
                                ("--batch-size", args.batch_size, 1)):
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least}")
-    model_folder(args.path)  # a run without a model is refused first: nothing to evaluate
+    from cputrain.finished.load import is_reward_model
+
+    folder = model_folder(args.path)  # a run without a model is refused first: nothing to evaluate
+    if is_reward_model(folder):  # its one output is a score: the harness's tasks read next-token log-likelihoods
+        raise UserError(f"the model in '{folder}' is a reward model: it scores text and has no next-token "
+                        "probabilities for benchmark tasks; `cputrain eval RUN` gives its held-out pair figures, "
+                        "`cputrain score` scores records")
     lm_harness.require_lm_eval()  # then a machine without the harness, before a model is loaded
     selection = lm_harness.select_tasks(args.tasks)
     # Only the machine's keys are needed (precision, threads): the data's "auto"s are not decided.

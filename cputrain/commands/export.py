@@ -33,6 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from cputrain.finished.load import is_reward_model, model_folder
+    from cputrain.finished.out_file import refuse_under_a_file
     from cputrain.lora.adapter_folder import is_adapter_folder, merge_into_base
 
     folder = Path(model_folder(args.path))
@@ -47,6 +48,7 @@ def run(args) -> int:
         raise UserError(f"'{folder}' is already a plain Hugging Face model (no LoRA adapter to merge); use it as it is")
     run_dir = folder.parent if folder.name == "model" else folder
     out = Path(args.out) if args.out else run_dir / "model-merged"
+    refuse_under_a_file(out, "--out")  # before the merge, which loads the base and its adapters
     print(f"merged model: {merge_into_base(folder, out)}")
     return 0
 

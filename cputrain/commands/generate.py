@@ -26,6 +26,10 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
+    if not args.temperature >= 0 or args.temperature == float("inf"):  # a negative one decoded greedily, unsaid
+        raise UserError(f"--temperature must be 0 (greedy) or a positive number (got {args.temperature:g})")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be 0 (no cut) or a positive number of tokens (got {args.top_k})")
     chat = args.chat is not None
     print(generate_text(args.path, args.chat if chat else args.prompt, args.max_new_tokens, args.temperature,
                         args.top_k, args.seed, chat=chat))

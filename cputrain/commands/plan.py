@@ -26,6 +26,11 @@ def world_size_of(args, cfg) -> tuple[int, int | None]:
         if args.nnodes is not None and args.nproc_per_node is not None and args.nnodes * args.nproc_per_node != args.world_size:
             raise ConfigError(f"--world-size {args.world_size} is not --nnodes × --nproc-per-node "
                               f"({args.nnodes} × {args.nproc_per_node}); give one or the other")
+        if args.nnodes is not None and args.nproc_per_node is None:  # both honoured: the ranks per node follow
+            if args.nnodes < 1 or args.world_size % args.nnodes:
+                raise ConfigError(f"--world-size {args.world_size} does not divide into --nnodes {args.nnodes} "
+                                  "nodes of equal ranks; give --nproc-per-node instead of --world-size")
+            return args.world_size, args.world_size // args.nnodes
         return args.world_size, args.nproc_per_node
     nnodes = args.nnodes if args.nnodes is not None else cfg.launch.nnodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.launch.nproc_per_node
@@ -145,13 +150,28 @@ def with_time_plan(args, cfg, plan) -> tuple[list[str], dict]:
     doc["time"]["checkpoints"] = worth.as_dict()
     if plan.inputs.strategy == "fsdp":
         per_node = plan.fit.nproc_per_node
-        one_node = None
+        one_node, note = None, []
         if plan.fit.nnodes > 1:  # the same config on one node, decided as a run there would decide it
             from cputrain.training.choices import decide_and_plan
 
-            one_node = decide_and_plan(cfg, per_node, nproc_per_node=per_node, network=network,
+            one_cfg = _on_one_node(cfg, per_node)
+            one_node = decide_and_plan(one_cfg, per_node, nproc_per_node=per_node, network=network,
                                        config_json=args.model_config)
+            if one_cfg is not cfg:
+                note = [f"  (parallel.layout={cfg.parallel.layout} does not run on one node: one node is planned "
+                        f"with {one_node.inputs.layout}, as parallel.layout=auto decides there)"]
         rows = layout_table(plan, cfg.train.global_batch_size, table, per_node, network, one_node)
-        lines += table_lines(rows, network)
+        lines += table_lines(rows, network) + note
         doc["time"]["layouts"] = table_document(rows)
     return lines, doc
+
+
+def _on_one_node(cfg, per_node: int):
+    """The config a single node of the plan would run: a hand-set layout that one node does not
+    admit (hybrid, node_reshard) left to auto there; else `cfg` itself."""
+    from cputrain.parallel.fsdp_layouts import layout_error
+
+    layout = cfg.parallel.layout
+    if layout == "auto" or layout_error(layout, per_node, per_node) is None:
+        return cfg
+    return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"layout": "auto"})})

@@ -22,7 +22,10 @@ def run(args) -> int:
     from cputrain.data.prepare import prepare
 
     cfg = resolved_here(*config_and_overrides(args.config, args.overrides))
+    from cputrain.data.feedback.kind import refuse_one_label
+
     _, data = prepare(cfg)
+    refuse_one_label(data.stats, cfg.data)  # prepared for training: refused as train refuses it
     print(f"{data.stats['records']:,} records → {data.describe()}")
     print(f"token cache: {data.folder}")
     return 0

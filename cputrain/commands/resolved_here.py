@@ -15,8 +15,10 @@ def resolved_here(config_path, overrides):
     from cputrain.hardware import detect
     from cputrain.config.resolve import resolve
     from cputrain.training.choices import decide_data
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
 
-    res = resolve(load_config(config_path, overrides), detect(), world_size=1, local_world_size=1)
+    res = resolve(objective_sets_data_keys(load_config(config_path, overrides)), detect(), world_size=1,
+                  local_world_size=1)
     decided = decide_data(res)
     for key, value, why in decided.reasons[len(res.reasons):]:
         log.info("auto: %s = %s (%s)", key, value, why)

@@ -23,10 +23,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from cputrain.config.file import load_config
+    from cputrain.finished.out_file import check_out_file, written_whole
     from cputrain.finished.score import score_file
 
     if args.batch_size < 1:
         raise UserError("--batch-size must be at least 1")
+    if args.out is not None:
+        check_out_file(Path(args.out), "--out")  # before the scoring, not after it
     run_config = Path(args.path) / "config.yaml"
     # the run's field names, chat template and precision; a model folder alone: the defaults
     cfg = load_config(str(run_config) if run_config.is_file() else None, [])
@@ -36,9 +39,7 @@ def run(args) -> int:
                    cfg.model.trust_remote_code)
         return 0
     out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with written_whole(out) as f:
         scored = score_file(args.path, Path(args.data), f, cfg.data, bf16, args.batch_size, cfg.model.trust_remote_code)
-    tmp.replace(out)  # whole or not at all
     print(f"scored {scored} record(s) into {out}", file=sys.stderr)
     return 0

@@ -48,7 +48,9 @@ def run(args) -> int:
              "rdzv_endpoint": args.rdzv_endpoint, "max_restarts": args.max_restarts}
     # Precedence: config file < PET_* variables < key=value overrides < flags.
     overrides = pet_overrides() + overrides + [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    cfg = load_config(config_path, overrides)
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
+
+    cfg = objective_sets_data_keys(load_config(config_path, overrides))
     if args.from_command_line and not args.dry_run:
         _start_again_with_allocator(cfg)
     # Ranks started by the agent re-run this same command, config and overrides included.

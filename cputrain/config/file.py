@@ -5,6 +5,7 @@ every key with its default and documentation."""
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +112,37 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override '{key}': '{part}' is a value, not a section")
             node = child
-        node[parts[-1]] = _parse_value(text)
+        value = _parse_value(text)
+        if value is None and not _admits_none(parts):
+            node.pop(parts[-1], None)  # key=null on a key that takes no null: unset, back to its default
+        else:
+            node[parts[-1]] = value
     return raw
+
+
+def _admits_none(parts: list[str]) -> bool:
+    """Whether the config key at `parts` takes null (an optional key); an unknown key: it is kept as
+    given, so validation names it."""
+    model: type[BaseModel] = Config
+    for part in parts[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return True
+        model = field.annotation
+    field = model.model_fields.get(parts[-1])
+    return field is None or type(None) in typing.get_args(field.annotation)
 
 
 def named_file_text(path: str | Path, missing: str) -> str:
     """The text of a file the user named; `missing` is the one-line error when it is no file."""
     if not Path(path).is_file():
         raise ConfigError(missing)
-    return Path(path).read_text()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = err.object[: err.start].count(b"\n") + 1
+        raise ConfigError(f"'{path}' line {line} is not UTF-8 text (byte {err.object[err.start]:#04x}); save the "
+                          "file as UTF-8") from None
 
 
 def read_yaml(path: str | Path) -> dict:

@@ -273,7 +273,9 @@ class DataConfig(Section):
     margin_field: str | None = None
     """Field holding how much better the chosen answer is than the rejected one, a number per pair
     (data.format=preference; TRL's `margin` column): train.objective=reward subtracts it inside the
-    Bradley–Terry loss, -logσ(r_chosen - r_rejected - margin). Empty: no margin."""
+    Bradley–Terry loss, -logσ(r_chosen - r_rejected - margin). Empty: under train.objective=reward, a
+    local file's `margin` column by TRL's name for it (data.margin_field=null: none), else no margin.
+    Other objectives read no margin: setting it there is refused."""
 
     train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss: assistant (the assistant turns of a chat, each with the token that
@@ -718,7 +720,8 @@ class Config(Section):
             return
         if "global_batch_size" in train.model_fields_set and train.global_batch_size != pairs:
             raise ValueError(f"train.global_batch_pairs ({pairs}) and train.global_batch_size "
-                             f"({train.global_batch_size}) both set the batch; set one of them")
+                             f"({train.global_batch_size}) both set the batch; set one of them (to unset one a "
+                             "config file sets: train.global_batch_size=null on the command line)")
         if self.data.packing:
             raise ValueError("train.global_batch_pairs lays one pair in each row: set data.packing=false "
                              "(packing puts a varying number of pairs in a row), or set the batch in rows "
@@ -737,14 +740,21 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _fsdp_keys_on_fsdp(self):
+        """A sharding key set away from its default where no strategy of its reads it would do nothing
+        and still be written to config.yaml as if it had: refused, naming the strategies it needs."""
         parallel = self.parallel
-        for key in ("layout", "reduce_dtype"):
+        which = "auto, which resolves to single or ddp" if parallel.strategy == "auto" else parallel.strategy
+        # key: (its default, the strategies that read it)
+        for key, (default, strategies) in {"layout": ("auto", ("fsdp",)), "reduce_dtype": ("auto", ("fsdp",)),
+                                           "reduce_scatter": ("auto", ("fsdp", "zero3")),
+                                           "prefetch": (True, ("fsdp",))}.items():
             value = getattr(parallel, key)
-            if value != "auto" and parallel.strategy != "fsdp":
-                which = ("auto, which resolves to single or ddp" if parallel.strategy == "auto"
-                         else parallel.strategy)
-                raise ValueError(f"parallel.{key}={value} needs parallel.strategy=fsdp (here {which}); set "
-                                 f"parallel.strategy=fsdp or leave parallel.{key}=auto")
+            if value != default and parallel.strategy not in strategies:
+                def shown(v):  # as it is written on the command line
+                    return str(v).lower() if isinstance(v, bool) else v
+                needs = " or ".join(f"parallel.strategy={s}" for s in strategies)
+                raise ValueError(f"parallel.{key}={shown(value)} needs {needs} (here {which}); set "
+                                 f"parallel.strategy={strategies[0]} or leave parallel.{key}={shown(default)}")
         return self
 
     @model_validator(mode="after")

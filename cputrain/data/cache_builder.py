@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -34,7 +35,7 @@ from cputrain.data.kind import BuildFacts, DataKind, Worker
 from cputrain.data.stop_on_signal import start_tokenizing_worker
 from cputrain.data.tree_memory import TreeMemory
 from cputrain.data.validation_split import validation_mask
-from cputrain.errors import Stopped
+from cputrain.errors import DataError, Stopped
 
 log = logging.getLogger("cputrain")
 
@@ -182,6 +183,12 @@ def build(data_cfg: DataConfig, seed: int, kind: DataKind, vocab_size: int, num_
         (partial / "stats.json").write_text(json.dumps(stats, indent=1))  # written last: marks it complete
         os.rename(partial, final)
         (final / "progress.json").unlink()  # after the rename: a kill before it resumes at the end, not at 0
+    except DataError:
+        # A record refused: the same records are refused at the same place next time, so what was
+        # written holds nothing worth resuming (and an empty folder would be announced as an
+        # interrupted preparation). A stop or a full disk keeps its partial entry to resume from.
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     except OSError as exc:
         if exc.errno in sources.DISK_FULL:
             raise sources.disk_full_error(exc, where) from None

@@ -315,6 +315,8 @@ def open_corpus(cfg: DataConfig, fields: tuple[str, ...] | None = None) -> Corpu
         if name not in ds.column_names:
             key = "data.text_field" if fields is None else "data.format and its field names (data.messages_field, " \
                 "data.prompt_field, data.completion_field, data.chosen_field, data.rejected_field, data.label_field)"
+            if fields is not None and name == cfg.margin_field:  # the one optional field: it can also be left out
+                key = "data.margin_field to the field that holds each pair's margin, or data.margin_field=null"
             raise DataError(f"dataset '{cfg.source}' has no field '{name}' (fields: {ds.column_names}); set {key}")
     rows = min(len(ds), cfg.max_documents or len(ds))
     if rows == 0:
@@ -338,7 +340,7 @@ def _plain_text_files(cfg: DataConfig) -> bool:
         LOCAL_SUFFIXES[local_files(cfg.source)[0].suffix] == "text"
 
 
-def _first_record_fields(cfg: DataConfig) -> list[str]:
+def first_record_fields(cfg: DataConfig) -> list[str]:
     """The field names of the first record, read without converting the corpus."""
     if cfg.source == "builtin:pydoc-sft":
         return ["messages"]
@@ -360,7 +362,7 @@ def _first_record_fields(cfg: DataConfig) -> list[str]:
         import pyarrow.parquet as pq
 
         return list(pq.read_schema(first).names)
-    with open(first, encoding="utf-8", errors="replace") as f:
+    with open(first, encoding="utf-8-sig", errors="replace") as f:  # -sig: a byte-order mark some editors write
         for line in f:
             if line.strip():
                 try:
@@ -380,7 +382,7 @@ def format_choice(cfg: DataConfig) -> tuple[str, str]:
     """data.format=auto from the first record's fields, and why ("" when the config fixed it)."""
     if cfg.format != "auto":
         return cfg.format, ""
-    fields = _first_record_fields(cfg)
+    fields = first_record_fields(cfg)
     if cfg.chosen_field in fields and cfg.rejected_field in fields:
         fmt, why = "preference", f"the first record has '{cfg.chosen_field}' and '{cfg.rejected_field}'"
     elif cfg.label_field in fields and cfg.completion_field in fields:

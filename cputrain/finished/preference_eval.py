@@ -29,11 +29,19 @@ def require_reference(path: str, cfg) -> None:
     from cputrain.finished.load import model_folder
     from cputrain.lora.adapter_folder import is_adapter_folder
 
-    if objective_class(cfg.train.objective).stores_reference and not cfg.model.name_or_path and \
-            not is_adapter_folder(Path(model_folder(path))):
+    if not objective_class(cfg.train.objective).stores_reference or is_adapter_folder(Path(model_folder(path))):
+        return  # no reference, or the LoRA base under the adapters (the adapter folder names it)
+    if not cfg.model.name_or_path:
         raise ModelError(f"this {cfg.train.objective.upper()} run trained from random weights (model.name_or_path is "
                          "empty), so its reference cannot be loaded to score its data; evaluate a run that started "
                          "from a model folder")
+    try:
+        model_folder(cfg.model.name_or_path)
+    except ModelError:
+        raise ModelError(f"this {cfg.train.objective.upper()} run's reference is the model it started from, "
+                         f"model.name_or_path='{cfg.model.name_or_path}', which holds no model on this machine; "
+                         "put it back there, or name where it is now: cputrain eval "
+                         f"{path} model.name_or_path=FOLDER") from None
 
 
 def evaluate_pairs(path: str, cfg, rows, max_rows: int, equip=None) -> dict:

@@ -7,13 +7,15 @@ template; without a prompt, a conversational completion is the whole conversatio
 one is scored alone) gets `reward`; a preference pair (chosen and rejected, with or without a
 prompt) gets `reward_chosen` and `reward_rejected`; a chat record (messages) gets `reward` for its
 closing assistant turns; a text record (text) for its text. A record with an empty answer gets
-null. Each sequence is scored as transformers' sequence classifier pools it, at its last token
-that is not padding, which is the token the run trained its score at.
+null, and so does one longer than the model's positions (a warning names its line). Each sequence
+is scored as transformers' sequence classifier pools it, at its last token that is not padding,
+which is the token the run trained its score at.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +24,22 @@ import torch
 
 from cputrain.errors import DataError, ModelError, UserError
 
+log = logging.getLogger("cputrain")
+
 
 def _records(data: Path) -> Iterator[tuple[int, dict]]:
     if not data.is_file():
         raise DataError(f"--data '{data}' is not a file; give a .jsonl file of records")
-    with open(data, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    if data.suffix in (".parquet", ".arrow"):
+        raise DataError(f"--data '{data}' is a {data.suffix[1:]} file; score reads .jsonl (one JSON object a line): "
+                        "convert it, e.g. datasets.Dataset.from_parquet(path).to_json(out)")
+    with open(data, "rb") as f:  # decoded line by line: a byte that is not UTF-8 is named by its line
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark some editors write
+            except UnicodeDecodeError as err:
+                raise DataError(f"{data.name} line {number} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                                f"column {err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -88,6 +100,9 @@ def score_file(path: str, data: Path, out, data_cfg, bf16: bool = False, batch_s
     from cputrain.finished.load import is_reward_model, load_for_inference, model_folder
 
     folder = model_folder(path)
+    records = list(_records(data))  # every line read and checked before the model is loaded
+    if not records:
+        raise UserError(f"--data '{data}' holds no record")
     if not is_reward_model(folder):
         raise ModelError(f"the model in '{folder}' is not a reward model (a sequence classifier); train one with "
                          "train.objective=reward")
@@ -96,6 +111,8 @@ def score_file(path: str, data: Path, out, data_cfg, bf16: bool = False, batch_s
     spec = FeedbackSpec(data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field, template,
                         chat_template.template_variables(tokenizer), 0)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if model.config.pad_token_id is None:  # a classifier saved without one pools no batch of two (transformers)
+        model.config.pad_token_id = pad_id
     sequences.init_worker(None, None, spec, tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, "uint32")
     scored, pending = 0, []
 
@@ -107,14 +124,24 @@ def score_file(path: str, data: Path, out, data_cfg, bf16: bool = False, batch_s
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         pending.clear()
 
-    for number, record in _records(data):
-        pending.append((record, _answers(record, data_cfg, number - 1)))
+    positions = getattr(model.config, "max_position_embeddings", None)
+    too_long: list[int] = []  # line numbers of records with a sequence past the model's positions
+    for number, record in records:
+        answers = _answers(record, data_cfg, number - 1)
+        if positions and any(seq is not None and len(seq[0]) > positions for seq in answers.values()):
+            # past the positions the model was trained on its score means nothing: null, as an empty answer's
+            answers = {key: (None if seq is not None and len(seq[0]) > positions else seq)
+                       for key, seq in answers.items()}
+            too_long.append(number)
+        pending.append((record, answers))
         scored += 1
         if len(pending) >= batch_size:
             flush()
     flush()
-    if scored == 0:
-        raise UserError(f"--data '{data}' holds no record")
+    if too_long:
+        log.warning("score: %d record(s) of %s are longer than the model's %d positions and were scored null "
+                    "(lines %s%s)", len(too_long), data.name, positions, ", ".join(map(str, too_long[:10])),
+                    " …" if len(too_long) > 10 else "")
     return scored
 
 

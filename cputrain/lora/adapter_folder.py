@@ -13,8 +13,10 @@ says what it holds as a run's model/ does (cputrain.model.folder_description).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -104,10 +106,18 @@ def load_adapted(folder: Path, dtype: torch.dtype | str = torch.float32, trust_r
         if is_reward_adapter(folder):
             from cputrain.data.tokenizer import load_tokenizer
 
+            _require_score_head(folder)
             tok = load_tokenizer(str(folder), trust_remote_code)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                base, dtype=dtype, trust_remote_code=trust_remote_code, num_labels=1,
-                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            # the base has no score head: transformers' load report would call it newly
+            # initialized, though the adapter folder's trained head replaces it below (checked above)
+            with _quiet_load_report():
+                model, info = AutoModelForSequenceClassification.from_pretrained(
+                    base, dtype=dtype, trust_remote_code=trust_remote_code, num_labels=1, output_loading_info=True,
+                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            others = sorted(k for k in info["missing_keys"] if not k.startswith(SCORE + "."))
+            if others:
+                raise ModelError(f"the base model '{base}' lacks weights the reward model needs: "
+                                 f"{', '.join(others[:3])}{' …' if len(others) > 3 else ''}")
         else:
             model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code)
         with warnings.catch_warnings():  # peft asks transformers 5 for a renamed attribute; nothing to act on
@@ -115,6 +125,33 @@ def load_adapted(folder: Path, dtype: torch.dtype | str = torch.float32, trust_r
             return PeftModel.from_pretrained(model, str(folder))
     except Exception as exc:
         raise ModelError(f"could not load the LoRA adapter in '{folder}' onto '{base}': {one_line(exc)}") from None
+
+
+def _require_score_head(folder: Path) -> None:
+    """A reward adapter folder holds its trained score head (peft's modules_to_save): without it
+    the base would score through a random one."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / WEIGHTS_NAME), "pt") as f:
+        if not any(key.split(".")[-2:-1] == [SCORE] or f".{SCORE}." in key for key in f.keys()):
+            raise ModelError(f"the reward model's adapters in '{folder}' hold no trained score head ({SCORE}.weight "
+                             f"in {WEIGHTS_NAME}); it would score with a random one: export the run again")
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers' load report (logged as a warning by modeling_utils) held back for one load."""
+    # a filter, not the logger's level: transformers runs a check of its own, with a warning of its
+    # own, where that level is WARNING or above
+    def not_the_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addFilter(not_the_report)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_the_report)
 
 
 def merged_model(folder: Path):

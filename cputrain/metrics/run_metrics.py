@@ -39,11 +39,14 @@ log = logging.getLogger("cputrain")
 
 class RunMetrics:
     def __init__(self, cfg: ResolvedConfig, hw: HardwareFacts, ranks: RankEnv, run: RunFolder, counts: dict,
-                 hf_config, meter: comm.CommMeter, total_steps: int, summary_figures: tuple[str, ...] = ()):
+                 hf_config, meter: comm.CommMeter, total_steps: int, summary_figures: tuple[str, ...] = (),
+                 perplexity: bool = True, items: str = "preference pairs"):
         """`summary_figures`: the objective's figures summary.json carries (its summary_figures;
-        empty for the language-model loss, which has none and counts no pairs)."""
+        empty for the language-model loss, which has none and counts no pairs). `perplexity`:
+        whether the loss is a mean per trained target (else exp of it is no perplexity: not
+        reported); `items`: what the objective's batch counts (preference pairs, feedback examples)."""
         self.cfg, self.hw, self.ranks, self.run, self.counts = cfg, hw, ranks, run, counts
-        self.summary_figures = summary_figures
+        self.summary_figures, self.perplexity, self.items = summary_figures, perplexity, items
         self.meter, self.total_steps = meter, total_steps
         self.sinks: ReportSinks | None = None  # rank 0's, opened by open_sinks() once the resume step is known
         self.guard: Callable[[], None] = lambda: None  # raises if this run no longer owns its folder
@@ -167,7 +170,8 @@ class RunMetrics:
         self.last_val_loss = val_loss
         row = row or {"step": step}
         row["val_loss"] = val_loss
-        row["val_ppl"] = math.exp(min(val_loss, 50))
+        if self.perplexity:
+            row["val_ppl"] = math.exp(min(val_loss, 50))
         row.update(figures or {})
         if figures and self.ranks.is_main and "eval_rewards/accuracies" in figures:
             log.info("step %d  validation: loss %.4f  reward accuracy %.3f  margin %.4f", step, val_loss,
@@ -213,7 +217,7 @@ class RunMetrics:
             "final_step": final_step,
             "final_loss": train_rows[-1]["loss"] if train_rows else None,
             "val_loss": val_loss,
-            "val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None,
+            **({"val_ppl": math.exp(min(val_loss, 50)) if val_loss is not None else None} if self.perplexity else {}),
             "first_val_loss": next((r["val_loss"] for r in rows if "val_loss" in r), None),
             "tokens_per_s": steady_median("tokens_per_s"),
             "trained_tokens_per_s": steady_median("trained_tokens_per_s"),
@@ -242,6 +246,7 @@ class RunMetrics:
         summary.update(_objective_figures(rows, cfg.train.objective, self.summary_figures))
         # online RL logs no pairs_per_s on its steps (its objective logs_item_rate=False)
         if self.summary_figures and (not train_rows or any("pairs_per_s" in r for r in train_rows)):
+            summary["items"] = self.items  # what pairs_per_s and pairs_per_step count
             summary["pairs_per_s"] = steady_median("pairs_per_s")
             # every logged step's, not only the steady ones: a count, not a speed
             per_step = [r["pairs_per_step"] for r in train_rows if "pairs_per_step" in r]

@@ -29,7 +29,9 @@ def summary_table(s: dict) -> list[str]:
         ("steps", fmt(s.get("final_step"), "d")),
         ("final train loss", fmt(s.get("final_loss"), ".4f")),
         ("validation loss", f"{fmt(s.get('first_val_loss'), '.4f')} → {fmt(s.get('val_loss'), '.4f')}"),
-        ("validation perplexity", fmt(s.get("val_ppl"), ".2f")),
+        # exp of the loss is a perplexity only where the loss is a mean per trained target: a
+        # preference, feedback or reward run's summary has none
+        *([("validation perplexity", fmt(s.get("val_ppl"), ".2f"))] if "val_ppl" in s or "objective" not in s else []),
         ("tokens/s (all processed)", fmt(s.get("tokens_per_s"), ",.0f")),
         ("useful tokens/s (with loss)", fmt(s.get("trained_tokens_per_s"), ",.0f")),
         ("MFU (theoretical peak)", fmt(s.get("mfu"), ".1%")),
@@ -38,9 +40,11 @@ def summary_table(s: dict) -> list[str]:
         ("wall time (s)", fmt(s.get("wall_time_s"), ".1f")),
         ("ranks × threads", f"{s.get('world_size')} × {s.get('threads_per_rank')} ({s.get('strategy')}, {s.get('precision')})"),
     ]
-    if "pairs_per_s" in s:  # a preference run
-        rows.insert(6, ("preference pairs/s", fmt(s.get("pairs_per_s"), ",.1f")))
-        rows.insert(7, ("preference pairs per step", fmt(s.get("pairs_per_step"), ",.4g")))
+    if "pairs_per_s" in s:  # a preference, feedback or reward run: its batch's items (a summary before "items": pairs)
+        items = s.get("items", "preference pairs")
+        at = next(i for i, (k, _) in enumerate(rows) if k == "MFU (theoretical peak)")
+        rows[at:at] = [(f"{items}/s", fmt(s.get("pairs_per_s"), ",.1f")),
+                       (f"{items} per step", fmt(s.get("pairs_per_step"), ",.4g"))]
     if "comm_fraction" in s:
         rows.append(("time in communication", fmt(s.get("comm_fraction"), ".1%")))
     width = max(len(k) for k, _ in rows)

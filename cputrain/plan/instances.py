@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from cputrain.config.file import named_file_text
 from cputrain.errors import ConfigError
 
 GIB_PER_VCPU = {"c7i": 2, "m7i": 4, "r7i": 8}
@@ -86,11 +87,10 @@ def load_instances(path: str | None) -> list[Instance]:
     if path is None:
         return builtin_instances()
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--instances-file '{path}' not found; pass a YAML or JSON list of "
-                          "{name, vcpus, memory_gib, amx} rows")
+    text = named_file_text(file, f"--instances-file '{path}' not found; pass a YAML or JSON list of "
+                           "{name, vcpus, memory_gib, amx} rows")
     try:
-        rows = yaml.safe_load(file.read_text()) if file.suffix != ".json" else json.loads(file.read_text())
+        rows = yaml.safe_load(text) if file.suffix != ".json" else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--instances-file '{path}' is not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
     if isinstance(rows, dict) and "instances" in rows:

@@ -175,18 +175,31 @@ def check_cache_dir(cache_dir: str) -> None:
                           "data.cache_dir (the tokenizer and the token cache are written there)") from None
 
 
+# Tries at creating and writing a missing folder that nodes starting together probe at once.
+PROBE_ATTEMPTS = 5
+
+
 def _probe_local(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"output_dir '{folder}' is a file, not a folder; choose another output_dir")
-    created = [p for p in (folder, *folder.parents) if not p.exists()]
+    created: set[Path] = set()
+    probe = folder / f".cputrain-write-test-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".cputrain-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
+        for attempt in range(PROBE_ATTEMPTS):
+            created.update(p for p in (folder, *folder.parents) if not p.exists())
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"")
+                break
+            except FileNotFoundError:
+                # Another node probing the same missing shared folder removed it (its clean-up
+                # below) between this one's mkdir and its write: make it again.
+                if attempt == PROBE_ATTEMPTS - 1:
+                    raise
         probe.unlink()
     finally:
         # A command refused later (bad data, a held lock) leaves no empty folder behind.
-        for path in created:
+        for path in sorted(created, key=lambda p: len(p.parts), reverse=True):  # the deepest first
             try:
                 path.rmdir()
             except OSError:

@@ -134,10 +134,12 @@ class Trainer:
         """2. One process per cache entry builds it (a lock file); the others poll for its
         completion marker instead of waiting in a collective, so preparing a 10B-token corpus may
         take far longer than the process group's timeout."""
+        from cputrain.data.feedback.kind import refuse_one_label
         from cputrain.data.prepare import prepare, rows_of
 
         cfg, ranks = self.cfg, self.ranks
         self.tokenizer, self.data = prepare(cfg)
+        refuse_one_label(self.data.stats, cfg.data)
         self.train_rows, self.val_rows = rows_of(self.data, "train"), rows_of(self.data, "val")
         if ranks.is_main:
             log.info("data: %s", self.data.describe())
@@ -236,7 +238,8 @@ class Trainer:
                 self.objective.load_state_dict(self.checkpoints.objective_state)
             log.info("resumed from %s (step %d)", self.run.step_path(resumed), resumed)
         self.metrics = RunMetrics(cfg, self.hw, ranks, self.run, self.counts, self.hf_config, self.strategy.meter,
-                                  self.total_steps, self.objective.summary_figures)
+                                  self.total_steps, self.objective.summary_figures, self.objective.perplexity,
+                                  self.objective.item_described + "s")
         self.metrics.open_sinks(self.step, guard=self.lock.assert_held if self.lock else lambda: None)
         if ranks.is_main:
             write_run_config(self.run, cfg, self.reasons)

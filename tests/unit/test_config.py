@@ -268,3 +268,20 @@ def test_no_float_setting_takes_a_non_finite_value(key, value):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"{key}={value}"])
     assert f"'{key}'" in str(err.value) and "finite" in str(err.value), str(err.value)
+
+
+def test_key_null_on_the_command_line_unsets_a_key_a_config_file_set(tmp_path):
+    """A refusal's fix must work from the command line: global_batch_pairs with a config file that
+    sets global_batch_size is refused naming `train.global_batch_size=null`, which unsets it (a key
+    that takes no null goes back to its default); an optional key takes null as its value."""
+    from cputrain.config.file import load_config
+    from cputrain.errors import ConfigError
+
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  global_batch_size: 16\n  lr: 0.01\ndata:\n  packing: false\n  margin_field: m\n")
+    with pytest.raises(ConfigError, match=r"both set the batch; .*train.global_batch_size=null on the command line"):
+        load_config(config, ["train.global_batch_pairs=8"])
+    cfg = load_config(config, ["train.global_batch_pairs=8", "train.global_batch_size=null", "train.lr=null",
+                               "data.margin_field=null"])
+    assert (cfg.train.global_batch_size, cfg.train.global_batch_pairs) == (8, 8)
+    assert cfg.train.lr == type(cfg.train).model_fields["lr"].default and cfg.data.margin_field is None

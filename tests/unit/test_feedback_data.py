@@ -90,8 +90,12 @@ def test_auto_finds_feedback_and_stats_count_each_label(tok, tmp_path):
 
 def test_feedback_of_one_label_only_is_refused_in_one_line(tok, tmp_path):
     records = [{"prompt": f"Q{i}: ", "completion": f"answer {i}.", "label": True} for i in range(20)]
+    from cputrain.data.feedback.kind import refuse_one_label
+
+    cfg = _cfg(_write(tmp_path / "up.jsonl", records), tmp_path)
+    _, data = prepare.prepare(cfg, tok, isolate=False)  # evaluation scores it (the check is training's)
     with pytest.raises(DataError) as err:
-        prepare.prepare(_cfg(_write(tmp_path / "up.jsonl", records), tmp_path), tok, isolate=False)
+        refuse_one_label(data.stats, cfg.data)
     assert "label=true" in str(err.value) and "label=false" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -142,3 +146,44 @@ def test_a_kl_sequence_is_cut_at_seq_len(tok):
     rows, _ = feedback_rows(tok, long, packing=False, seq_len=seq_len)
     kl_ids, kl_mask = rows.kl_sequence(0)  # the long prompt with the long answer
     assert len(kl_ids) == seq_len and kl_mask[-1] == 1
+
+
+@pytest.mark.parametrize("spelled", ["every label a string", "some labels strings"])
+def test_labels_spelled_as_strings_follow_one_rule(tok, tmp_path, spelled):
+    """"true"/"false" are the booleans they spell, whether every label is a string or only some (the
+    JSON reader turns them into booleans in a column it found boolean: refusing them would hold only
+    where all are strings); other strings are refused."""
+    def label(i):
+        value = i % 3 != 0
+        return str(value).lower() if spelled == "every label a string" or i % 4 == 0 else value
+
+    records = [{"prompt": f"Q{i}: ", "completion": f"answer number {i}.", "label": label(i)} for i in range(30)]
+    _, data = prepare.prepare(_cfg(_write(tmp_path / "fb.jsonl", records), tmp_path), tok, isolate=False)
+    assert data.stats["desirable"] + data.stats["val_desirable"] == 20
+    records[5]["label"] = "yes"
+    with pytest.raises(DataError, match="record 6: field 'label' must be true"):
+        prepare.prepare(_cfg(_write(tmp_path / "fb.jsonl", records), tmp_path / "again"), tok, isolate=False)
+
+
+def test_kto_over_feedback_with_data_format_left_at_its_default_just_works(tmp_path, tiny_model_dir, caplog):
+    """The objective says which format it trains on (its class's data_format): data.format left at
+    its default (text) is decided from the records, as auto, and logged with its reason; a format
+    the user set is kept (and refused where the objective cannot take it)."""
+    from cputrain.config.file import load_config
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
+    from harness.run_cli_here import run_cli_here
+    from harness.tiny_run import tiny_overrides
+
+    data = _write(tmp_path / "fb.jsonl", [{"prompt": f"Q{i}: ", "completion": f"answer number {i}.",
+                                           "label": i % 3 != 0} for i in range(30)])
+    with caplog.at_level("INFO", logger="cputrain"):
+        cfg = objective_sets_data_keys(load_config(None, ["train.objective=kto", f"data.source={data}"]))
+    assert cfg.data.format == "auto" and sources.format_choice(cfg.data)[0] == "feedback"
+    assert "auto: data.format = auto (left at its default, text, but train.objective=kto trains on feedback" \
+        in caplog.text
+    assert objective_sets_data_keys(load_config(None, [f"data.source={data}"])).data.format == "text"  # lm: text
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
+        "train.objective": "kto", "model.name_or_path": tiny_model_dir, "data.source": data,
+        "data.format": "text"}))  # set: kept, and refused before work
+    assert proc.returncode == 2 and "train.objective=kto trains on answers each with a thumbs-up or down" \
+        in proc.stderr, proc.stderr[-3000:]

@@ -1,9 +1,10 @@
-"""parallel.layout and parallel.reduce_dtype refused in one line before any work, through the
+"""parallel.layout, reduce_dtype, reduce_scatter and prefetch refused in one line before any work, through the
 command in this process: on a strategy other than fsdp, a layout the nodes do not admit, ranks
 that do not divide into nodes, a layout whose memory plan does not fit this node."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -62,3 +63,47 @@ def test_cputrain_plan_refuses_a_layout_its_nodes_do_not_admit():
         proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "parallel.layout=hybrid", *args)
         assert proc.returncode != 0 and words in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "node_reshard"])
+def test_cputrain_plan_plans_a_node_layout_on_many_nodes_against_what_one_node_runs(layout):
+    """"Will 4 beat 1?" re-plans the config on one node, where hybrid and node_reshard do not run:
+    one node takes what auto decides there, and the plan says so."""
+    proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "--nnodes", "4", "--nproc-per-node", "2",
+                        f"parallel.layout={layout}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "will 4 nodes beat 1?" in proc.stdout
+    assert f"(parallel.layout={layout} does not run on one node: one node is planned with full_shard, as " \
+           "parallel.layout=auto decides there)" in proc.stdout
+    k8s = run_cli_here("k8s", "configs/llama3-8b-fsdp.yaml", "--name", "a", "--image", "i", "--nnodes", "4",
+                       "--nproc-per-node", "2", f"parallel.layout={layout}")
+    assert k8s.returncode == 0 and f"layout: {layout}" in k8s.stdout, k8s.stderr[-3000:]
+
+
+def test_cputrain_plan_honours_world_size_with_nnodes_or_refuses_both():
+    proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "--nnodes", "4", "--world-size", "8", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit = json.loads(proc.stdout)["cluster"]
+    assert (fit["nnodes"], fit["nproc_per_node"]) == (4, 2)
+    proc = run_cli_here("plan", "configs/llama3-8b-fsdp.yaml", "--nnodes", "3", "--world-size", "8")
+    assert proc.returncode == 2 and "--world-size 8 does not divide into --nnodes 3 nodes" in proc.stderr
+
+
+@pytest.mark.parametrize("strategy, setting, needs", [
+    ("ddp", "parallel.reduce_scatter=all_to_all", "needs parallel.strategy=fsdp or parallel.strategy=zero3 (here ddp)"),
+    ("auto", "parallel.reduce_scatter=native", "(here auto, which resolves to single or ddp)"),
+    ("single", "parallel.prefetch=false", "parallel.prefetch=false needs parallel.strategy=fsdp (here single)"),
+    ("zero3", "parallel.prefetch=false", "leave parallel.prefetch=true"),
+])
+def test_a_sharding_key_no_strategy_of_its_reads(tmp_path, strategy, setting, needs):
+    """reduce_scatter and prefetch do nothing under ddp or single: refused as layout is, not accepted
+    and written to config.yaml as if they had acted."""
+    err = refused(tmp_path, f"parallel.strategy={strategy}", setting)
+    assert needs in err, err
+
+
+def test_reduce_scatter_under_zero3_is_taken(tmp_path):
+    from cputrain.config.file import load_config
+
+    assert load_config(None, ["parallel.strategy=zero3", "parallel.reduce_scatter=native"]).parallel.reduce_scatter \
+        == "native"

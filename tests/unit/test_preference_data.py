@@ -4,6 +4,8 @@ sequence."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +145,73 @@ def test_rows_pack_whole_pairs_with_each_tokens_sequence():
     assert (batch.labels[0, firsts] == IGNORE_INDEX).all() and batch.labels[0, 11] == IGNORE_INDEX
     unpacked = PairRows(ids, mask, lengths, seq_len=12, packing=False, pad_id=0).batch([2, 0])
     assert unpacked.input_ids.shape == (2, 10) and unpacked.sequence_ids[1].tolist() == [2] * 3 + [3] * 4 + [-1] * 3
+
+
+def _margin_pairs(path, n=24):
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}?", "chosen": f" a good answer {i}",
+                                        "rejected": f" bad {i}", "margin": float(i % 3)}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_reward_model_takes_trls_margin_column_by_its_name(tmp_path, tiny_model_dir, caplog):
+    """A `margin` column in reward data is TRL's: taken where data.margin_field is unset (logged with
+    its reason), left out with data.margin_field=null, and kept where it is set."""
+    from cputrain.config.file import load_config
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
+
+    data = _margin_pairs(tmp_path / "pairs.jsonl")
+    args = ["train.objective=reward", f"model.name_or_path={tiny_model_dir}", f"data.source={data}"]
+    with caplog.at_level("INFO", logger="cputrain"):
+        assert objective_sets_data_keys(load_config(None, args)).data.margin_field == "margin"
+    assert "auto: data.margin_field = margin (the records have TRL's 'margin' column" in caplog.text
+    assert objective_sets_data_keys(load_config(None, [*args, "data.margin_field=null"])).data.margin_field is None
+    assert objective_sets_data_keys(load_config(None, [*args, "data.margin_field=m2"])).data.margin_field == "m2"
+    dpo = ["train.objective=dpo", f"data.source={data}"]  # no margin read: nothing taken
+    assert objective_sets_data_keys(load_config(None, dpo)).data.margin_field is None
+
+
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "lm"])
+def test_a_margin_field_where_no_loss_reads_it_is_refused(tmp_path, tiny_model_dir, objective):
+    from harness.run_cli_here import run_cli_here
+    from harness.tiny_run import tiny_overrides
+
+    proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
+        "train.objective": objective, "model.name_or_path": tiny_model_dir,
+        "data.source": _margin_pairs(tmp_path / "pairs.jsonl"), "data.margin_field": "margin"}))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"data.margin_field=margin is read by a reward model's loss only (train.objective=reward; here " \
+           f"{objective})" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_margin_field_the_data_lacks_names_the_key_that_leaves_it_out(tmp_path):
+    from cputrain.config import DataConfig
+    from cputrain.data import sources
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": " yes", "rejected": " no"}) + "\n"
+                             for i in range(8)))
+    data_cfg = DataConfig(source=str(pairs), format="preference", margin_field="margin", cache_dir=str(tmp_path))
+    with pytest.raises(DataError) as err:
+        sources.open_corpus(data_cfg, fields=("chosen", "rejected", "margin"))
+    assert "has no field 'margin'" in str(err.value)
+    assert "set data.margin_field to the field that holds each pair's margin, or data.margin_field=null" in \
+        str(err.value)
+
+
+def test_a_resumed_reward_run_that_trained_without_the_margin_keeps_it_out(tmp_path, tiny_model_dir, caplog):
+    """A run folder whose checkpoints were trained with data.margin_field empty resumes so: taking the
+    column now would make the folder's identity check refuse the run."""
+    import yaml
+
+    from cputrain.config.file import load_config
+    from cputrain.training.objective_data_keys import objective_sets_data_keys
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "trainer_state.json").write_text("{}")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"margin_field": None}}))
+    args = ["train.objective=reward", f"output_dir={run}", f"data.source={_margin_pairs(tmp_path / 'p.jsonl')}"]
+    with caplog.at_level("INFO", logger="cputrain"):
+        assert objective_sets_data_keys(load_config(None, args)).data.margin_field is None
+    assert "trained without a margin (config.yaml), and the run resumes so" in caplog.text

@@ -6,6 +6,7 @@ equal to transformers' own pooled score of that sequence alone."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import numpy as np
@@ -117,3 +118,46 @@ def test_rewards_in_packed_pairs_are_transformers_pooled_scores(tiny_model_dir, 
     with torch.no_grad():
         got = pair_scores(model, rows.batch([0]), tok.pad_token_id).tolist()
     assert got == pytest.approx(expected, abs=1e-4)
+
+
+def _reward_adapter_folder(tiny_model_dir, out):
+    """A LoRA reward model's folder as a run exports it: adapters and the trained score head (peft's
+    modules_to_save) on the tiny Llama."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    peft_model = get_peft_model(classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj"],
+                                                       modules_to_save=["score"]))
+    peft_model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return peft_model
+
+
+def test_a_lora_reward_model_loads_its_head_without_transformers_newly_initialized_report(tiny_model_dir, tmp_path):
+    """The base has no score head, so transformers reports score.weight MISSING "newly initialized"
+    on every load, though the adapter folder's trained head replaces it: the report is held back,
+    the head checked instead (a folder without it is refused), and the head is the trained one."""
+    from safetensors.torch import load_file, save_file
+
+    from cputrain.lora.adapter_folder import WEIGHTS_NAME, load_adapted
+
+    trained = _reward_adapter_folder(tiny_model_dir, tmp_path / "model")
+    reports = []  # what transformers' loader logs, seen where it is logged (its own handler may be quiet)
+    seen = logging.Handler()
+    seen.emit = lambda record: reports.append(record.getMessage())
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(seen)
+    try:
+        loaded = load_adapted(tmp_path / "model")
+    finally:
+        logger.removeHandler(seen)
+    assert not [r for r in reports if "MISSING" in r], reports
+    head = [p for n, p in loaded.named_parameters() if "score" in n and "modules_to_save" in n]
+    want = [p for n, p in trained.named_parameters() if "score" in n and "modules_to_save" in n]
+    assert len(head) == 1 and torch.equal(head[0], want[0])
+    weights = load_file(tmp_path / "model" / WEIGHTS_NAME)
+    save_file({k: v for k, v in weights.items() if "score" not in k}, tmp_path / "model" / WEIGHTS_NAME)
+    with pytest.raises(ModelError, match="hold no trained score head"):
+        load_adapted(tmp_path / "model")

@@ -47,13 +47,6 @@ class FeedbackKind(RecordsKind):
                 f"no training example in '{data_cfg.source}': {progress['skipped_empty']} had an empty answer, "
                 f"{progress['no_answer']} no closing assistant turn and {progress['dropped_long']} were longer than "
                 f"data.seq_len={data_cfg.seq_len}; check the data's fields, or raise data.seq_len")
-        for label, count, other in ((True, progress["desirable"], "false (undesirable)"),
-                                    (False, progress["undesirable"], "true (desirable)")):
-            if count == progress["train_examples"]:
-                raise DataError(
-                    f"every one of the {count} training examples of '{data_cfg.source}' has {data_cfg.label_field}="
-                    f"{str(label).lower()}: KTO learns from both kinds of answer; add examples with "
-                    f"{data_cfg.label_field}={other}")
         return {
             **facts.common_stats(),
             "format": "feedback",
@@ -72,3 +65,17 @@ class FeedbackKind(RecordsKind):
             "truncated": progress["truncated"],
             **self.token_stats(progress),
         }
+
+
+def refuse_one_label(stats: dict, data_cfg: DataConfig) -> None:
+    """Training data of one label only, refused where it is to be trained on (train, prepare): KTO
+    learns from both kinds. Not in the cache's build: `eval` scores held-out feedback of any labels."""
+    if stats.get("format") != "feedback":
+        return
+    for label, count, other in ((True, stats["desirable"], "false (undesirable)"),
+                                (False, stats["undesirable"], "true (desirable)")):
+        if count == stats["train_examples"]:
+            raise DataError(
+                f"every one of the {count} training examples of '{data_cfg.source}' has {data_cfg.label_field}="
+                f"{str(label).lower()}: KTO learns from both kinds of answer; add examples with "
+                f"{data_cfg.label_field}={other}")

@@ -48,8 +48,16 @@ class FeedbackSpec:
         return {"format": "unpaired", **self.__dict__}
 
 
+# The strings a label may be spelled as. One rule whether all labels are strings or only some: the
+# JSON reader turns "true" into true in a column it found boolean, so refusing the strings would
+# hold only where every label is one.
+LABEL_STRINGS = {"true": True, "false": False}
+
+
 def _label(value, row: int, name: str) -> bool:
-    # bool only: 1 and "yes" are refused, not guessed (TRL's label is a boolean)
+    # a boolean, or the word for one: 1 and "yes" are refused, not guessed (TRL's label is a boolean)
+    if isinstance(value, str) and value.strip().lower() in LABEL_STRINGS:
+        return LABEL_STRINGS[value.strip().lower()]
     if not isinstance(value, bool):
         raise record_error(row, f"field '{name}' must be true (a thumbs-up: desirable) or false (a thumbs-down: "
                                 f"undesirable), not {value!r}; write each label as a JSON boolean, or set "
