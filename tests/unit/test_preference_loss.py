@@ -117,7 +117,10 @@ def test_the_global_batch_mean_is_independent_of_the_split():
 def test_an_objective_that_does_not_fit_is_refused_in_one_line(tmp_path, extra, expect):
     proc = run_cli_here("train", *tiny_overrides(tmp_path / "run", tmp_path / "cache", **extra))
     assert proc.returncode != 0 and expect in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # one error line; before it at most the logged reason the objective set the data's format with
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and lines[-1].startswith("cputrain: error:"), proc.stderr
+    assert all(" auto: data.format = " in line for line in lines[:-1]), proc.stderr
 
 
 def test_a_resumed_run_keeps_its_objective_and_an_older_folder_resumes_as_lm(tmp_path):
