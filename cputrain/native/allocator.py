@@ -63,12 +63,9 @@ class AllocatorChoice:
     reason: str
 
 
-# What `auto` takes where no tcmalloc is installed: glibc told to keep what a step frees
-# (tune_glibc). On single and ddp from the start; the sharding strategies (fsdp, zero3) only once
-# their weights are loaded (tuned_after_load): until then they pin glibc's mmap threshold
-# (pin_mmap_threshold), so that a whole-model init or read leaves the process when freed, while
-# their steps, which gather, free and gather again the same blocks, reuse the heap instead of
-# mapping (and the kernel zeroing) every gathered block and activation again.
+# What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
+# (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
+# glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
 # What benchmarks/memory/allocator.py measured, by the run's precision (tokens/s against glibc as is).
 GLIBC_TUNED_MEASURED = {
     "bf16": ("measured on bf16 runs of a 2-core AVX512-BF16 EPYC at 1.19× glibc as is on the demo, 1.04× on ~100M, "
@@ -117,10 +114,9 @@ def allocator_choice(setting: str, environ: dict | None = None, dirs: list[str] 
     lib = find_allocator(name, dirs)
     if lib is None:
         package = "libgoogle-perftools4 or libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
-        if setting == "auto" and strategy is not None:
-            when = "once the weights are loaded (glibc as is while they load), " if strategy in SHARDED else ""
+        if setting == "auto" and strategy is not None and strategy not in SHARDED:
             return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}; {auto_why}): "
-                                                        f"glibc keeping what a step frees {when}"
+                                                        f"glibc keeping what a step frees, "
                                    + GLIBC_TUNED_MEASURED.get(precision, GLIBC_TUNED_MEASURED["bf16"]))
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
@@ -169,13 +165,6 @@ _M_TRIM_THRESHOLD = -1  # free memory at the heap's top beyond this is returned 
 _M_MMAP_THRESHOLD = -3  # blocks at least this large get their own mapping
 _M_MMAP_MAX = -4  # how many such mappings at once; 0: none, every block comes from the heap
 _INT_MAX = 2**31 - 1  # mallopt takes an int
-
-
-def tuned_after_load(strategy: str) -> bool:
-    """Whether hardware.allocator=glibc-tuned takes effect once the weights are loaded (the
-    sharding strategies: their loading frees whole-model tensors that must leave the process),
-    rather than before the model is built."""
-    return strategy in SHARDED
 
 
 def tune_glibc() -> bool:

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from cputrain.errors import ConfigError
-from cputrain.native.allocator import pin_mmap_threshold, tune_glibc
+from cputrain.native.allocator import pin_mmap_threshold
 from cputrain.model import copy_full_into, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.parallel.file_reads import PlainReads
@@ -112,7 +112,7 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        pin_mmap_threshold()  # before the init replica frees anything (glibc-tuned: until the weights are loaded)
+        pin_mmap_threshold()  # before the init replica and the first step free anything
         parallel = ctx.cfg.parallel
         # decided (cputrain.training.choices): "auto" cannot reach here, and check() refuses it if it does
         self.layout = Layout(parallel.layout, ctx.world_size, ctx.ranks_per_node)
@@ -149,11 +149,6 @@ class FSDPStrategy(Strategy):
         return contextlib.nullcontext()
 
     def load_weights(self, model: nn.Module, folder: Path | None) -> None:
-        self._load_weights(model, folder)
-        if self.ctx.cfg.hardware.allocator == "glibc-tuned":  # the whole-model tensors are gone: steps reuse the heap
-            tune_glibc()
-
-    def _load_weights(self, model: nn.Module, folder: Path | None) -> None:
         materialize(model)  # allocates only this rank's shard of every parameter
         if folder is not None:
             # Plain reads of this rank's rows only (file_reads): no mapped copy of the shard.

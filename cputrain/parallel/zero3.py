@@ -42,7 +42,7 @@ from torch import nn  # noqa: E402
 from cputrain.errors import ConfigError  # noqa: E402
 from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
 from cputrain.parallel.adamw import adamw, decay_groups  # noqa: E402
-from cputrain.native.allocator import pin_mmap_threshold, tune_glibc  # noqa: E402
+from cputrain.native.allocator import pin_mmap_threshold  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
 from cputrain.config.resolve import grad_accum_steps  # noqa: E402
 
@@ -78,8 +78,7 @@ class Zero3Strategy(Strategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        # The init and reads free whole-model tensors: keep glibc from holding on to them while the
-        # weights load (glibc-tuned, the steps' regime, is set once they are: load_weights).
+        # DeepSpeed gathers and frees whole modules every step: keep glibc from holding on to them.
         pin_mmap_threshold()
         cfg = ctx.cfg
         self.plan = plan_for(cfg, ctx.world_size, grad_accum_steps(cfg, ctx.world_size))
@@ -148,8 +147,6 @@ class Zero3Strategy(Strategy):
             load_into(module, folder, copy_fn=self._copy_partition, shape_of=lambda param: list(param.ds_shape),
                       file_name_of=self.ctx.file_name_of)
         self._gather_head_for_chunked_loss(module)
-        if self.ctx.cfg.hardware.allocator == "glibc-tuned":  # the whole-model tensors are gone: steps reuse the heap
-            tune_glibc()
 
     def _gather_head_for_chunked_loss(self, module: nn.Module) -> None:
         """model.chunked_loss uses the head's weight without calling the head

@@ -13,7 +13,7 @@ from cputrain.hardware import detect
 from cputrain.model.score_head import LM_HEAD
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
-from cputrain.native.allocator import tune_glibc, tuned_after_load
+from cputrain.native.allocator import tune_glibc
 from cputrain.parallel import needs_process_group
 from cputrain.run_folder.layout import RunFolder
 from cputrain.run_folder.run_config import read_recorded
@@ -70,8 +70,8 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                  hw.physical_cores, hw.memory_gib)
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
-    if res.config.hardware.allocator == "glibc-tuned" and not tuned_after_load(res.config.parallel.strategy):
-        tune_glibc()  # before the model and its steps allocate (a sharding strategy: after its load)
+    if res.config.hardware.allocator == "glibc-tuned":  # before the model and its steps allocate
+        tune_glibc()
     # From here on the config is read-only: every part of the run sees the same values.
     trainer = Trainer(res.config, hw, ranks, reasons=res.reasons, take_over_lock=take_over_lock, recorded=recorded)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cputrain.native.allocator import allocator_choice, preload_env, tuned_after_load
+from cputrain.native.allocator import allocator_choice, preload_env
 from cputrain.distributed.placement import core_sets
 from cputrain.config import Config
 from cputrain.hardware import Core, detect, parse_cpu_list
@@ -93,18 +93,16 @@ def test_a_one_process_run_is_started_again_once_with_the_allocator(tmp_path):
     assert reexec_env(allocator_choice("system", environ={}), {}) is None
 
 
-def test_without_tcmalloc_auto_tunes_glibc_and_the_sharding_strategies_once_their_weights_are_loaded(tmp_path):
-    """No tcmalloc: every strategy keeps what a step frees (glibc-tuned): single and ddp from the
-    start, fsdp and zero3 once their weights are loaded (until then glibc as is, its mmap threshold
-    pinned, so that a whole-model init or read leaves the process when freed); a strategy not known
-    yet (the agent's dry report before resolving) is glibc as is."""
+def test_without_tcmalloc_auto_tunes_glibc_on_whole_tensor_strategies_only(tmp_path):
+    """No tcmalloc: single and ddp keep what a step frees (glibc-tuned); fsdp and zero3 keep glibc
+    as is (their memory is the point, and they pin its mmap threshold); a strategy not known yet
+    (the agent's dry report before resolving) is glibc as is."""
     nothing = [str(tmp_path / "none")]
-    for strategy in ("single", "ddp", "fsdp", "zero3"):
+    for strategy in ("single", "ddp"):
         choice = allocator_choice("auto", environ={}, dirs=nothing, precision="bf16", strategy=strategy)
         assert choice.name == "glibc-tuned" and choice.library is None and "step peak" in choice.reason
-        assert ("once the weights are loaded" in choice.reason) == tuned_after_load(strategy) == (strategy in
-                                                                                                  ("fsdp", "zero3"))
-    assert allocator_choice("auto", environ={}, dirs=nothing, strategy=None).name == "system"
+    for strategy in ("fsdp", "zero3", None):
+        assert allocator_choice("auto", environ={}, dirs=nothing, strategy=strategy).name == "system"
     asked = allocator_choice("glibc-tuned", environ={}, dirs=nothing, strategy="fsdp")
     assert asked.name == "glibc-tuned" and asked.library is None
     (tmp_path / "libtcmalloc.so.4").write_bytes(b"")  # installed: tcmalloc, whatever the strategy
