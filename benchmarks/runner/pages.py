@@ -49,6 +49,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("reduce_dtype_drift", "network.md", "## Gradients reduced in bf16"),
     ("fsdp_layouts", "network.md", "## FSDP layouts over a shaped link"),
     ("fsdp_prefetch", "network.md", "## FSDP's gathers issued a block ahead"),
+    ("sharded_rank", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
     ("sft", "sft-and-dpo.md", "## SFT against TRL"),

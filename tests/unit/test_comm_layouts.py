@@ -140,10 +140,11 @@ def test_measured_all_to_all_rows_replace_the_assumption():
     assert "assumed" not in step.source["efficiency"]
 
 
-def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_are_said_elsewhere():
+def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_on_instances_too():
     """hybrid's in-node gathers and reduce-scatters cross no link, but gloo runs them on the cores:
-    on the measuring machine at its unshaped rate × each rank's share of a core, none hidden; for
-    an instance not planned, and the plan says so."""
+    on the measuring machine at its unshaped rate × each rank's share of a core, none hidden; on an
+    instance at one measured core's rate per rank, counted (never left out, so no layout leaning on
+    them outranks one whose bytes are all counted), and the plan says where the rate comes from."""
     caps = {"all_gather": 1e-4, "all_to_all": 2e-4, "all_reduce": 1e-4}  # Gbit/s
     table = parse_table({"machine": "test", "measured": "2026-01-01", "rows": [
         {"collective": k, "link_gbit_s": 1e-3, "message_bytes": 1, "efficiency": 1.0} for k in caps],
@@ -165,9 +166,11 @@ def test_a_nodes_own_collectives_take_gloos_cpu_rate_where_it_was_measured_and_a
     assert whole.network_s == pytest.approx(across)
     assert whole.exposed_network_s == pytest.approx(across + in_node_s)  # FSDP hides none; the node's own never
     assert whole.step_s == pytest.approx(whole.compute_s + across + in_node_s)
-    assert instance.in_node_s == 0 and "not planned" in instance.source["in_node"]
-    assert "at the rate one test core reached" in instance.source["in_node"]  # the bound, at the measured rate
-    assert instance.step_s < whole.step_s
+    assert instance.in_node_s == pytest.approx(in_node_s)  # a rank's own cores: one measured core's rate
+    assert "at the rate one test core reached (measured on that CPU, not on this node's)" in instance.source["in_node"]
+    assert instance.exposed_network_s == pytest.approx(instance.network_s + in_node_s)  # none of it hides
+    no_table = plan_step_time(s, W, P, shape(), Compute(1e9, 0.5), Link(1e-3, efficiency=1.0))
+    assert no_table.in_node_s == 0 and "not planned (no measured gloo rate)" in no_table.source["in_node"]
     full_shard = plan_step_time(StepSettings("fsdp", "bf16", 1, 16, W * M, False, layout="full_shard"), W, P, shape(),
                                 Compute(1e9, 0.5), Link(1e-3, efficiency=table, gloo_cpu_capped=True))
     assert full_shard.in_node_s == 0 and "in_node" not in full_shard.source  # every collective crosses the link

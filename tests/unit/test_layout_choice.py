@@ -62,7 +62,8 @@ def _plan_decision(instance: str | None, nproc: int | None = 2, world: int = 8, 
 def test_a_plan_decides_the_layout_on_the_instance_it_sizes():
     cfg, why = _plan_decision("r7i.8xlarge")
     assert isinstance(cfg, PlannedConfig)
-    assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("hybrid", "bf16")
+    # gather_once: hybrid's node-own collectives are counted (at gloo's measured loopback rate) and slow it
+    assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("gather_once", "bf16")
     assert "4 × r7i.8xlarge" in why["parallel.layout"] and "full_shard" in why["parallel.layout"]
     cfg, why = _plan_decision("c7i.8xlarge")  # 64 GiB nodes hold full_shard's shards only
     assert cfg.parallel.layout == "full_shard" and "hybrid does not fit" in why["parallel.layout"]

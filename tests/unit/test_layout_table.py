@@ -31,19 +31,27 @@ def test_every_layout_on_every_instance_with_its_fit(rows):
     assert [f.layout for f in small.figures] == ["full_shard", "node_reshard", "gather_once", "hybrid"]
     assert [f.fits for f in small.figures] == [True, False, False, False]  # 64 GiB nodes: full_shard only
     assert all(f.fits for f in big.figures)  # 256 GiB nodes hold every layout
-    assert small.best.layout == "full_shard" and big.best.layout == wide.best.layout == "hybrid"
+    assert small.best.layout == "full_shard" and big.best.layout == wide.best.layout == "gather_once"
+    # hybrid leans on its node's own collectives: counted at gloo's measured loopback rate, said so, and
+    # so ranked below gather_once, whose every byte crosses the link and is counted too
+    hybrid = next(f for f in big.figures if f.layout == "hybrid")
+    assert hybrid.step.in_node_s > 0 and "not on this node's" in hybrid.step.source["in_node"]
+    assert hybrid.step.tokens_per_s < big.best.step.tokens_per_s
     assert not small.one_node.fits and big.one_node.fits
     for row in rows:  # one node: no network, and the same layout, whatever the instance
         assert row.one_node.step.network_s == 0 and row.one_node.layout == "full_shard"
 
 
 def test_the_seeds_case_planned_on_nodes_that_hold_the_state(rows):
-    """Planned figures of the case the layouts were built for: ≥ 2.5× the 166 tokens/s planned before,
-    and 4 nodes ≥ 3.4× one node of the same type with the network ≤ 20% of the step."""
+    """Planned figures of the case the layouts were built for, every term counted (a sharded rank's
+    own work, the node's own collectives): ≥ 1.9× the 166 tokens/s planned before the layouts (2.66×
+    before a sharded rank's factor was counted), and 4 nodes ≥ 3.4× one node of the same type with
+    the network ≤ 20% of the step."""
     _, big, wide = rows
     for row in (big, wide):
         best = row.best
-        assert best.step.tokens_per_s >= 2.5 * BEFORE_TOKENS_S
+        assert "for a fsdp rank's own work" in best.step.source["mfu"]
+        assert best.step.tokens_per_s >= 1.9 * BEFORE_TOKENS_S
         assert best.step.tokens_per_s >= 3.4 * row.one_node.step.tokens_per_s
         assert best.step.network_share <= 0.20
 
@@ -52,7 +60,7 @@ def test_the_lines_answer_will_four_nodes_beat_one(rows):
     small, big, _ = rows
     assert "one node does not hold the state" in beat_one_node_line(small)
     line = beat_one_node_line(big)
-    assert line.startswith("r7i.8xlarge: hybrid") and "× one node's" in line and line.endswith("4 nodes beat 1")
+    assert line.startswith("r7i.8xlarge: gather_once") and "× one node's" in line and line.endswith("4 nodes beat 1")
     text = "\n".join(table_lines(rows, Network()))
     assert "FSDP layouts × instance types (4 nodes × 2 ranks" in text and "not in a cluster placement group" in text
     assert "does not fit (68 GiB)" in text and "will 4 nodes beat 1?" in text
@@ -65,9 +73,9 @@ def test_cputrain_plan_writes_the_table_into_plan_json(capsys):
     args = ["plan", SEEDS, "--nnodes", "4", "--nproc-per-node", "2", "--json"]
     assert main([*args, "--instance-type", "r7i.8xlarge", "--placement-group"]) == 0
     time = json.loads(capsys.readouterr().out)["time"]
-    assert time["flow_cap_gbit_s"] == 10 and time["layout"] == "hybrid"
+    assert time["flow_cap_gbit_s"] == 10 and time["layout"] == "gather_once"
     layouts = {row["instance_type"]: row for row in time["layouts"]}
-    assert len(layouts) == len(builtin_instances()) and layouts["r7i.8xlarge"]["best"] == "hybrid"
+    assert len(layouts) == len(builtin_instances()) and layouts["r7i.8xlarge"]["best"] == "gather_once"
     assert layouts["r7i.8xlarge"]["one_node"]["layout"] == "full_shard"
     assert main(["plan", SEEDS, "parallel.strategy=zero3", "--nnodes", "4", "--nproc-per-node", "2", "--json"]) == 0
     assert "layouts" not in json.loads(capsys.readouterr().out)["time"]  # fsdp's layouts only

@@ -221,11 +221,11 @@ def test_cputrain_plan_prints_the_time_plan_and_writes_it_into_plan_json(capsys)
     assert "gloo's efficiency" in out  # measured (cputrain/plan/time/gloo_link_efficiency.json) or said to be assumed
     assert "network over 25% of the step" in out and "FSDP layouts × instance types" in out
     assert "will 4 nodes beat 1?" in out and "not built yet" not in out
-    # a fast link on nodes that hold hybrid's state: nothing to advise (on the smallest nodes only
+    # a fast link on nodes that hold every layout's state: nothing to advise (on the smallest nodes only
     # full_shard fits, and its gathers' one flow a node stays at EC2's per-flow cap however fast the link)
     assert main([*args, "--link-gbit-s", "1000", "--instance-type", "r7i.8xlarge", "--json"]) == 0
     time = json.loads(capsys.readouterr().out)["time"]
-    assert time["link_gbit_s"] == 1000 and time["advice"] == [] and time["layout"] == "hybrid"
+    assert time["link_gbit_s"] == 1000 and time["advice"] == [] and time["layout"] == "gather_once"
     assert time["step_s"] == pytest.approx(time["compute_s"] + time["exposed_network_s"])
     assert main([*args, "--link-gbit-s", "0"]) != 0
     err = capsys.readouterr().err

@@ -171,7 +171,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     RUN_NETWORK."""
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time import cpu_kind, measured_mfu
+    from cputrain.plan.time import cpu_kind, measured_compute, measured_mfu
 
     nnodes = world_size // max(ranks_per_node, 1)
     if nnodes <= 1:
@@ -184,7 +184,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     memory_bytes = hw.memory_gib * GIB
     figures = figures_here(plans_by_layout(base, ranks_per_node), cfg.train.global_batch_size, ranks_per_node,
                            lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes,
-                           Compute(peak, mfu.row.executed_share_of_peak, mfu.describe()))
+                           measured_compute(peak, mfu, "fsdp"))
     where = f"this node's {hw.memory_gib:.1f} GiB with {ranks_per_node} rank(s) (the plan's pod rule: each × 1.1)"
     how = (f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
            "link rate, so the smallest built-in instance's, outside a placement group")

@@ -138,10 +138,13 @@ class LinkTimer:
             return 0.0
         return self.at_gloo_cpu_rate(c, c.link_bytes(self.world, self.nnodes))
 
-    def in_node_seconds(self, c: Collective, planned_here: bool | None = None) -> float:
-        """A collective that crosses no link: what one rank sends over loopback, at gloo's CPU rate."""
-        planned_here = self.link.gloo_cpu_capped if planned_here is None else planned_here
-        if c.link_bytes(self.world, self.nnodes) or not (planned_here and self.table):
+    def in_node_seconds(self, c: Collective) -> float:
+        """A collective that crosses no link: what one rank sends over loopback, at gloo's CPU rate
+        where one was measured (on the measuring machine × each rank's share of a core there; on
+        an instance at one measured core's rate per rank, which a rank of several cores may beat:
+        counted, not left out, so that no layout leaning on its node's own collectives plans faster
+        than one whose bytes are all counted)."""
+        if c.link_bytes(self.world, self.nnodes) or not self.table:
             return 0.0
         return self.at_gloo_cpu_rate(c, c.rank_bytes(self.world, self.pattern.ranks_per_node))
 
@@ -166,11 +169,12 @@ class LinkTimer:
             said += f", one TCP flow at most {self.link.flow_cap_gbit_s:g} ({self.link.flow_cap_source or 'given'})"
         return said
 
-    def in_node_source(self, in_node_rank_bytes: float) -> str:
-        """Why a node's own collectives are not planned, with what they would take on the measured CPU."""
-        said = (f"{in_node_rank_bytes / 2**30:,.1f} GiB a rank per step in the node's own collectives: not "
-                "planned (gloo's loopback rate on this CPU kind is not measured")
-        at_measured_s = sum(self.in_node_seconds(c, planned_here=True) for c in self.pattern.collectives)
-        if at_measured_s:  # what they would take at the one core per rank the table was measured on: a bound
-            said += f"; at the rate one {self.table.machine.split(',')[0]} core reached, {at_measured_s:,.0f} s"
-        return said + ")"
+    def in_node_source(self, in_node_rank_bytes: float, in_node_s: float) -> str:
+        """Where the node's own collectives' time comes from (or why there is none)."""
+        said = f"{in_node_rank_bytes / 2**30:,.1f} GiB a rank per step in the node's own collectives"
+        if not in_node_s:
+            return said + ": not planned (no measured gloo rate)"
+        if self.link.gloo_cpu_capped:
+            return said + ", gloo over loopback at the CPU rate it was measured at; none hides"
+        return (said + f", gloo over loopback at the rate one {self.table.machine.split(',')[0]} core reached "
+                "(measured on that CPU, not on this node's); none hides")

@@ -86,7 +86,7 @@ def time_lines(tp: TimePlan) -> list[str]:
     lines.append(f"  compute          {_s(s.compute_s)}   {(s.model_flops_per_rank + s.recompute_flops_per_rank) / 1e12:,.1f} "
                  f"TFLOP per rank ({s.recompute_flops_per_rank / 1e12:,.1f} of them recomputed blocks) at "
                  f"{s.peak_flops_per_s / 1e12:,.1f} TFLOP/s peak per rank")
-    lines.append(f"  MFU assumed      {tp.mfu.describe()}")
+    lines.append(f"  MFU assumed      {s.source['mfu']}")
     if s.layout:
         lines.append(f"  layout           parallel.layout={s.layout}, gradients reduced in {s.reduce_dtype}, "
                      f"reduce-scatter {_VIA[s.reduce_scatter]}")
@@ -101,8 +101,7 @@ def time_lines(tp: TimePlan) -> list[str]:
     else:
         lines.append(f"  network          {_s(0)}   ({s.source['link']})")
     if s.in_node_s:
-        lines.append(f"  in the node      {_s(s.in_node_s)}   (gloo over loopback at the CPU rate it was measured at; none "
-                     "hides)")
+        lines.append(f"  in the node      {_s(s.in_node_s)}   ({s.source['in_node']})")
     elif "in_node" in s.source:
         lines.append(f"  in the node      {s.source['in_node']}")
     if s.rollout_s:

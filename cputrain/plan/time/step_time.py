@@ -274,8 +274,8 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
     network_s = sum(timer.seconds(c) for c in pattern.collectives)
     in_node_s = sum(timer.in_node_seconds(c) for c in pattern.collectives)
     in_node_rank_bytes = sum(t.rank_bytes for t in timed if not t.link_bytes)
-    if in_node_rank_bytes and not in_node_s:
-        source["in_node"] = timer.in_node_source(in_node_rank_bytes)
+    if in_node_rank_bytes:
+        source["in_node"] = timer.in_node_source(in_node_rank_bytes, in_node_s)
     exposed = _exposed_s(s, timer, timed, compute_s, block_s)
     hidden = 1 - exposed / network_s if network_s else 1.0
     exposed += in_node_s  # gloo's loopback work on the cores the compute uses: none of it hides
