@@ -102,6 +102,10 @@ def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, gener
     provides) keeps the ranks of a sharded model stepping together until every rank is done."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # each rank holds the whole model: its replica samples alone (DDP's own forward would
+        # broadcast the buffers, a collective every step)
+        model = model.module
     try:
         with torch.no_grad():
             return _sample(model, prompt_ids, settings, generator, any_rank_running)

@@ -205,6 +205,24 @@ def test_a_model_with_activation_checkpointing_in_train_mode_samples_as_without(
     assert model.training
 
 
+def test_a_ddp_wrapped_model_samples_from_its_replica(tmp_path):
+    """DDP's forward broadcasts buffers (a collective) every call: sample() decodes with the replica
+    inside, so ranks need not step together; the wrapper's modes are restored too."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = tiny_llama()
+        expected = sample(model, PROMPTS, SamplingSettings(max_new_tokens=5, temperature=0), _seeded()).completion_ids
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped.train()
+        got = sample(wrapped, PROMPTS, SamplingSettings(max_new_tokens=5, temperature=0), _seeded()).completion_ids
+        assert got == expected
+        assert wrapped.training and model.training
+    finally:
+        dist.destroy_process_group()
+
+
 def test_no_grad_and_timings():
     model = tiny_llama()
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=4, temperature=0), _seeded())
