@@ -50,6 +50,20 @@ def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementa
     assert rollout.new_tokens == 10 * len(PROMPTS)
 
 
+def test_a_sliding_window_model_attends_within_its_window():
+    """A window the rollout's own masks do not know: the model's own masks and attention run, and
+    greedy still equals generate past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                           sliding_window=4, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 8)
+
+
 def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
     """GRPO's generations: the rows of one prompt share its prefill, and each writes its own completion."""
     model = tiny_llama()
