@@ -102,6 +102,10 @@ def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, gener
     provides) keeps the ranks of a sharded model stepping together until every rank is done."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # each rank holds the whole model: its replica samples alone (DDP's own forward would
+        # broadcast the buffers, a collective every step)
+        model = model.module
     try:
         with torch.no_grad():
             return _sample(model, prompt_ids, settings, generator, any_rank_running)
@@ -133,6 +137,11 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout
             _keep_step_until_all_done(model, settings.pad_token_id, any_rank_running)
         return Rollout(completions, stopped, time.perf_counter() - start, 0.0, 0)
     forward = _Forward(model)
+    if getattr(forward.config, "sliding_window", None):
+        # a window the masks built here do not know: the model builds its own from the 2D mask, and
+        # attends with its own attention
+        return _prefill_and_decode(model, forward, "2d", prompt_ids, settings, generator, any_rank_running, start,
+                                   completions, stopped)
     with decode_attention(forward.config) as ours:
         kind = "rollout" if ours else getattr(forward.config, "_attn_implementation", None)
         return _prefill_and_decode(model, forward, kind, prompt_ids, settings, generator, any_rank_running, start,

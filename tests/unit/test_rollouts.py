@@ -50,6 +50,20 @@ def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementa
     assert rollout.new_tokens == 10 * len(PROMPTS)
 
 
+def test_a_sliding_window_model_attends_within_its_window():
+    """A window the rollout's own masks do not know: the model's own masks and attention run, and
+    greedy still equals generate past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                           sliding_window=4, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 8)
+
+
 def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
     """GRPO's generations: the rows of one prompt share its prefill, and each writes its own completion."""
     model = tiny_llama()
@@ -203,6 +217,24 @@ def test_a_model_with_activation_checkpointing_in_train_mode_samples_as_without(
     model.train()
     assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids == plain
     assert model.training
+
+
+def test_a_ddp_wrapped_model_samples_from_its_replica(tmp_path):
+    """DDP's forward broadcasts buffers (a collective) every call: sample() decodes with the replica
+    inside, so ranks need not step together; the wrapper's modes are restored too."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = tiny_llama()
+        expected = sample(model, PROMPTS, SamplingSettings(max_new_tokens=5, temperature=0), _seeded()).completion_ids
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped.train()
+        got = sample(wrapped, PROMPTS, SamplingSettings(max_new_tokens=5, temperature=0), _seeded()).completion_ids
+        assert got == expected
+        assert wrapped.training and model.training
+    finally:
+        dist.destroy_process_group()
 
 
 def test_no_grad_and_timings():
