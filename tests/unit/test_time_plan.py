@@ -303,3 +303,21 @@ def test_fsdp_gathers_issued_a_block_ahead_hide_the_measured_share():
         assert off.exposed_network_s == pytest.approx(off.network_s)
         assert on.exposed_network_s == pytest.approx(on.network_s - hidden)
         assert on.step_s < off.step_s
+
+
+def test_a_sharded_rank_computes_at_the_measured_mfu_divided_by_its_factor():
+    """measured_compute: the MFU measured on single-strategy runs, divided for fsdp and zero3 by what
+    sharding costs a rank (cputrain.plan.time.sharded_compute), its source said; unchanged elsewhere."""
+    from cputrain.plan.time import measured_compute, measured_mfu, sharded_factor
+
+    choice = measured_mfu("bf16", "amx", lora=False)
+    share = choice.row.executed_share_of_peak
+    for strategy in ("single", "ddp"):
+        plain = measured_compute(1e12, choice, strategy)
+        assert sharded_factor(strategy) is None and plain.mfu == share and plain.source == choice.describe()
+    for strategy in ("fsdp", "zero3"):
+        factor = sharded_factor(strategy)
+        sharded = measured_compute(1e12, choice, strategy)
+        assert factor.factor > 1 and sharded.mfu == pytest.approx(share / factor.factor)
+        assert sharded.peak_flops_per_s == 1e12 and f"÷ {factor.factor:.2f} for a {strategy} rank" in sharded.source
+        assert "measured" in factor.source
