@@ -10,6 +10,7 @@ is the step guard's (training.step_guard), the profiled step the profiling's
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -398,8 +399,6 @@ class Trainer:
         samples = self.objective.samples()
         if not samples or not self.ranks.is_main or self.step % self.cfg.train.log_every:
             return
-        import json
-
         with self.run.fs.open(self.run.path("completions.jsonl"), "a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": self.step, **sample}, ensure_ascii=False, default=str) + "\n")
