@@ -10,7 +10,6 @@ is the step guard's (training.step_guard), the profiled step the profiling's
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -28,6 +27,7 @@ from cputrain.errors import ConfigError, Stopped
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
+from cputrain.metrics.completions import append_samples
 from cputrain.metrics.ending import ending_summary, write_ended
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
@@ -375,7 +375,11 @@ class Trainer:
                 if self._validation_due() and not outcome.stop_signal:
                     row = metrics.with_validation(row, self.step, *self.evaluate())
                 metrics.publish(row)
-                self._keep_samples()
+                # every rank takes the step's records from the objective, which holds the last step's
+                # alone; rank 0 keeps those of the steps metrics.jsonl logs
+                samples = self.objective.samples()
+                if self.ranks.is_main and self.step % self.cfg.train.log_every == 0:
+                    append_samples(self.run, self.step, samples)
                 profiling.step()
                 self.guard.judge(self.step, outcome)  # after the row: the step that stops the run is on record
                 saved = False
@@ -392,16 +396,6 @@ class Trainer:
         finally:
             self.stop_request.uninstall()
         return self._finish()
-
-    def _keep_samples(self) -> None:
-        """Rank 0 appends the objective's records of the step (online RL: completions with their
-        rewards) to completions.jsonl, on the steps metrics.jsonl logs."""
-        samples = self.objective.samples()
-        if not samples or not self.ranks.is_main or self.step % self.cfg.train.log_every:
-            return
-        with self.run.fs.open(self.run.path("completions.jsonl"), "a") as f:
-            for sample in samples:
-                f.write(json.dumps({"step": self.step, **sample}, ensure_ascii=False, default=str) + "\n")
 
     def _save_unless_in_a_bad_streak(self) -> bool:
         """Save the step, unless it is inside a streak of bad steps: its weights are then not known
