@@ -1,9 +1,10 @@
-"""The training run: setup() in build order, train_step(), evaluate(), fit().
+"""The training run: setup() in build order, train_step(), fit().
 
 One Trainer runs in every rank, on a config that is already decided and read-only. It never
 branches on the strategy (every one comes through the protocol in cputrain.parallel.base) nor on
 the kind of fine-tuning (full or LoRA come through the model converter, cputrain.model.converter).
-The run's figures are RunMetrics'; when to save is the checkpoint object's; what a bad step does
+The run's figures are RunMetrics'; the validation loss the objective's loop over ranks
+(objectives.validation_loss); when to save is the checkpoint object's; what a bad step does
 is the step guard's (training.step_guard), the profiled step the profiling's
 (training.step_profiling), and summary.json at the end the ending's (metrics.ending).
 """
@@ -14,7 +15,6 @@ import logging
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from cputrain import model as models
@@ -34,6 +34,7 @@ from cputrain.metrics.run_metrics import RunMetrics
 from cputrain.metrics.step_profile import OPTIMIZER_REGION
 from cputrain.metrics.summary import read_summary, write_summary
 from cputrain.objectives.objective import objective_class, objective_for
+from cputrain.objectives.validation_loss import validation_over_ranks
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.run_folder.checkpoints import Checkpoints
@@ -320,23 +321,6 @@ class Trainer:
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
                            weights_finite, figures, items if objective.names and objective.logs_item_rate else None)
 
-    def evaluate(self) -> tuple[float, dict]:
-        """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
-        micro-batch rows, split across ranks; and the objective's figures there (eval_rewards/…)."""
-        if len(self.val_rows) == 0:
-            return float("nan"), {}
-        self.model.eval()
-        mbs, world, rank = self.cfg.train.micro_batch_size, self.ranks.world_size, self.ranks.rank
-        n = min(len(self.val_rows), self.cfg.train.eval_batches * mbs * world)
-        n -= n % world  # every rank runs the same number of forwards (collectives must match)
-        if n == 0:
-            n = len(self.val_rows)
-        per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
-        sums, items = self.objective.summed(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
-        *sums, items = pg.all_reduce_sum([*sums.tolist(), items])
-        figures = {f"eval_{name}": v for name, v in self.objective.figures(sums[1:], items).items()}
-        return sums[0] / max(items, 1), figures
-
     # ------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary.
@@ -373,7 +357,9 @@ class Trainer:
                                      self.order.epoch_of(self.step), outcome.trained, outcome.tokens,
                                      outcome.figures, outcome.pairs)
                 if self._validation_due() and not outcome.stop_signal:
-                    row = metrics.with_validation(row, self.step, *self.evaluate())
+                    val_loss, figures = validation_over_ranks(self.objective, self.model, self.val_rows,
+                                                              self.cfg.train, self.ranks, self.strategy.autocast)
+                    row = metrics.with_validation(row, self.step, val_loss, figures)
                 metrics.publish(row)
                 # every rank takes the step's records from the objective, which holds the last step's
                 # alone; rank 0 keeps those of the steps metrics.jsonl logs
