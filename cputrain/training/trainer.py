@@ -232,8 +232,10 @@ class Trainer:
         """6. The newest complete checkpoint loaded, if any; the run's metrics opened at its step;
         rank 0 records the run's config (and LoRA what the adapters are trained on)."""
         cfg, ranks = self.cfg, self.ranks
-        self.checkpoints = Checkpoints(self.run, cfg, ranks)
-        resumed = self.checkpoints.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
+        # what every save writes and a resume loads: the strategy's state of the model and optimizer
+        state = self.strategy.checkpoint_state(self.model, self.optimizer)
+        self.checkpoints = Checkpoints(self.run, cfg, ranks, state, self.strategy.meter)
+        resumed = self.checkpoints.load_latest(self.schedule)
         if resumed is not None:
             self.step = resumed
             if self.checkpoints.objective_state:  # online RL: where its sampling generator stood
@@ -391,8 +393,7 @@ class Trainer:
                 log.warning("step %d: checkpoint not written: %d bad step(s) in a row; the newest checkpoint is kept",
                             self.step, self.guard.bad_steps_in_row)
             return False
-        self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule,
-                              self.objective.state_dict())
+        self.checkpoints.save(self.step, self.schedule, self.objective.state_dict())
         self.metrics.exclude_pause()
         return True
 
@@ -417,7 +418,7 @@ class Trainer:
         self.checkpoints.confirm()
         summary = ending_summary(self.metrics, self.step, self.guard.skipped_steps, "finished", 0, None)
         self.phases.write(self.run, self.ranks)
-        self.checkpoints.export(self.strategy, self._write_model)
+        self.checkpoints.export(self._write_model)
         self.exported = True
         if self.ranks.is_main:
             write_summary(self.run, summary)
