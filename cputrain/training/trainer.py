@@ -64,7 +64,7 @@ class Trainer:
         self.exported = False  # model/ written by this session (the worker then plots and samples)
         # Built by setup(), by its numbered parts:
         self.converter = self.objective = None  # 0. full fine-tuning or LoRA; lm, dpo, simpo, kto or reward
-        self.lock: RunLock | None = None  # 1. rank 0's, until release_lock()
+        self.lock: RunLock | None = None  # 1. rank 0's, until close()
         self.tokenizer = self.data = None  # 2. and the data the run's kind prepared (data.prepare: rows, describe())
         self.train_rows = self.val_rows = None  # 2. what batches are cut from (every kind's rows: data.rows.Rows)
         self.order: order.BatchOrder | None = None  # 2. which rows each rank takes at each step
@@ -434,15 +434,16 @@ class Trainer:
         rows = self.val_rows if self.val_rows is not None and len(self.val_rows) else self.train_rows
         return rows.prompt_ids(0)
 
-    def release_lock(self) -> None:
-        if self.metrics is not None:  # flushes the sinks' files, also on an error exit
+    def close(self) -> None:
+        """The end of this rank's run, however it ended (finished, or an error on its way out): the
+        sinks' files flushed and rank 0's lock let go, so the next run need not wait for it to go
+        stale; then the model, optimizer and strategy, which hold the process group, let go of
+        before the group is destroyed."""
+        if self.metrics is not None:
             self.metrics.close_sinks()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-    def close(self) -> None:
-        """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""
         if self.strategy is not None:
             self.strategy.close()
         self.model = self.optimizer = self.schedule = self.checkpoints = self.strategy = None
