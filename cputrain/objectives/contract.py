@@ -129,7 +129,7 @@ class Objective(ABC):
 
     def samples(self) -> list[dict]:
         """Records of the last step the run folder keeps (online RL: completions with their rewards,
-        completions.jsonl); none by default."""
+        completions.jsonl, metrics.completions); none by default."""
         return []
 
     def state_dict(self) -> dict:

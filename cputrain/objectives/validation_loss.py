@@ -1,7 +1,7 @@
 """Validation loss: one loop over rows of packed text or examples, for the trainer's evaluation
-(each rank its share, then summed over ranks) and for `cputrain eval` on a finished model; and
-the loop of the objectives with figures (DPO, SimPO, KTO, the reward model), their losses' and
-figures' sums over micro-batches (`summed_figures`).
+(`validation_over_ranks`: each rank its share of any objective's rows, then summed over ranks)
+and for `cputrain eval` on a finished model; and the loop of the objectives with figures (DPO,
+SimPO, KTO, the reward model), their losses' and figures' sums over micro-batches (`summed_figures`).
 
 The loss is per trained target: the sum of the losses of every target that carries a label ÷
 their number. Packed text has seq_len - 1 targets in every row, so this is also the mean of the
@@ -16,6 +16,9 @@ import math
 import numpy as np
 import torch
 
+from cputrain.config import TrainConfig
+from cputrain.distributed import process_group as pg
+from cputrain.distributed.env import RankEnv
 from cputrain.errors import DataError
 
 
@@ -61,3 +64,22 @@ def summed_figures(losses_of, batches: list, autocast, items_of, figures: int) -
         total += np.concatenate([[float(losses.losses.sum())], losses.stat_sums().double().numpy()])
         items += items_of(batch)
     return total, items
+
+
+def validation_over_ranks(objective, model, rows, train: TrainConfig, ranks: RankEnv, autocast) -> tuple[float, dict]:
+    """The trainer's validation: the mean loss per item of `objective` (trained target, or pair)
+    over the first train.eval_batches × micro-batch rows of every rank, split across ranks, and
+    the objective's figures there (eval_rewards/…); the same on every rank."""
+    if len(rows) == 0:
+        return float("nan"), {}
+    model.eval()
+    mbs, world, rank = train.micro_batch_size, ranks.world_size, ranks.rank
+    n = min(len(rows), train.eval_batches * mbs * world)
+    n -= n % world  # every rank runs the same number of forwards (collectives must match)
+    if n == 0:
+        n = len(rows)
+    per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
+    sums, items = objective.summed(model, rows, per_rank, mbs, autocast)
+    *sums, items = pg.all_reduce_sum([*sums.tolist(), items])
+    figures = {f"eval_{name}": v for name, v in objective.figures(sums[1:], items).items()}
+    return sums[0] / max(items, 1), figures

@@ -1,6 +1,7 @@
 """The one owner of checkpoints/ and model/: save a step folder, load the newest complete one,
 keep the last k, export a plain Hugging Face model. Strategies hand it their state
-(Strategy.checkpoint_state, Strategy.full_state_dict) and write no files themselves.
+(Strategy.checkpoint_state, once, when it is made; Strategy.full_state_dict through the export's
+writer) and write no files themselves.
 
     checkpoints/step-N/  state/ (DCP: model + optimizer, trained parameters only, so a LoRA
                          checkpoint is its adapters; zero3: DeepSpeed's), rng/rank-K.pt,
@@ -22,9 +23,11 @@ from collections.abc import Callable
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from cputrain.run_folder.dcp_state import CheckpointState
 from cputrain.run_folder.layout import RunFolder
 from cputrain.config import Config
 from cputrain.distributed import process_group as pg
+from cputrain.distributed.comm import CommMeter
 from cputrain.distributed.env import RankEnv
 from cputrain.errors import RunFolderError
 
@@ -38,8 +41,12 @@ class Checkpoints:
     (confirm()). A run that diverges right after a save sets that save aside as step-N.diverged
     (set_aside_diverged()), and the re-run resumes from the healthy one."""
 
-    def __init__(self, run: RunFolder, cfg: Config, ranks: RankEnv):
+    def __init__(self, run: RunFolder, cfg: Config, ranks: RankEnv, state: CheckpointState, meter: CommMeter):
+        """`state`: the strategy's model and optimizer state (Strategy.checkpoint_state), which every
+        save writes and a resume loads; `meter`: the strategy's communication meter, which leaves
+        the traffic of saves and the export out of the training step's."""
         self.run, self.cfg, self.ranks = run, cfg, ranks
+        self.state, self.meter = state, meter
         self.last_save_s = time.monotonic()  # the session's start counts as a save for checkpoint_every_s
         self.healthy_step: int | None = None  # the newest checkpoint known to hold healthy weights
         self.unconfirmed: list[int] = []  # saved in this session, not yet followed by a healthy step
@@ -56,7 +63,7 @@ class Checkpoints:
         stops early (train.stop_at_step), so the next one resumes there."""
         return step % self.cfg.train.checkpoint_every == 0 or step in (total_steps, stop_at)
 
-    def save(self, step: int, strategy, model, optimizer, schedule, objective_state: dict | None = None) -> None:
+    def save(self, step: int, schedule, objective_state: dict | None = None) -> None:
         """`objective_state`: what the objective keeps for an exact resume (online RL: its sampling
         generator), saved per rank beside the RNG states and read back into `objective_state`."""
         tmp = self.run.step_path(step, tmp=True)
@@ -64,7 +71,7 @@ class Checkpoints:
             self.run.fs.rm(tmp, recursive=True)  # left by a save that was killed
         pg.barrier()
         try:
-            self._write(step, tmp, strategy, model, optimizer, schedule, objective_state or {})
+            self._write(step, tmp, schedule, objective_state or {})
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             # A full disk shows as ENOSPC, or only as a short write deep in a writer ("unexpected
             # pos" from torch.save's zip stream): the free space left says which it was.
@@ -90,12 +97,12 @@ class Checkpoints:
             f"({'' if free is None else f'{free / 2**20:,.1f} MiB free; '}{room}); the partial {tmp.rsplit('/', 1)[-1]} was "
             f"removed and {kept}. Free space there (or lower train.keep_last, or move output_dir), then re-run to resume")
 
-    def _write(self, step: int, tmp: str, strategy, model, optimizer, schedule, objective_state: dict) -> None:
+    def _write(self, step: int, tmp: str, schedule, objective_state: dict) -> None:
         with warnings.catch_warnings():
             # DCP notes that it runs without a process group; for one rank that is the intent.
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            with strategy.meter.suspended():  # checkpoint traffic is not training-step traffic
-                strategy.checkpoint_state(model, optimizer).save(self.run.url_of(f"{tmp}/state"))
+            with self.meter.suspended():  # checkpoint traffic is not training-step traffic
+                self.state.save(self.run.url_of(f"{tmp}/state"))
         rng = {"torch": torch.get_rng_state(), "python": list(_flatten(random.getstate()))}
         if objective_state:
             rng["objective"] = objective_state
@@ -167,7 +174,7 @@ class Checkpoints:
             raise RunFolderError(error)
         return found
 
-    def load_latest(self, strategy, model, optimizer, schedule) -> int | None:
+    def load_latest(self, schedule) -> int | None:
         step = self.newest_intact()
         if step is None:
             return None
@@ -176,7 +183,7 @@ class Checkpoints:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                strategy.checkpoint_state(model, optimizer).load(self.run.url_of(f"{folder}/state"))
+                self.state.load(self.run.url_of(f"{folder}/state"))
         except (Exception, CheckpointException) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RunFolderError(
@@ -206,7 +213,7 @@ class Checkpoints:
             log.info("train.lr is %g (the checkpoint's schedule peaked at %g): the schedule continues at step %d "
                      "with peak %g; the next step runs at %.3g", lr, before, step, lr, schedule.get_last_lr()[0])
 
-    def export(self, strategy, write_model: Callable[[str, bool], None]) -> None:
+    def export(self, write_model: Callable[[str, bool], None]) -> None:
         """model/: `write_model(folder, is_writer)` writes it (the model converter's export: a
         plain Hugging Face model, or LoRA's adapter folder), here or staged and uploaded."""
         local = self.run.local_path()
@@ -216,7 +223,7 @@ class Checkpoints:
 
             staging = tempfile.mkdtemp(prefix="cputrain-export-")
             target = f"{staging}/model"
-        with strategy.meter.suspended():  # the gathers of the export are not training-step traffic
+        with self.meter.suspended():  # the gathers of the export are not training-step traffic
             write_model(target, self.ranks.is_main)
         if self.ranks.is_main and local is None:
             self.run.fs.put(target, self.run.path("model"), recursive=True)

@@ -1,21 +1,20 @@
-"""The training run: setup() in build order, train_step(), evaluate(), fit().
+"""The training run: setup() in build order, train_step(), fit().
 
 One Trainer runs in every rank, on a config that is already decided and read-only. It never
 branches on the strategy (every one comes through the protocol in cputrain.parallel.base) nor on
 the kind of fine-tuning (full or LoRA come through the model converter, cputrain.model.converter).
-The run's figures are RunMetrics'; when to save is the checkpoint object's; what a bad step does
+The run's figures are RunMetrics'; the validation loss the objective's loop over ranks
+(objectives.validation_loss); when to save is the checkpoint object's; what a bad step does
 is the step guard's (training.step_guard), the profiled step the profiling's
 (training.step_profiling), and summary.json at the end the ending's (metrics.ending).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from cputrain import model as models
@@ -28,12 +27,14 @@ from cputrain.errors import ConfigError, Stopped
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
+from cputrain.metrics.completions import append_samples
 from cputrain.metrics.ending import ending_summary, write_ended
 from cputrain.metrics.phases import PhaseRecorder
 from cputrain.metrics.run_metrics import RunMetrics
 from cputrain.metrics.step_profile import OPTIMIZER_REGION
 from cputrain.metrics.summary import read_summary, write_summary
 from cputrain.objectives.objective import objective_class, objective_for
+from cputrain.objectives.validation_loss import validation_over_ranks
 from cputrain.parallel import get_strategy
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.run_folder.checkpoints import Checkpoints
@@ -63,7 +64,7 @@ class Trainer:
         self.exported = False  # model/ written by this session (the worker then plots and samples)
         # Built by setup(), by its numbered parts:
         self.converter = self.objective = None  # 0. full fine-tuning or LoRA; lm, dpo, simpo, kto or reward
-        self.lock: RunLock | None = None  # 1. rank 0's, until release_lock()
+        self.lock: RunLock | None = None  # 1. rank 0's, until close()
         self.tokenizer = self.data = None  # 2. and the data the run's kind prepared (data.prepare: rows, describe())
         self.train_rows = self.val_rows = None  # 2. what batches are cut from (every kind's rows: data.rows.Rows)
         self.order: order.BatchOrder | None = None  # 2. which rows each rank takes at each step
@@ -231,8 +232,10 @@ class Trainer:
         """6. The newest complete checkpoint loaded, if any; the run's metrics opened at its step;
         rank 0 records the run's config (and LoRA what the adapters are trained on)."""
         cfg, ranks = self.cfg, self.ranks
-        self.checkpoints = Checkpoints(self.run, cfg, ranks)
-        resumed = self.checkpoints.load_latest(self.strategy, self.model, self.optimizer, self.schedule)
+        # what every save writes and a resume loads: the strategy's state of the model and optimizer
+        state = self.strategy.checkpoint_state(self.model, self.optimizer)
+        self.checkpoints = Checkpoints(self.run, cfg, ranks, state, self.strategy.meter)
+        resumed = self.checkpoints.load_latest(self.schedule)
         if resumed is not None:
             self.step = resumed
             if self.checkpoints.objective_state:  # online RL: where its sampling generator stood
@@ -320,23 +323,6 @@ class Trainer:
                            (self.stop_request.signal_name or "SIGTERM") if stops else None, save_due > 0,
                            weights_finite, figures, items if objective.names and objective.logs_item_rate else None)
 
-    def evaluate(self) -> tuple[float, dict]:
-        """Mean validation loss per item (trained target, or pair) over the first eval_batches ×
-        micro-batch rows, split across ranks; and the objective's figures there (eval_rewards/…)."""
-        if len(self.val_rows) == 0:
-            return float("nan"), {}
-        self.model.eval()
-        mbs, world, rank = self.cfg.train.micro_batch_size, self.ranks.world_size, self.ranks.rank
-        n = min(len(self.val_rows), self.cfg.train.eval_batches * mbs * world)
-        n -= n % world  # every rank runs the same number of forwards (collectives must match)
-        if n == 0:
-            n = len(self.val_rows)
-        per_rank = np.array_split(np.arange(n), world)[rank] if n >= world else np.arange(n)
-        sums, items = self.objective.summed(self.model, self.val_rows, per_rank, mbs, self.strategy.autocast)
-        *sums, items = pg.all_reduce_sum([*sums.tolist(), items])
-        figures = {f"eval_{name}": v for name, v in self.objective.figures(sums[1:], items).items()}
-        return sums[0] / max(items, 1), figures
-
     # ------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Step; let the metrics and the checkpoints act; evaluate when due. Returns the summary.
@@ -373,9 +359,15 @@ class Trainer:
                                      self.order.epoch_of(self.step), outcome.trained, outcome.tokens,
                                      outcome.figures, outcome.pairs)
                 if self._validation_due() and not outcome.stop_signal:
-                    row = metrics.with_validation(row, self.step, *self.evaluate())
+                    val_loss, figures = validation_over_ranks(self.objective, self.model, self.val_rows,
+                                                              self.cfg.train, self.ranks, self.strategy.autocast)
+                    row = metrics.with_validation(row, self.step, val_loss, figures)
                 metrics.publish(row)
-                self._keep_samples()
+                # every rank takes the step's records from the objective, which holds the last step's
+                # alone; rank 0 keeps those of the steps metrics.jsonl logs
+                samples = self.objective.samples()
+                if self.ranks.is_main and self.step % self.cfg.train.log_every == 0:
+                    append_samples(self.run, self.step, samples)
                 profiling.step()
                 self.guard.judge(self.step, outcome)  # after the row: the step that stops the run is on record
                 saved = False
@@ -393,16 +385,6 @@ class Trainer:
             self.stop_request.uninstall()
         return self._finish()
 
-    def _keep_samples(self) -> None:
-        """Rank 0 appends the objective's records of the step (online RL: completions with their
-        rewards) to completions.jsonl, on the steps metrics.jsonl logs."""
-        samples = self.objective.samples()
-        if not samples or not self.ranks.is_main or self.step % self.cfg.train.log_every:
-            return
-        with self.run.fs.open(self.run.path("completions.jsonl"), "a") as f:
-            for sample in samples:
-                f.write(json.dumps({"step": self.step, **sample}, ensure_ascii=False, default=str) + "\n")
-
     def _save_unless_in_a_bad_streak(self) -> bool:
         """Save the step, unless it is inside a streak of bad steps: its weights are then not known
         to be healthy, and a save would rotate out a checkpoint that is."""
@@ -411,8 +393,7 @@ class Trainer:
                 log.warning("step %d: checkpoint not written: %d bad step(s) in a row; the newest checkpoint is kept",
                             self.step, self.guard.bad_steps_in_row)
             return False
-        self.checkpoints.save(self.step, self.strategy, self.model, self.optimizer, self.schedule,
-                              self.objective.state_dict())
+        self.checkpoints.save(self.step, self.schedule, self.objective.state_dict())
         self.metrics.exclude_pause()
         return True
 
@@ -437,7 +418,7 @@ class Trainer:
         self.checkpoints.confirm()
         summary = ending_summary(self.metrics, self.step, self.guard.skipped_steps, "finished", 0, None)
         self.phases.write(self.run, self.ranks)
-        self.checkpoints.export(self.strategy, self._write_model)
+        self.checkpoints.export(self._write_model)
         self.exported = True
         if self.ranks.is_main:
             write_summary(self.run, summary)
@@ -453,15 +434,16 @@ class Trainer:
         rows = self.val_rows if self.val_rows is not None and len(self.val_rows) else self.train_rows
         return rows.prompt_ids(0)
 
-    def release_lock(self) -> None:
-        if self.metrics is not None:  # flushes the sinks' files, also on an error exit
+    def close(self) -> None:
+        """The end of this rank's run, however it ended (finished, or an error on its way out): the
+        sinks' files flushed and rank 0's lock let go, so the next run need not wait for it to go
+        stale; then the model, optimizer and strategy, which hold the process group, let go of
+        before the group is destroyed."""
+        if self.metrics is not None:
             self.metrics.close_sinks()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-    def close(self) -> None:
-        """Let go of the model, optimizer and strategy (they hold the process group) before it is destroyed."""
         if self.strategy is not None:
             self.strategy.close()
         self.model = self.optimizer = self.schedule = self.checkpoints = self.strategy = None

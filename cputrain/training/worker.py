@@ -80,14 +80,13 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
         if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
             after_export(res.config, trainer.held_out_prompt(), sample=trainer.objective.head == LM_HEAD)
     finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
-        trainer.release_lock()
+        trainer.close()
     if ranks.is_main and summary:
         for line in summary_table(summary):
             log.info(line)
         log.info("run folder: %s", cfg.output_dir)
-    # The wrapped model holds the process group: release it, then the group, so no collective
-    # thread is left for interpreter teardown (see distributed.process_group.destroy).
-    trainer.close()
+    # The wrapped model held the process group, and the trainer has let go of it: the group goes
+    # now, so no collective thread is left for interpreter teardown (see distributed.process_group.destroy).
     del trainer
     pg.destroy()
     held = pg.collective_threads()
