@@ -17,6 +17,7 @@ is refused (check_reference).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -140,11 +141,27 @@ class OnlineRlObjective(Objective):
         self.pad_id = rows[0].pad_id
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to sample the same completions: the generator's state."""
-        return {"generator": self.generator.get_state()}
+        """What a resumed run needs to sample the same completions (the generator's state) and,
+        stopped inside a cycle of num_iterations > 1, to train the cycle's remaining steps on the
+        same rollouts: the kept micro-batches' tensors (token ids, masks, advantages, the sampling
+        policy's log-probabilities; the reference's, where rl_beta > 0), the steps taken on them
+        and the figures those steps log. They are kept, not re-derived: the policy that sampled
+        them is gone once a step has trained, and a copy of it would cost more than its rollouts
+        (a few numbers a completion token)."""
+        state = {"generator": self.generator.get_state()}
+        if self.kept is not None and self.iteration < self.cfg.num_iterations:
+            state["kept"] = [{f.name: getattr(b, f.name) for f in dataclasses.fields(b)
+                              if getattr(b, f.name) is not None} for b in self.kept]
+            state["iteration"] = self.iteration
+            state["rollout_figures"] = dict(self.rollout_figures)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
+        if "kept" in state:  # stopped inside a cycle: its remaining steps train on these rollouts
+            self.kept = [RolloutBatch(**fields) for fields in state["kept"]]
+            self.iteration = int(state["iteration"])
+            self.rollout_figures = dict(state["rollout_figures"])
 
     def step_batches(self, model, rows, indices: list, micro_batch: int, autocast) -> list:
         """This rank's prompts of the step (`indices`, rows of prompts) sampled, scored and cut into

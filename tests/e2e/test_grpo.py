@@ -1,7 +1,8 @@
 """Online RL through the CLI on a tiny model: a LoRA GRPO run with the KL to the reference (the
 adapters off) and two weighted rewards logs TRL's figures and the rollout's speed, keeps sample
-completions with their rewards in completions.jsonl, and a run stopped at step 2 and resumed
-equals a straight one (the sampling generator's state is in the checkpoint); RLOO with full
+completions with their rewards in completions.jsonl, and a run stopped at step 1, inside a cycle of
+num_iterations μ = 2, and resumed equals a straight one (the sampling generator's state and the
+cycle's kept rollouts are in the checkpoint); RLOO with full
 weights trains; bad input is refused in one line before any work (in-process), a prompt that
 leaves no room to sample before the model is built."""
 
@@ -21,7 +22,7 @@ RL = {"data.format": "auto", "data.seq_len": 64, "data.val_fraction": 0.1, "data
       "train.num_generations": 4, "train.max_completion_length": 12, "train.global_batch_size": 16,
       "train.micro_batch_size": 8, "train.max_steps": 4, "train.eval_every": 2, "train.checkpoint_every": 2,
       "model.lora.enabled": "true", "model.lora.rank": 4, "train.rl_beta": 0.04, "train.lr": 1e-2,
-      "train.warmup_steps": 0}
+      "train.warmup_steps": 0, "train.num_iterations": 2}
 TRL_KEYS = ("reward", "reward_std", "rewards/exact_answer/mean", "rewards/regex:^ [a-z]/mean",
             "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "kl",
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "rollout/tokens_per_s")
@@ -64,13 +65,16 @@ def test_a_grpo_run_logs_trls_figures_and_keeps_completions(straight):
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # the policy starts as its reference
     assert "eval_reward" in rows[1] and rows[1]["val_loss"] == -rows[1]["eval_reward"]
     kept = [json.loads(line) for line in (straight / "completions.jsonl").read_text().splitlines()]
-    assert {k["step"] for k in kept} == {1, 2, 3, 4} and len(kept) == 16  # one group of 4 a step
+    # one group of 4 a sampled step: μ = 2 samples at steps 1 and 3 and trains 2 and 4 on those rollouts again
+    assert {k["step"] for k in kept} == {1, 3} and len(kept) == 8
     assert {"prompt", "completion", "rewards/exact_answer", "rewards/regex:^ [a-z]", "advantage"} <= set(kept[0])
 
 
 def test_a_stopped_grpo_run_resumes_to_the_same_figures(straight, tmp_path, cache_dir, base):
+    """Stopped after step 1, inside a cycle of μ = 2: step 2 trains on step 1's kept rollouts, step 3
+    samples from the kept generator state."""
     out = tmp_path / "resumed"
-    run_cli("train", *_args(out, cache_dir, base, **{"train.stop_at_step": 2}), check=True)
+    run_cli("train", *_args(out, cache_dir, base, **{"train.stop_at_step": 1}), check=True)
     proc = run_cli("train", *_args(out, cache_dir, base), check=True)
     assert "resumed from" in proc.stderr
     ours = [(r["step"], r["loss"], r["grad_norm"], r["reward"]) for r in metrics_rows(out)]

@@ -160,7 +160,10 @@ def test_a_reward_model_takes_trls_margin_column_by_its_name(tmp_path, tiny_mode
     from cputrain.training.objective_data_keys import objective_sets_data_keys
 
     data = _margin_pairs(tmp_path / "pairs.jsonl")
-    args = ["train.objective=reward", f"model.name_or_path={tiny_model_dir}", f"data.source={data}"]
+    # an output_dir of its own: the default, runs/default, is `make demo`'s, whose checkpoints (trained
+    # without a margin) would make the run resume without one
+    args = ["train.objective=reward", f"model.name_or_path={tiny_model_dir}", f"data.source={data}",
+            f"output_dir={tmp_path / 'run'}"]
     with caplog.at_level("INFO", logger="cputrain"):
         assert objective_sets_data_keys(load_config(None, args)).data.margin_field == "margin"
     assert "auto: data.margin_field = margin (the records have TRL's 'margin' column" in caplog.text
