@@ -19,6 +19,7 @@ from harness.repo import REPO
 from harness.run_cli import run_cli
 from harness.start_cli import start_cli
 from harness.tiny_run import tiny_overrides
+from harness.warm_client import warm
 from dist_helpers import assert_no_survivors, free_port, processes_mentioning
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,9 @@ def _start_under_outside_torchrun(out, cache_dir):
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
             "-m", "cputrain", "train", *tiny_overrides(out, cache_dir, **LONG)]
-    env = cli_env()
+    # its ranks (and those of each restart) forked by the warm rank server through PYTHON_EXEC, as the
+    # ranks of cputrain's own agent are: a rank's stand-in killed takes its rank with it
+    env = cli_env(**warm().ranks.exec_env())
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

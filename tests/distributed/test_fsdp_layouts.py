@@ -21,6 +21,7 @@ from harness.cli_env import cli_env
 from harness.repo import REPO
 from harness.run_cli import run_cli
 from harness.tiny_run import tiny_overrides
+from harness.warm_client import warm
 from dist_helpers import assert_no_survivors, free_port
 
 pytestmark = pytest.mark.slow
@@ -64,12 +65,15 @@ def test_gather_once_on_two_ranks_equals_one_rank(one_rank, tmp_path, cache_dir)
 def two_nodes(out, cache_dir, layout: str) -> list[str]:
     """Two agents on loopback, each a node of 2 ranks; the stderr of each."""
     endpoint = f"127.0.0.1:{free_port()}"
+    # Two agents at once: each a fresh interpreter (the warm server forks one command at a time),
+    # their 4 ranks forked by the warm rank server, as run_cli's agents' are.
+    env = cli_env(**warm().ranks.exec_env())
     procs = [subprocess.Popen(
         [sys.executable, "-m", "cputrain", "train",
          *tiny_overrides(out, cache_dir, **SETTINGS, **{"parallel.strategy": "fsdp", "parallel.layout": layout,
                                                          "launch.rdzv_timeout_s": 60}),
          "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2", "--rdzv-endpoint", endpoint],
-        cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
     try:
         errs = [p.communicate(timeout=240)[1] for p in procs]
     finally:

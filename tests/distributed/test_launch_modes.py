@@ -26,6 +26,7 @@ from harness.cli_env import cli_env
 from harness.repo import REPO
 from harness.run_cli import run_cli
 from harness.tiny_run import tiny_overrides
+from harness.warm_client import warm
 from dist_helpers import HOST_ADDRS, HOST_LINK, assert_no_survivors, free_port, losses, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -65,8 +66,9 @@ def reference(tmp_path_factory, trained_run):
 def test_pet_variables_start_the_agent(reference, tmp_path, cache_dir):
     """(b'): Kubeflow Trainer's PET_* variables and a plain `cputrain train`, no launch flags."""
     out = tmp_path / "pet"
+    # the agent is a fresh interpreter (an environment of its own); its 2 ranks are forked by the warm rank server
     env = cli_env(PET_NNODES=1, PET_NPROC_PER_NODE=2, PET_NODE_RANK=0, PET_MASTER_ADDR="127.0.0.1",
-                  PET_MASTER_PORT=free_port())
+                  PET_MASTER_PORT=free_port(), **warm().ranks.exec_env())
     proc = run_cli("train", *tiny_overrides(out, cache_dir, **COMMON), env=env, check=True)
     assert "2 rank(s) started by torchrun" in proc.stderr
     summary = _assert_same_training(out, reference)
@@ -80,7 +82,9 @@ def test_outside_torchrun(reference, tmp_path, cache_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "cputrain", "train", *tiny_overrides(out, cache_dir, **COMMON)]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    # the outside torchrun runs its ranks with PYTHON_EXEC: the warm rank server forks them (`python -u -m cputrain`)
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(**warm().ranks.exec_env()), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s) started by torchrun" in proc.stderr
     assert "launch plan" not in proc.stderr  # no second agent inside the outside one

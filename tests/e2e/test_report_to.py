@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from harness.cli_env import cli_env
 from harness.repo import REPO
 from harness.run_cli import run_cli
+from harness.run_cli_here import run_cli_here
 from harness.tiny_run import tiny_overrides
 
 OPTIONAL = [name for name in ("mlflow", "wandb") if importlib.util.find_spec(name) is not None]
@@ -87,21 +86,17 @@ def test_wandb_writes_an_offline_run_in_the_run_folder(reported_run):
     assert list(offline[0].glob("*.wandb")), "the offline run's data file (what `wandb sync` uploads)"
 
 
-def test_a_missing_extra_is_one_line_naming_the_install(tmp_path):
-    """A tool that does not import ends the run before any work, in one line, with exit code 2."""
+def test_a_missing_extra_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    """A tool that does not import ends the run before any work, in one line, with exit code 2
+    (in this process: the refusal comes before the worker, which run_cli_here would fail on)."""
     # tensorboard is hidden from cputrain's own check only: hiding it from the import system
     # would also break libraries that probe for it while importing (accelerate, when installed).
-    blocker = (
-        "import sys\n"
-        "import cputrain.metrics.sinks as sinks\n"
-        "found = sinks._importable\n"
-        "sinks._importable = lambda module: module != 'tensorboard' and found(module)\n"
-        "from cputrain.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
+    import cputrain.metrics.sinks as sinks
+
+    found = sinks._importable
+    monkeypatch.setattr(sinks, "_importable", lambda module: module != "tensorboard" and found(module))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", blocker, "train", f"output_dir={out}", "train.report_to=[tensorboard]"],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = run_cli_here("train", f"output_dir={out}", "train.report_to=[tensorboard]", cwd=REPO)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1] == ("cputrain: error: train.report_to=tensorboard needs the tensorboard package, which is not "
