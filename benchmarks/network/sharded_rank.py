@@ -4,8 +4,9 @@ What FSDP2 and ZeRO-3 cost a rank on their own (their casts, copies, hooks, allo
 as the step time of one rank under `single`, `fsdp` (per layout) and `zero3` at three sizes (the
 demo's ~4M, ~34M, ~100M) in bf16 (where the CPU has bf16 units) and fp32, alternated round by
 round, median step of the steps after the first two, every other `auto` left to cputrain (glibc as
-is for the sharded strategies, with their heap set by cputrain.native.sharded_heap; tuned for single),
-with each case's step peak. One run per case is profiled (`train.profile_step`) for the step's
+is for the sharded strategies, tuned for single). The sharded strategies also run with glibc tuned
+(`hardware.allocator=glibc-tuned`: what a step frees kept for the next), so the allocator's share of
+the gap shows on its own, with the step peak it costs. One run per case is profiled (`train.profile_step`) for the step's
 time by operator family. Writes block `sharded_rank` of docs/benchmarks/network.md; the time plan
 reads the factors from cputrain/plan/time/sharded_compute.py, which cites this block.
 
@@ -42,6 +43,9 @@ CASES = [
     ("fsdp full_shard", ["parallel.strategy=fsdp", "parallel.layout=full_shard"]),
     ("fsdp gather_once", ["parallel.strategy=fsdp", "parallel.layout=gather_once"]),
     ("zero3", ["parallel.strategy=zero3"]),
+    ("fsdp full_shard, glibc tuned", ["parallel.strategy=fsdp", "parallel.layout=full_shard",
+                                      "hardware.allocator=glibc-tuned"]),
+    ("zero3, glibc tuned", ["parallel.strategy=zero3", "hardware.allocator=glibc-tuned"]),
 ]
 FAMILIES = ("matmul", "attention", "compiled", "casts_copies", "elementwise", "cross_entropy", "optimizer", "python",
             "other", "collectives")
@@ -99,7 +103,8 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool) -> None:
              f"`python benchmarks/network/sharded_rank.py`{' --quick' if quick else ''}: one rank alone (2 threads, "
              f"nothing to communicate), seq 512, global batch 8 in micro-batches of 2, {steps} steps, median step of "
              f"the steps after the first two, median of {rounds} alternated round(s); attention sdpa, every other "
-             "`auto` cputrain's (under fsdp and zero3 glibc with the sharded heap: cputrain.native.sharded_heap).", "",
+             "`auto` cputrain's (glibc as is under fsdp and zero3). The \"glibc tuned\" cases keep what a step frees "
+             "(`hardware.allocator=glibc-tuned`).", "",
              "| size | precision | case | step s | ÷ single | step peak GiB |",
              "| --- | --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {r['size']} | {r['precision']} | {r['case']} | {r['step_s']:.3f} | {r['vs_single']:.2f}× | "

@@ -22,15 +22,12 @@ class ShardedCompute:
 
 
 ROWS = {
-    # full_shard's, the slower fsdp layout (gather_once measured 1.04×): a plan does not assume the faster one
-    "fsdp": ShardedCompute("fsdp", 1.12, "measured: one FSDP rank alone (full_shard), ~100M Llama in bf16, 4 "
-                                         "micro-batches of 2 × 512, 10.43 s a step against the single strategy's "
-                                         "9.29 s, glibc's heap set by cputrain.native.sharded_heap, one round (block "
-                                         "sharded_rank, AMD EPYC with AVX512-BF16)"),
-    "zero3": ShardedCompute("zero3", 1.31, "measured: one ZeRO-3 rank alone, ~100M Llama in bf16, 4 micro-batches "
-                                           "of 2 × 512, 12.17 s a step against the single strategy's 9.29 s, glibc's "
-                                           "heap set by cputrain.native.sharded_heap, one round (block sharded_rank, "
-                                           "AMD EPYC with AVX512-BF16)"),
+    "fsdp": ShardedCompute("fsdp", 1.47, "measured: one FSDP rank alone, ~34M Llama in bf16, 4 micro-batches of "
+                                         "2 × 512, 8.62 s a step against the single strategy's 5.86 s (block "
+                                         "fsdp_layouts, AMD EPYC with AVX512-BF16)"),
+    "zero3": ShardedCompute("zero3", 2.29, "measured: one ZeRO-3 rank alone, ~34M Llama in bf16, 4 micro-batches "
+                                           "of 2 × 512, a profiled step of 8.02 s against the single strategy's 3.50 "
+                                           "s, one round (block sharded_rank, AMD EPYC with AVX512-BF16)"),
 }
 
 
