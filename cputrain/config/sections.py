@@ -596,11 +596,9 @@ class HardwareConfig(Section):
 
     allocator: Literal["auto", "tcmalloc", "jemalloc", "glibc-tuned", "system"] = "auto"
     """The malloc every rank runs on. auto: tcmalloc where installed (measured 1.00–1.17× glibc's
-    tokens/s in fp32; jemalloc 0.92–1.00×); else, on single and ddp, glibc-tuned; else glibc, which
-    fsdp and zero3 set up themselves (cputrain.native.sharded_heap: a block's gathered tensors mapped,
-    the rest kept, the heap trimmed each step). tcmalloc/jemalloc: that one, preloaded; glibc-tuned:
-    glibc keeping what a step frees (no mmap, no trimming: tcmalloc's speed and memory without a
-    system package); system: glibc (under fsdp and zero3 with their sharded heap)."""
+    tokens/s in fp32; jemalloc 0.92–1.00×); else, on single and ddp, glibc-tuned; else glibc as is.
+    tcmalloc/jemalloc: that one, preloaded; glibc-tuned: glibc keeping what a step frees (no mmap,
+    no trimming: tcmalloc's speed and memory without a system package); system: glibc as is."""
 
     @model_validator(mode="after")
     def _positive_threads(self):

@@ -18,9 +18,8 @@ same way in bf16, 1.19× glibc as is on the demo, 1.04× at ~100M, 1.13× with L
 same step peak (tcmalloc on that run: 1.33×, 1.13×, 1.14×, at 1.19× and 1.55× the step peak); in
 fp32 1.17×, 0.92× and 1.10× (the ~100M full run the one loss, within its runs' spread of 196–218
 tokens/s against 225–226), so auto takes it in both precisions.
-fsdp and zero3 keep glibc and set its heap themselves: the mmap threshold pinned while the model
-is built (pin_mmap_threshold), then from the first step's end a block's gathered tensors mapped,
-the rest kept and the heap trimmed each step (cputrain.native.sharded_heap).
+fsdp and zero3 keep glibc as is: they pin its mmap threshold so that what a rank frees of the
+gathered parameters leaves the process (pin_mmap_threshold).
 
 A library can only be preloaded into a process that has not started yet: the agent sets
 LD_PRELOAD for the ranks it starts, and a one-process `cputrain train` starts itself again with it
@@ -66,7 +65,7 @@ class AllocatorChoice:
 
 # What `auto` takes where no tcmalloc is installed, on strategies that keep whole tensors per rank
 # (single, ddp): glibc told to keep what a step frees (tune_glibc). The sharding strategies keep
-# glibc, whose heap fsdp/zero3 set themselves (pin_mmap_threshold, then cputrain.native.sharded_heap).
+# glibc as is: their memory is the point, and fsdp/zero3 pin its mmap threshold (pin_mmap_threshold).
 # What benchmarks/memory/allocator.py measured, by the run's precision (tokens/s against glibc as is).
 GLIBC_TUNED_MEASURED = {
     "bf16": ("measured on bf16 runs of a 2-core AVX512-BF16 EPYC at 1.19× glibc as is on the demo, 1.04× on ~100M, "
@@ -162,10 +161,10 @@ def reexec_env(choice: AllocatorChoice, environ: dict) -> dict | None:
 
 
 # glibc's mallopt parameters (malloc.h).
-M_TRIM_THRESHOLD = -1  # free memory at the heap's top beyond this is returned to the system
-M_MMAP_THRESHOLD = -3  # blocks at least this large get their own mapping
-M_MMAP_MAX = -4  # how many such mappings at once; 0: none, every block comes from the heap
-INT_MAX = 2**31 - 1  # mallopt takes an int
+_M_TRIM_THRESHOLD = -1  # free memory at the heap's top beyond this is returned to the system
+_M_MMAP_THRESHOLD = -3  # blocks at least this large get their own mapping
+_M_MMAP_MAX = -4  # how many such mappings at once; 0: none, every block comes from the heap
+_INT_MAX = 2**31 - 1  # mallopt takes an int
 
 
 def tune_glibc() -> bool:
@@ -180,7 +179,7 @@ def tune_glibc() -> bool:
     new process can take."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, INT_MAX))
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX))
     except (OSError, AttributeError):
         return False
 # glibc's initial threshold; pinning it at its own default only stops it from moving.
@@ -202,6 +201,6 @@ def pin_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
     except (OSError, AttributeError):
         return False

@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from cputrain.errors import ConfigError
 from cputrain.native.allocator import pin_mmap_threshold
-from cputrain.native.sharded_heap import ShardedHeap, block_param_bytes
 from cputrain.model import copy_full_into, decoder_blocks, load_into, materialize, random_init, safetensors_files
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.parallel.file_reads import PlainReads
@@ -135,7 +134,6 @@ class FSDPStrategy(Strategy):
             for block in decoder_blocks(model):
                 fully_shard(block, reshard_after_forward=self.layout.block_reshard_after_forward(), **kwargs)
             fully_shard(model, **kwargs)
-        self.heap = ShardedHeap(block_param_bytes(decoder_blocks(model), self.ctx.compute_dtype.itemsize))
         if self.ctx.cfg.parallel.prefetch:
             prefetch_neighbours(decoder_blocks(model), model)
         if self.all_to_all:
@@ -145,11 +143,6 @@ class FSDPStrategy(Strategy):
                 if hasattr(module, "set_custom_reduce_scatter"):
                     module.set_custom_reduce_scatter(AllToAllReduceScatter())
         return model
-
-    def step(self, model: nn.Module, optimizer, grad_clip: float, loss_finite: bool = True) -> tuple[float, bool]:
-        outcome = super().step(model, optimizer, grad_clip, loss_finite)
-        self.heap.after_step()
-        return outcome
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
         self.layout.before_micro_batch(model, last_micro_batch)

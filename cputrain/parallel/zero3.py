@@ -40,10 +40,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from cputrain.errors import ConfigError  # noqa: E402
-from cputrain.model import SafetensorsReader, decoder_blocks, enable_activation_checkpointing, load_into  # noqa: E402
+from cputrain.model import SafetensorsReader, enable_activation_checkpointing, load_into  # noqa: E402
 from cputrain.parallel.adamw import adamw, decay_groups  # noqa: E402
 from cputrain.native.allocator import pin_mmap_threshold  # noqa: E402
-from cputrain.native.sharded_heap import ShardedHeap, block_param_bytes  # noqa: E402
 from cputrain.parallel.base import Strategy, StrategyContext, all_finite  # noqa: E402
 from cputrain.config.resolve import grad_accum_steps  # noqa: E402
 
@@ -104,7 +103,6 @@ class Zero3Strategy(Strategy):
         self._ensure_process_group()
         self._plug_reduce_scatter()
         hf_config = skeleton.config
-        self.heap = ShardedHeap(block_param_bytes(decoder_blocks(skeleton), self.ctx.compute_dtype.itemsize))
         # Bucket sizes follow the hidden size; the plan is final (and reported) before any weight.
         self.plan = plan_for(self.ctx.cfg, self.ctx.world_size, grad_accum_steps(self.ctx.cfg, self.ctx.world_size),
                              getattr(hf_config, "hidden_size", None))
@@ -211,7 +209,6 @@ class Zero3Strategy(Strategy):
         self.engine.step()  # clips to gradient_clipping, steps, zeroes the gradient partitions
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
-        self.heap.after_step()
         return norm, loss_finite and math.isfinite(norm)
 
     # --- state ---------------------------------------------------------------------------
