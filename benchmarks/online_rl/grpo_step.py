@@ -37,10 +37,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.runner.blocks import write_block  # noqa: E402
+from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
-from benchmarks.runner.pages import DOCS  # noqa: E402
 
 PROMPTS, GENERATIONS, NEW_TOKENS = 8, 8, 48
 ARCH_100M = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
@@ -158,10 +157,7 @@ def main() -> None:
                 for name, side in (("ours", ours), ("trl", theirs)) for key in side[0]}}
             print(size, cells[size], flush=True)
     block = "\n".join(render(cells, threads, runs, steps, warmup, shape))
-    print(block)
-    docs = args.doc if args.doc is not None else (None if args.quick else DOCS)
-    if docs is not None:
-        write_block("grpo_step", block, docs)
+    print_and_write_block("grpo_step", block, args.doc, args.quick)
 
 
 def render(cells: dict, threads: int, runs: int, steps: int, warmup: int, shape: tuple) -> list[str]:

@@ -37,9 +37,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.runner.blocks import write_block  # noqa: E402
+from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
-from benchmarks.runner.pages import DOCS  # noqa: E402
 
 PROMPTS, GENERATIONS = 8, 8
 PROMPT_TOKENS = (16, 48)
@@ -202,10 +201,7 @@ def main() -> None:
                 cells[(size, precision, new)] = cell
                 print(size, precision, new, {k: round(v, 3) for k, v in cell.items()}, flush=True)
     block = "\n".join(render(cells, peaks, threads, prompts, generations, runs))
-    print(block)
-    docs = args.doc if args.doc is not None else (None if args.quick else DOCS)
-    if docs is not None:
-        write_block("rollouts", block, docs)
+    print_and_write_block("rollouts", block, args.doc, args.quick)
 
 
 def render(cells: dict, peaks: dict, threads: int, prompts: int, generations: int, runs: int) -> list[str]:

@@ -32,3 +32,12 @@ def write_block_and_say(name: str, markdown: str, docs: Path = DOCS) -> None:
     """write_block, then a line on stderr naming the page it went to."""
     write_block(name, markdown, docs)
     print(f"written to docs/benchmarks/{place_of(name)[0]}", file=sys.stderr)
+
+
+def print_and_write_block(name: str, markdown: str, doc: Path | None, quick: bool) -> None:
+    """The block printed, then written: into `doc`'s page where --doc names a folder, else into
+    docs/benchmarks/ unless --quick (a script's check, whose figures are not the page's)."""
+    print(markdown)
+    docs = doc if doc is not None else (None if quick else DOCS)
+    if docs is not None:
+        write_block(name, markdown, docs)

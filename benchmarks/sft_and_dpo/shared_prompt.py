@@ -34,8 +34,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.base_model import make_base  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
-from benchmarks.runner.pages import DOCS  # noqa: E402
-from benchmarks.runner.blocks import write_block  # noqa: E402
+from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.sft_and_dpo.sft import ARCH_100M, QUICK_ARCH  # noqa: E402
 
@@ -152,10 +151,7 @@ def main() -> None:
     for cell in cells.values():
         cell["saved"] = saved_share(cell["cache"], seq_len)
     block = "\n".join(render(cells, base["parameters"], precision, steps, runs, seq_len))
-    print(block)
-    docs = args.doc if args.doc is not None else (None if args.quick else DOCS)
-    if docs is not None:
-        write_block("shared_prompt", block, docs)
+    print_and_write_block("shared_prompt", block, args.doc, args.quick)
 
 
 def render(cells: dict, parameters: int, precision: str, steps: int, runs: int, seq_len: int) -> list[str]:
