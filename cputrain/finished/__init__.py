@@ -8,7 +8,8 @@ Hugging Face model folder.
     score            a reward model's score of each record of a file (`cputrain score`)
     lm_harness       benchmark tasks through lm-evaluation-harness (`cputrain eval --tasks`)
     gguf             a Llama written as one GGUF file (`cputrain export --gguf`)
+    after_export     a local run folder's loss.png and sample.txt, once its model is exported
 
 It sits above objectives (a preference run is scored with its own objective) and below the run,
-whose worker samples the exported model.
+whose trainer plots the losses and samples the exported model when it ends.
 """

@@ -24,9 +24,11 @@ from cputrain.distributed import process_group as pg
 from cputrain.distributed.env import RankEnv
 from cputrain.distributed.stop_request import StopRequest
 from cputrain.errors import ConfigError, Stopped
+from cputrain.finished.after_export import write_plot_and_sample
 from cputrain.hardware import HardwareFacts
 from cputrain.kernels.chunked_head import install_chunked_loss
 from cputrain.lora.converter import converter_for
+from cputrain.model.score_head import LM_HEAD
 from cputrain.metrics.completions import append_samples
 from cputrain.metrics.ending import ending_summary, write_ended
 from cputrain.metrics.phases import PhaseRecorder
@@ -61,7 +63,7 @@ class Trainer:
         self.phases = PhaseRecorder(ranks.rank)
         self.step = 0  # optimizer steps completed (a skipped non-finite step counts: its batch is consumed)
         self.stop_request = StopRequest()  # SIGTERM or a first Ctrl-C, read at step boundaries
-        self.exported = False  # model/ written by this session (the worker then plots and samples)
+        self.exported = False  # model/ written by this session (close() then plots and samples)
         # Built by setup(), by its numbered parts:
         self.converter = self.objective = None  # 0. full fine-tuning or LoRA; lm, dpo, simpo, kto or reward
         self.lock: RunLock | None = None  # 1. rank 0's, until close()
@@ -419,31 +421,38 @@ class Trainer:
         summary = ending_summary(self.metrics, self.step, self.guard.skipped_steps, "finished", 0, None)
         self.phases.write(self.run, self.ranks)
         self.checkpoints.export(self._write_model)
-        self.exported = True
         if self.ranks.is_main:
             write_summary(self.run, summary)
         self.metrics.end_progress(self.step, "finished")  # after the export: 100% says the model is there
+        self.exported = True
         return summary
 
     def _write_model(self, folder: str, is_writer: bool) -> None:
         self.converter.export(self.strategy, self.model, self.hf_config, self.tokenizer, folder, is_writer)
 
-    def held_out_prompt(self) -> list[int] | None:
-        """The prompt of the first validation example (of the first training one without a
-        validation split), for sample.txt; None for text, which is sampled from "The"."""
-        rows = self.val_rows if self.val_rows is not None and len(self.val_rows) else self.train_rows
-        return rows.prompt_ids(0)
-
     def close(self) -> None:
-        """The end of this rank's run, however it ended (finished, or an error on its way out): the
-        sinks' files flushed and rank 0's lock let go, so the next run need not wait for it to go
-        stale; then the model, optimizer and strategy, which hold the process group, let go of
-        before the group is destroyed."""
-        if self.metrics is not None:
-            self.metrics.close_sinks()
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-        if self.strategy is not None:
-            self.strategy.close()
-        self.model = self.optimizer = self.schedule = self.checkpoints = self.strategy = None
+        """The end of this rank's run, however it ended (finished, or an error on its way out). A
+        finished run's rank 0 first writes loss.png and sample.txt, still under the run lock (they
+        are run-folder files). Then, whatever that did, the sinks' files are flushed and rank 0's
+        lock let go, so the next run need not wait for it to go stale; then the model, optimizer and
+        strategy, which hold the process group, let go of before the group is destroyed."""
+        try:
+            if self.exported and self.ranks.is_main:
+                self._write_plot_and_sample()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close_sinks()
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+            if self.strategy is not None:
+                self.strategy.close()
+            self.model = self.optimizer = self.schedule = self.checkpoints = self.strategy = None
+
+    def _write_plot_and_sample(self) -> None:
+        """loss.png, and sample.txt sampled from the prompt of the first validation example (of the
+        first training one without a validation split; from "The" for text). A reward model writes
+        no text."""
+        rows = self.val_rows if self.val_rows is not None and len(self.val_rows) else self.train_rows
+        sample_tokens = self.cfg.train.sample_tokens if self.objective.head == LM_HEAD else 0
+        write_plot_and_sample(self.run, sample_tokens, self.cfg.seed, rows.prompt_ids(0))

@@ -10,7 +10,6 @@ from cputrain.training import choices
 from cputrain.config import Config
 from cputrain.distributed.env import normalize
 from cputrain.hardware import detect
-from cputrain.model.score_head import LM_HEAD
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.native.allocator import tune_glibc
@@ -77,9 +76,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
     try:
         trainer.setup()
         summary = trainer.fit()
-        if ranks.is_main and trainer.exported:  # still under the run lock: these are run-folder files
-            after_export(res.config, trainer.held_out_prompt(), sample=trainer.objective.head == LM_HEAD)
-    finally:  # at the end and on an error exit: the next run need not wait for the lock to go stale
+    finally:  # at the end (a finished run's plot and sample first) and on an error exit
         trainer.close()
     if ranks.is_main and summary:
         for line in summary_table(summary):
@@ -95,26 +92,3 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                   "ending without interpreter teardown", ranks.rank, len(held), ", ".join(held))
         pg.exit_without_teardown(0)
     return summary
-
-
-def after_export(cfg: Config, prompt_ids: list[int] | None = None, sample: bool = True) -> None:
-    """Rank 0, once model/ and metrics.jsonl are written: loss.png (metrics.plot owns it) and
-    sample.txt (generated from the exported model: from "The" after pretraining, the answer to a
-    held-out prompt after fine-tuning on examples; not for a reward model, which writes no text,
-    `sample` false) in a local run folder."""
-    from pathlib import Path
-
-    run = RunFolder(cfg.output_dir)
-    local = run.local_path()
-    if local is None:
-        return
-    from cputrain.metrics.jsonl import MetricsJsonl
-    from cputrain.metrics.plot import plot_losses
-
-    plot_losses(MetricsJsonl(run).rows(), Path(local) / "loss.png")
-    if cfg.train.sample_tokens > 0 and sample:
-        from cputrain.finished.generate import generate_text
-
-        text = generate_text(f"{local}/model", prompt="The", max_new_tokens=cfg.train.sample_tokens, seed=cfg.seed,
-                             prompt_ids=prompt_ids)
-        (Path(local) / "sample.txt").write_text(text + "\n")
