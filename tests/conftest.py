@@ -8,6 +8,14 @@ below sets and the runners read, lives in `harness.tiers`, one module under one 
 
 from __future__ import annotations
 
+import os
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # The tests that run torch in this process share the 2 cores with the other worker: OpenMP
+    # threads that spin while they wait (libgomp's default) burn each other's time slices, as
+    # harness.cli_env says for the commands. Set before torch loads libgomp, which reads it then.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 import subprocess
 import time

@@ -30,6 +30,7 @@ import yaml
 from harness.cli_env import cli_env
 from harness.repo import REPO
 from harness.tiny_run import tiny_overrides
+from harness.warm_client import warm
 from dist_helpers import assert_no_survivors
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
@@ -70,9 +71,11 @@ def metered_and_kernel_bytes(namespace: str, out, overrides: list[str]) -> tuple
     """Run `overrides` on 2 ranks inside `namespace`: (bytes the ranks' meters counted, bytes the
     kernel counted on its loopback, the rows of metrics.jsonl)."""
     before = loopback_tx_bytes(namespace)
+    # The agent a fresh interpreter in the namespace; its ranks forked by the warm rank server, which
+    # puts each in its stand-in's namespace (harness/warm_interpreter.py): the same sockets, ~4 s less each.
     proc = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-m", "cputrain", "train", *overrides,
-                           "--nproc-per-node", str(WORLD)], cwd=REPO, env=cli_env(), capture_output=True,
-                          text=True, timeout=300)
+                           "--nproc-per-node", str(WORLD)], cwd=REPO, env=cli_env(**warm().ranks.exec_env()),
+                          capture_output=True, text=True, timeout=300)
     after = loopback_tx_bytes(namespace)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_no_survivors(out)

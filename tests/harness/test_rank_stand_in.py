@@ -1,7 +1,8 @@
 """To a torchrun agent, the rank stand-in (rank_python.py, its PYTHON_EXEC) is the rank's process:
 a signal sent to it reaches the rank, which ends with that signal's status; a rank killed ends its
 stand-in the same way; a stand-in killed (SIGKILL cannot be forwarded) takes its rank with it, and
-the rank server serves on. Nothing is left to wait on.
+the rank server serves on. Nothing is left to wait on. A stand-in inside a network namespace gets
+its rank inside it.
 
 The test's own rank server forks ranks of a stand-in `cputrain` package put first on its
 PYTHONPATH: a rank that says it is ready and its pid, then waits, and reports a SIGTERM before
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -64,15 +66,17 @@ def rank_server(tmp_path_factory):
 
 @pytest.fixture
 def start_rank(rank_server, tmp_path):
-    """`start_rank(*argv)` does what the agent does for a rank: starts its `python -u -m cputrain
-    ARGV`, here the stand-in; returns it and the file of its output. A stand-in or rank a failed
+    """`start_rank(*argv, netns=None)` does what the agent does for a rank: starts its `python -u -m
+    cputrain ARGV` (inside network namespace `netns`, as a node's agent of the multi-node tests
+    does), here the stand-in; returns it and the file of its output. A stand-in or rank a failed
     test leaves running is killed after it."""
     started: list[subprocess.Popen] = []
 
-    def start(*argv: str) -> tuple[subprocess.Popen, Path]:
+    def start(*argv: str, netns: str | None = None) -> tuple[subprocess.Popen, Path]:
         out = tmp_path / f"rank-{uuid.uuid4().hex[:8]}.out"
+        inside = ["ip", "netns", "exec", netns] if netns else []  # it execs the stand-in: the same pid
         with open(out, "w") as stdout:
-            started.append(subprocess.Popen([str(rank_server.python), "-u", "-m", "cputrain", *argv],
+            started.append(subprocess.Popen([*inside, str(rank_server.python), "-u", "-m", "cputrain", *argv],
                                             stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
                                             env=cli_env(**rank_server.exec_env())))
         return started[-1], out
@@ -135,3 +139,26 @@ def test_a_killed_stand_in_takes_its_rank_with_it_and_the_server_serves_on(rank_
     assert _gone(rank), f"rank {rank} outlived its stand-in"
     next_rank, _ = start_rank("exit", "3")
     assert next_rank.wait(timeout=30) == 3  # its exit code, through the same server
+
+
+def test_a_stand_in_inside_a_network_namespace_gets_its_rank_inside_it(rank_server, start_rank):
+    """A node of the multi-node tests runs its agent with `ip netns exec`: the rank forked for its
+    stand-in enters the stand-in's namespace, so its sockets are the node's (its link, its loopback)
+    and the node's processes (`ip netns pids`, what a test kills to lose a node) include it."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace needs root and `ip` (iproute2)")
+    ns = f"crs{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        stand_in, out = start_rank("wait", netns=ns)
+        rank = _ready_rank(rank_server, stand_in, out)
+        node = os.readlink(f"/proc/{stand_in.pid}/ns/net")
+        assert node != os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/{rank}/ns/net") == node
+        listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        assert str(rank) in listed and str(stand_in.pid) in listed, listed
+        stand_in.kill()
+        assert stand_in.wait(timeout=30) == -signal.SIGKILL
+        assert _gone(rank), f"rank {rank} outlived its stand-in"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -19,6 +19,8 @@ rank's argv, working folder, environment and its stdin/stdout/stderr, and the ch
 rank. Ranks run side by side, so this server never waits on one: it reaps children as they end
 and answers each rank's own connection. A connection that closes before its child ended means
 the agent killed the rank's stand-in (SIGKILL cannot be forwarded): the child is killed too.
+A stand-in inside a network namespace (`ip netns exec`) gets a rank inside it: the child joins the
+stand-in's namespace first (setns).
 """
 
 from __future__ import annotations
@@ -93,6 +95,24 @@ def main() -> None:
         reply.flush()
 
 
+def _join_network_namespace(stand_in: int) -> None:
+    """A stand-in started inside a network namespace (a node of the multi-node tests, `ip netns
+    exec`): its rank enters that namespace before anything opens a socket, so its traffic is the
+    node's, on the node's links, and the node's processes (`ip netns pids`) include it."""
+    theirs = f"/proc/{stand_in}/ns/net"
+    if os.readlink(theirs) == os.readlink("/proc/self/ns/net"):
+        return
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(theirs, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace of {stand_in}")
+    finally:
+        os.close(fd)
+
+
 def _rank(request: dict, fds: list[int]) -> None:
     """Become the rank the agent asked for: its streams, folder, environment and `-u -m cputrain ARGS`."""
     import signal
@@ -103,6 +123,7 @@ def _rank(request: dict, fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    _join_network_namespace(request["stand_in"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
