@@ -14,8 +14,10 @@ EXTRAS_TEST ?= dev,deepspeed,tensorboard,wandb,sft-peer,eval
 
 .PHONY: demo demo-sft demo-dpo demo-kto demo-reward demo-grpo test test-fast install install-test install-mpi
 
+# tcmalloc too (apt, as root; a note without): the allocator every rank is preloaded with.
 install:
 	bash scripts/install.sh
+	bash scripts/install-tcmalloc.sh
 
 install-test:
 	bash scripts/install.sh $(EXTRAS_TEST)

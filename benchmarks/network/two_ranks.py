@@ -1,0 +1,107 @@
+"""Two ranks on one node: fsdp and zero3 against ddp, on each allocator `auto` can give them.
+
+The sharded strategies exist for memory; on CPUs a rank's own work decides whether they also keep
+DDP's speed. Here two ranks share one node (one core each, gloo on loopback, nothing crossing a
+real network), ~34M and ~100M Llamas, seq 512, global batch 8 in micro-batches of 2, each case on
+glibc (what `auto` gives it without tcmalloc: tuned for ddp, as is with its mmap threshold pinned
+for fsdp and zero3) and on tcmalloc (preloaded, as the training image has it), alternated round by
+round; the median step of the steps after the first two, median over rounds, tokens/s ÷ ddp's on
+the same allocator, and rank 0's step peak. Writes block `two_ranks` of docs/benchmarks/network.md.
+
+    python benchmarks/network/two_ranks.py                 # the figures (a quiet machine)
+    python benchmarks/network/two_ranks.py --sizes 100m --precisions bf16 --rounds 2
+    python benchmarks/network/two_ranks.py --quick         # tiny model, 3 steps: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.network.model_sizes import MODEL_TINY  # noqa: E402
+from benchmarks.network.sharded_rank import FULL_SHARD, SIZES, ZERO3, common, median_step_s, preloaded  # noqa: E402
+from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
+from benchmarks.runner.machine import machine_line  # noqa: E402
+
+CASES = [("ddp", ["parallel.strategy=ddp"]), ("fsdp full_shard", FULL_SHARD), ("zero3", ZERO3)]
+# what auto gives each strategy without tcmalloc, then tcmalloc
+GLIBC = {"ddp": "glibc-tuned", "fsdp full_shard": "system", "zero3": "system"}
+TOKENS_PER_STEP = 8 * 512
+
+
+def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tmp: Path, tcmalloc: str | None) -> list[dict]:
+    have_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    cases = [(label, o) for label, o in CASES if have_deepspeed or o is not ZERO3]
+    allocators = ["glibc", "tcmalloc"] if tcmalloc else ["glibc"]
+    results = []
+    for size in sizes:
+        for precision in precisions:
+            base = [*SIZES[size], *common(steps, tmp / "cache"), f"hardware.precision={precision}", "--nproc-per-node", "2"]
+            times: dict[tuple[str, str], list[float]] = {}
+            peaks: dict[tuple[str, str], float] = {}
+            for _ in range(rounds):  # alternated: drift in the machine hits every case alike
+                for label, overrides in cases:
+                    for family in allocators:
+                        alloc = GLIBC[label] if family == "glibc" else "tcmalloc"
+                        with preloaded(alloc, tcmalloc) as allocator:
+                            run = train_measured([*base, *overrides, *allocator], what=f"{size} {precision} {label}")
+                        times.setdefault((label, family), []).append(median_step_s(run.metrics_rows))
+                        peaks[(label, family)] = run.step_peak["rss_gib"]
+                        print(f"{size} {precision} {label} {family}: {times[(label, family)][-1]:.3f} s", flush=True)
+            for family in allocators:
+                ddp_s = statistics.median(times[("ddp", family)])
+                for label, _ in cases:
+                    step_s = statistics.median(times[(label, family)])
+                    results.append({"size": size, "precision": precision, "case": label, "allocator": family,
+                                    "step_s": step_s, "tokens_per_s": TOKENS_PER_STEP / step_s,
+                                    "vs_ddp": ddp_s / step_s, "step_peak_gib": peaks[(label, family)]})
+    return results
+
+
+def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None) -> None:
+    lines = [machine_line(), "",
+             f"`python benchmarks/network/two_ranks.py`{' --quick' if quick else ''}: 2 ranks on one node (1 thread "
+             f"each), seq 512, global batch 8 in micro-batches of 2, {steps} steps, median step of the steps after "
+             f"the first two, median of {rounds} alternated round(s); glibc as `auto` gives each strategy without "
+             "tcmalloc (tuned for ddp, as is for fsdp and zero3), tcmalloc "
+             + (f"preloaded ({Path(tcmalloc).name})" if tcmalloc else "not installed here (no rows)")
+             + "; ÷ ddp is ddp's step on the same allocator over this one's.", "",
+             "| size | precision | allocator | case | step s | tokens/s | × ddp's tokens/s | rank 0 step peak GiB |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['size']} | {r['precision']} | {r['allocator']} | {r['case']} | {r['step_s']:.3f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['vs_ddp']:.2f}× | {r['step_peak_gib']:.2f} |" for r in results]
+    print_and_write_block("two_ranks", "\n".join(lines), None, quick)
+
+
+def main() -> None:
+    from cputrain.native.allocator import find_allocator
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one round: checks the script only")
+    parser.add_argument("--sizes", default="34m,100m")
+    parser.add_argument("--precisions", default="bf16,fp32")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tcmalloc", default=find_allocator("tcmalloc"),
+                        help="tcmalloc's library for the tcmalloc cases (default: the installed one; none: no such cases)")
+    args = parser.parse_args()
+    if args.quick:
+        SIZES["tiny"] = MODEL_TINY
+        sizes, precisions, rounds, steps = ["tiny"], ["fp32"], 1, 4
+    else:
+        sizes, precisions, rounds, steps = args.sizes.split(","), args.precisions.split(","), args.rounds, args.steps
+    with tempfile.TemporaryDirectory(prefix="two-ranks-") as tmp:
+        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc)
+    write(results, rounds, steps, args.quick, args.tcmalloc)
+
+
+if __name__ == "__main__":
+    main()
