@@ -19,7 +19,12 @@ same step peak (tcmalloc on that run: 1.33×, 1.13×, 1.14×, at 1.19× and 1.55
 fp32 1.17×, 0.92× and 1.10× (the ~100M full run the one loss, within its runs' spread of 196–218
 tokens/s against 225–226), so auto takes it in both precisions.
 fsdp and zero3 keep glibc as is: they pin its mmap threshold so that what a rank frees of the
-gathered parameters leaves the process (pin_mmap_threshold).
+gathered parameters leaves the process (pin_mmap_threshold). That pin is most of what a sharded rank
+costs on glibc: every gathered block, and every activation over 128 KiB, is mapped and zeroed again
+each micro-batch. tcmalloc keeps freed spans for the next allocation of their size, so a sharded
+rank on it computes at about the single strategy's speed (SHARDED_MEASURED), at a step peak a few
+percent higher under fsdp; `make install` installs it (scripts/install-tcmalloc.sh), the training
+image has it, and the time plan's sharded factors are per allocator (plan.time.sharded_compute).
 
 A library can only be preloaded into a process that has not started yet: the agent sets
 LD_PRELOAD for the ranks it starts, and a one-process `cputrain train` starts itself again with it
@@ -74,6 +79,11 @@ GLIBC_TUNED_MEASURED = {
              "fully fine-tuned, 1.10× with LoRA on ~300M, at the same step peak (benchmarks/memory/allocator.py)"),
 }
 SHARDED = ("fsdp", "zero3")
+# What a sharded rank loses without tcmalloc (benchmarks/network/sharded_rank.py, block sharded_rank):
+# on glibc it maps and zeroes its gathered blocks and activations again every micro-batch.
+SHARDED_MEASURED = ("one rank alone at ~100M in bf16 on a 2-core AVX512-BF16 EPYC, tcmalloc against glibc as is: fsdp "
+                    "full_shard 1.54× faster, zero3 1.59×, each within 1.09× (fsdp) and 1.34× (zero3) of the single "
+                    "strategy's step (benchmarks/network/sharded_rank.py)")
 
 
 def _search_dirs() -> list[str]:
@@ -118,6 +128,8 @@ def allocator_choice(setting: str, environ: dict | None = None, dirs: list[str] 
             return AllocatorChoice("glibc-tuned", None, f"no tcmalloc installed (apt install {package}; {auto_why}): "
                                                         f"glibc keeping what a step frees, "
                                    + GLIBC_TUNED_MEASURED.get(precision, GLIBC_TUNED_MEASURED["bf16"]))
+        if strategy in SHARDED and name == "tcmalloc":  # where it matters most: say so
+            auto_why = SHARDED_MEASURED
         return AllocatorChoice("system", None, f"no {name} installed (apt install {package}; {auto_why}); glibc malloc")
     why = auto_why if setting == "auto" else f"hardware.allocator={setting}"
     return AllocatorChoice(name, lib, f"{why}; preloaded into every rank")

@@ -44,16 +44,17 @@ def test_every_layout_on_every_instance_with_its_fit(rows):
 
 def test_the_seeds_case_planned_on_nodes_that_hold_the_state(rows):
     """Planned figures of the case the layouts were built for, every term counted (a sharded rank's
-    own work, the node's own collectives): ≥ 1.9× the 166 tokens/s planned before the layouts (2.66×
-    before a sharded rank's factor was counted), and 4 nodes ≥ 3.4× one node of the same type with
-    the network ≤ 20% of the step."""
+    own work on the training image's tcmalloc, the node's own collectives): ≥ 2.5× the 166 tokens/s
+    planned before the layouts (1.92× while a sharded rank's factor was glibc's), and 4 nodes ≥ 3.4×
+    one node of the same type with the network ≤ 25% of the step (a faster rank leaves the network a
+    larger share: 12% at glibc's factor)."""
     _, big, wide = rows
     for row in (big, wide):
         best = row.best
-        assert "for a fsdp rank's own work" in best.step.source["mfu"]
-        assert best.step.tokens_per_s >= 1.9 * BEFORE_TOKENS_S
+        assert "for a fsdp rank's own work (gather_once) on tcmalloc" in best.step.source["mfu"]
+        assert best.step.tokens_per_s >= 2.5 * BEFORE_TOKENS_S
         assert best.step.tokens_per_s >= 3.4 * row.one_node.step.tokens_per_s
-        assert best.step.network_share <= 0.20
+        assert best.step.network_share <= 0.25
 
 
 def test_the_lines_answer_will_four_nodes_beat_one(rows):

@@ -103,6 +103,9 @@ def test_without_tcmalloc_auto_tunes_glibc_on_whole_tensor_strategies_only(tmp_p
         assert choice.name == "glibc-tuned" and choice.library is None and "step peak" in choice.reason
     for strategy in ("fsdp", "zero3", None):
         assert allocator_choice("auto", environ={}, dirs=nothing, strategy=strategy).name == "system"
+    for strategy in ("fsdp", "zero3"):  # where tcmalloc matters most, the reason says what it would give
+        reason = allocator_choice("auto", environ={}, dirs=nothing, strategy=strategy).reason
+        assert "apt install" in reason and "× faster" in reason and "sharded_rank" in reason
     asked = allocator_choice("glibc-tuned", environ={}, dirs=nothing, strategy="fsdp")
     assert asked.name == "glibc-tuned" and asked.library is None
     (tmp_path / "libtcmalloc.so.4").write_bytes(b"")  # installed: tcmalloc, whatever the strategy

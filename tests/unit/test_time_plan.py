@@ -9,6 +9,7 @@ import math
 import pytest
 
 from cputrain.errors import ConfigError
+from harness.repo import REPO
 from cputrain.plan.model_shape import ModelShape, ParamInfo
 from cputrain.plan.time import (Compute, EfficiencyTable, Link, StepSettings, comm_pattern, load_table, measured_mfu,
                                 parse_table, plan_step_time, remedies)
@@ -307,17 +308,25 @@ def test_fsdp_gathers_issued_a_block_ahead_hide_the_measured_share():
 
 def test_a_sharded_rank_computes_at_the_measured_mfu_divided_by_its_factor():
     """measured_compute: the MFU measured on single-strategy runs, divided for fsdp and zero3 by what
-    sharding costs a rank (cputrain.plan.time.sharded_compute), its source said; unchanged elsewhere."""
-    from cputrain.plan.time import measured_compute, measured_mfu, sharded_factor
+    sharding costs a rank in its layout on its allocator (cputrain.plan.time.sharded_compute), its
+    source said; never by less than 1; unchanged for single and ddp."""
+    from cputrain.plan.time import IMAGE_ALLOCATOR, measured_compute, measured_mfu, sharded_factor
 
     choice = measured_mfu("bf16", "amx", lora=False)
     share = choice.row.executed_share_of_peak
     for strategy in ("single", "ddp"):
         plain = measured_compute(1e12, choice, strategy)
         assert sharded_factor(strategy) is None and plain.mfu == share and plain.source == choice.describe()
-    for strategy in ("fsdp", "zero3"):
-        factor = sharded_factor(strategy)
-        sharded = measured_compute(1e12, choice, strategy)
-        assert factor.factor > 1 and sharded.mfu == pytest.approx(share / factor.factor)
-        assert sharded.peak_flops_per_s == 1e12 and f"÷ {factor.factor:.2f} for a {strategy} rank" in sharded.source
-        assert "measured" in factor.source
+    for strategy, layout in (("fsdp", "full_shard"), ("fsdp", "gather_once"), ("zero3", "full_shard")):
+        for allocator in ("tcmalloc", "system", "glibc-tuned", "jemalloc"):
+            factor = sharded_factor(strategy, layout, allocator)
+            sharded = measured_compute(1e12, choice, strategy, layout, allocator)
+            assert factor.strategy == strategy and factor.allocator == ("tcmalloc" if allocator == "tcmalloc" else "glibc")
+            assert sharded.mfu == pytest.approx(share / max(1.0, factor.factor))
+            assert sharded.peak_flops_per_s == 1e12 and factor.describe() in sharded.source
+            assert "measured" in sharded.source and f"{strategy} rank" in sharded.source
+        # glibc maps and zeroes a sharded rank's gathered blocks every micro-batch: never faster than tcmalloc
+        assert sharded_factor(strategy, layout, "system").factor >= sharded_factor(strategy, layout, "tcmalloc").factor
+    # the node layouts gather and shard as full_shard does; the instance plans assume the image's tcmalloc
+    assert sharded_factor("fsdp", "hybrid") == sharded_factor("fsdp", "full_shard", IMAGE_ALLOCATOR)
+    assert IMAGE_ALLOCATOR == "tcmalloc" and "libgoogle-perftools4" in (REPO / "Dockerfile").read_text()

@@ -81,14 +81,14 @@ def figures_on_instance(plans: dict, global_batch: int, instance: Instance, rank
 
 
 def figures_here(plans: dict, global_batch: int, ranks_per_node: int, fits: Callable[[int], bool],
-                 compute: Compute, network: Network = RUN_NETWORK) -> list[LayoutFigures]:
-    """Each layout's plan on a running node: `fits(peak rank bytes)`, the rank's own peak and MFU,
-    and `network` (a run knows no link: RUN_NETWORK)."""
+                 compute_of: Callable[[str], Compute], network: Network = RUN_NETWORK) -> list[LayoutFigures]:
+    """Each layout's plan on a running node: `fits(peak rank bytes)`, `compute_of(layout)` the
+    rank's own peak and MFU in that layout, and `network` (a run knows no link: RUN_NETWORK)."""
     link = network.link(network.link_gbit_s)
     out = []
     for layout, plan in plans.items():
         step = plan_step_time(StepSettings.of_plan(plan, global_batch), plan.inputs.world_size, ranks_per_node,
-                              plan.shape, compute, link)
+                              plan.shape, compute_of(layout), link)
         peak = plan.peak_rank.total_bytes
         out.append(LayoutFigures(layout, peak, fits(peak), step))
     return out
@@ -171,7 +171,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     RUN_NETWORK."""
     from cputrain.plan.memory.build import make_plan
     from cputrain.plan.memory.fit import pod_memory_bytes
-    from cputrain.plan.time import cpu_kind, measured_compute, measured_mfu
+    from cputrain.plan.time import cpu_kind, measured_compute, measured_mfu, running_allocator
 
     nnodes = world_size // max(ranks_per_node, 1)
     if nnodes <= 1:
@@ -182,9 +182,10 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     peak = rank_peak_flops(precision, hw=hw, threads=cfg.hardware.threads)
     mfu = measured_mfu(precision, cpu_kind(hw.flags), cfg.model.lora.enabled)
     memory_bytes = hw.memory_gib * GIB
+    allocator = running_allocator(cfg)  # a sharded rank's speed depends on it (plan.time.sharded_compute)
     figures = figures_here(plans_by_layout(base, ranks_per_node), cfg.train.global_batch_size, ranks_per_node,
                            lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes,
-                           measured_compute(peak, mfu, "fsdp"))
+                           lambda layout: measured_compute(peak, mfu, "fsdp", layout, allocator))
     where = f"this node's {hw.memory_gib:.1f} GiB with {ranks_per_node} rank(s) (the plan's pod rule: each × 1.1)"
     how = (f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
            "link rate, so the smallest built-in instance's, outside a placement group")

@@ -10,7 +10,8 @@ plan's face: code outside cputrain.plan imports from here, never from the module
     on_instance      a memory plan's step on an instance type
     advice           the same step re-planned with one setting changed, where the network dominates
     report           the time plan as printed and in plan.json
-    sharded_compute  what sharding costs a rank's compute: the factor a sharded run's compute takes
+    sharded_compute  what sharding costs a rank's compute: the factor a sharded run's compute takes, per
+                     strategy, layout and allocator
     checkpoint_worth whether a checkpoint's save is worth the steps it protects
     stop_window      how long a stop takes: a step and a checkpoint save
 """
@@ -24,7 +25,8 @@ from cputrain.plan.time.link_efficiency import EfficiencyTable, load_table, pars
 from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
 from cputrain.plan.time.on_instance import ASSUMED_CLOCK_GHZ, RUN_NETWORK, Network, rank_peak_flops, step_on_instance
 from cputrain.plan.time.overlap import PREFETCH_HIDDEN_SHARE
-from cputrain.plan.time.sharded_compute import ShardedCompute, measured_compute, sharded_factor
+from cputrain.plan.time.sharded_compute import (IMAGE_ALLOCATOR, ShardedCompute, measured_compute, running_allocator,
+                                               sharded_factor)
 from cputrain.plan.time.report import summary_line, time_document, time_lines, time_plan
 from cputrain.plan.time.step_time import Compute, StepSettings, StepTimePlan, plan_step_time, step_flops, token_flops
 from cputrain.plan.time.stop_window import (ASSUMED_MFU, DEFAULT_STORAGE_WRITE_MIB_S, EXIT_MARGIN_S, SPOT_NOTICE_S,

@@ -93,13 +93,13 @@ def worth_here(plan, cfg, hw, world_size: int, ranks_per_node: int) -> Checkpoin
     for its CPU (cputrain.plan.time.measured_mfu), the network as parallel.layout=auto plans a run's."""
     from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
     from cputrain.plan.time.on_instance import RUN_NETWORK, rank_peak_flops
-    from cputrain.plan.time.sharded_compute import measured_compute
+    from cputrain.plan.time.sharded_compute import measured_compute, running_allocator
     from cputrain.plan.time.step_time import StepSettings, plan_step_time
 
     precision = cfg.hardware.precision
     mfu = measured_mfu(precision, cpu_kind(hw.flags), cfg.model.lora.enabled)
     compute = measured_compute(rank_peak_flops(precision, hw=hw, threads=cfg.hardware.threads), mfu,
-                               cfg.parallel.strategy)
+                               cfg.parallel.strategy, cfg.parallel.layout, running_allocator(cfg))
     nnodes = max(1, world_size // max(1, ranks_per_node))
     link = RUN_NETWORK.link(RUN_NETWORK.link_gbit_s if nnodes > 1 else None)
     step = plan_step_time(StepSettings.of_plan(plan, cfg.train.global_batch_size), world_size, ranks_per_node,

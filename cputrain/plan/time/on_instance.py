@@ -10,7 +10,7 @@ from cputrain.hardware import detect, peak_flops
 from cputrain.plan.instances import NETWORK_GBIT_S, Instance, flow_cap
 from cputrain.plan.time.link import Link
 from cputrain.plan.time.measured_mfu import MfuChoice, measured_mfu
-from cputrain.plan.time.sharded_compute import measured_compute
+from cputrain.plan.time.sharded_compute import IMAGE_ALLOCATOR, measured_compute
 from cputrain.plan.time.step_time import StepSettings, StepTimePlan, plan_step_time
 
 # Sapphire Rapids' all-core turbo on c7i/m7i/r7i; the per-cycle rates come from cputrain.hardware.
@@ -60,7 +60,7 @@ def step_on_instance(plan, global_batch: int, instance: Instance, ranks_per_node
     settings = StepSettings.of_plan(plan, global_batch)
     choice = mfu_on(instance, settings.precision, plan.shape.lora)
     compute = measured_compute(rank_peak_flops(settings.precision, instance=instance, ranks_per_node=ranks_per_node),
-                               choice, settings.strategy)
+                               choice, settings.strategy, settings.layout, IMAGE_ALLOCATOR)
     step = plan_step_time(settings, plan.inputs.world_size, ranks_per_node, plan.shape, compute,
                           network.link(network.link_of(instance)))
     return step, choice

@@ -1,5 +1,5 @@
 """What a sharded rank's compute costs beyond the same rank unsharded: the factor a time plan
-multiplies a sharded run's compute by.
+multiplies a sharded run's compute by, per strategy, FSDP layout and allocator.
 
 Every measured MFU the plans use (cputrain.plan.time.measured_mfu) comes from runs of the single
 strategy (or DDP, whose rank computes as single does). A rank under FSDP2 or ZeRO-3 computes the
@@ -7,43 +7,88 @@ same FLOPs more slowly: it casts each gathered block to the compute dtype and it
 copies them in and out of the collectives' buffers, runs the strategies' hooks, and allocates what
 it gathers again every micro-batch. One rank alone with nothing to communicate shows that cost on
 its own; a plan that left it out would plan a sharded cluster faster than it runs.
+
+The allocator is most of it. glibc, with the mmap threshold fsdp and zero3 pin so that what a rank
+frees of its gathered blocks leaves the process, maps and zeroes those pages again every
+micro-batch, and every activation over 128 KiB with them; tcmalloc keeps freed spans for the next
+allocation of their size and returns them to the system slowly. So each factor is measured on the
+allocator `auto` gives the rank (tcmalloc where installed, as the training image has it) and
+divided by the single strategy's step on the same allocator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The allocator the instance plans assume: the training image's (Dockerfile: libgoogle-perftools4).
+IMAGE_ALLOCATOR = "tcmalloc"
+_SOURCE = ("one rank alone, ~100M Llama in bf16, 4 micro-batches of 2 × 512, median of 2 alternated rounds, "
+           "against the single strategy on the same allocator (block sharded_rank of docs/benchmarks/network.md, "
+           "AMD EPYC with AVX512-BF16)")
+
 
 @dataclass(frozen=True)
 class ShardedCompute:
     strategy: str
+    layout: str | None  # fsdp's parallel.layout (None: zero3, which has none)
+    allocator: str  # tcmalloc, or glibc (what auto gives a sharded rank without tcmalloc)
     factor: float  # a sharded rank's step ÷ the single strategy's, one rank alone, nothing to communicate
     source: str  # where it was measured
 
-
-ROWS = {
-    "fsdp": ShardedCompute("fsdp", 1.47, "measured: one FSDP rank alone, ~34M Llama in bf16, 4 micro-batches of "
-                                         "2 × 512, 8.62 s a step against the single strategy's 5.86 s (block "
-                                         "fsdp_layouts, AMD EPYC with AVX512-BF16)"),
-    "zero3": ShardedCompute("zero3", 2.29, "measured: one ZeRO-3 rank alone, ~34M Llama in bf16, 4 micro-batches "
-                                           "of 2 × 512, a profiled step of 8.02 s against the single strategy's 3.50 "
-                                           "s, one round (block sharded_rank, AMD EPYC with AVX512-BF16)"),
-}
+    def describe(self) -> str:
+        where = f"a {self.strategy} rank's own work" + (f" ({self.layout})" if self.layout else "")
+        return f"÷ {self.factor:.2f} for {where} on {self.allocator} (measured: {self.source})"
 
 
-def sharded_factor(strategy: str) -> ShardedCompute | None:
-    """The factor for a run of `strategy`; None where its rank computes as the single strategy's."""
-    return ROWS.get(strategy)
+ROWS = [
+    # tcmalloc: single 8.28 s a step; full_shard 9.05, gather_once 8.73, zero3 11.11
+    ShardedCompute("fsdp", "full_shard", "tcmalloc", 1.09, _SOURCE),
+    ShardedCompute("fsdp", "gather_once", "tcmalloc", 1.05, _SOURCE),
+    ShardedCompute("zero3", None, "tcmalloc", 1.34, _SOURCE),
+    # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63. gather_once on
+    # glibc takes full_shard's factor: not measured at ~100M (1.41× against full_shard's 1.50× at ~34M)
+    ShardedCompute("fsdp", "full_shard", "glibc", 1.61, _SOURCE),
+    ShardedCompute("fsdp", "gather_once", "glibc", 1.61, _SOURCE + "; full_shard's, gather_once on glibc not measured "
+                   "at this size"),
+    ShardedCompute("zero3", None, "glibc", 2.04, _SOURCE),
+]
+# Layouts measured apart; the others (hybrid and the node layouts) shard and gather as full_shard does.
+_MEASURED_LAYOUTS = ("full_shard", "gather_once")
 
 
-def measured_compute(peak_flops_per_s: float, choice, strategy: str):
+def allocator_family(allocator: str) -> str:
+    """tcmalloc's row for tcmalloc; glibc's for the rest (glibc as is, tuned, and jemalloc, which
+    measured between them: the slower figure is the one a plan may promise)."""
+    return "tcmalloc" if allocator == "tcmalloc" else "glibc"
+
+
+def sharded_factor(strategy: str, layout: str = "full_shard", allocator: str = IMAGE_ALLOCATOR) -> ShardedCompute | None:
+    """The factor for a rank of `strategy` (fsdp: in `layout`) on `allocator`; None where its rank
+    computes as the single strategy's (single, ddp)."""
+    if strategy not in ("fsdp", "zero3"):
+        return None
+    layout_key = (layout if layout in _MEASURED_LAYOUTS else "full_shard") if strategy == "fsdp" else None
+    family = allocator_family(allocator)
+    return next(r for r in ROWS if (r.strategy, r.layout, r.allocator) == (strategy, layout_key, family))
+
+
+def measured_compute(peak_flops_per_s: float, choice, strategy: str, layout: str = "full_shard",
+                     allocator: str = IMAGE_ALLOCATOR):
     """A rank's cores at the MFU measured for its CPU (`choice`: measured_mfu's, a single-strategy
-    run's), slowed by what sharding costs a rank where `strategy` shards."""
+    run's), slowed by what sharding costs a rank where `strategy` shards. A factor is never below 1:
+    a sharded rank is not planned faster than the same rank unsharded."""
     from cputrain.plan.time.step_time import Compute
 
     share, said = choice.row.executed_share_of_peak, choice.describe()
-    sharded = sharded_factor(strategy)
+    sharded = sharded_factor(strategy, layout, allocator)
     if sharded is None:
         return Compute(peak_flops_per_s, share, said)
-    return Compute(peak_flops_per_s, share / sharded.factor,
-                   f"{said}; ÷ {sharded.factor:.2f} for a {strategy} rank's own work ({sharded.source})")
+    return Compute(peak_flops_per_s, share / max(1.0, sharded.factor), f"{said}; {sharded.describe()}")
+
+
+def running_allocator(cfg) -> str:
+    """The allocator a run of `cfg` gets on this node (hardware.allocator as auto resolves it here)."""
+    from cputrain.native.allocator import allocator_choice
+
+    return allocator_choice(cfg.hardware.allocator, precision=cfg.hardware.precision,
+                            strategy=cfg.parallel.strategy).name
