@@ -158,25 +158,35 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
     print_and_write_block("sharded_rank", "\n".join(lines), None, quick)
 
 
-def main() -> None:
+def size_args(description: str, sizes: str) -> argparse.ArgumentParser:
+    """The options this script and two_ranks.py share: sizes, precisions, rounds, steps, tcmalloc."""
     from cputrain.native.allocator import find_allocator
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one round: checks the script only")
-    parser.add_argument("--sizes", default="demo,34m,100m")
+    parser.add_argument("--sizes", default=sizes)
     parser.add_argument("--precisions", default="bf16,fp32")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--profile-sizes", default="demo,34m,100m", help="the sizes whose cases are profiled once more")
     parser.add_argument("--tcmalloc", default=find_allocator("tcmalloc"),
                         help="tcmalloc's library for the tcmalloc cases (default: the installed one; none: no such cases)")
-    args = parser.parse_args()
+    return parser
+
+
+def sizes_of(args: argparse.Namespace) -> tuple[list[str], list[str], int, int]:
+    """(sizes, precisions, rounds, steps); --quick: the tiny model in fp32, one round of 4 steps."""
     if args.quick:
         SIZES["tiny"] = MODEL_TINY
-        sizes, precisions, rounds, steps, profile_sizes = ["tiny"], ["fp32"], 1, 4, ["tiny"]
-    else:
-        sizes, precisions, rounds, steps = args.sizes.split(","), args.precisions.split(","), args.rounds, args.steps
-        profile_sizes = args.profile_sizes.split(",")
+        return ["tiny"], ["fp32"], 1, 4
+    return args.sizes.split(","), args.precisions.split(","), args.rounds, args.steps
+
+
+def main() -> None:
+    parser = size_args(__doc__, "demo,34m,100m")
+    parser.add_argument("--profile-sizes", default="demo,34m,100m", help="the sizes whose cases are profiled once more")
+    args = parser.parse_args()
+    sizes, precisions, rounds, steps = sizes_of(args)
+    profile_sizes = ["tiny"] if args.quick else args.profile_sizes.split(",")
     with tempfile.TemporaryDirectory(prefix="sharded-rank-") as tmp:
         results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, profile_sizes)
     write(results, rounds, steps, args.quick, args.tcmalloc)

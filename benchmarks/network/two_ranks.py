@@ -15,7 +15,6 @@ the same allocator, and rank 0's step peak. Writes block `two_ranks` of docs/ben
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
@@ -25,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.model_sizes import MODEL_TINY  # noqa: E402
-from benchmarks.network.sharded_rank import FULL_SHARD, SIZES, ZERO3, common, median_step_s, preloaded  # noqa: E402
+from benchmarks.network.sharded_rank import (FULL_SHARD, SIZES, ZERO3, common, median_step_s, preloaded,  # noqa: E402
+                                             size_args, sizes_of)
 from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -82,22 +81,8 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
 
 
 def main() -> None:
-    from cputrain.native.allocator import find_allocator
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one round: checks the script only")
-    parser.add_argument("--sizes", default="34m,100m")
-    parser.add_argument("--precisions", default="bf16,fp32")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--tcmalloc", default=find_allocator("tcmalloc"),
-                        help="tcmalloc's library for the tcmalloc cases (default: the installed one; none: no such cases)")
-    args = parser.parse_args()
-    if args.quick:
-        SIZES["tiny"] = MODEL_TINY
-        sizes, precisions, rounds, steps = ["tiny"], ["fp32"], 1, 4
-    else:
-        sizes, precisions, rounds, steps = args.sizes.split(","), args.precisions.split(","), args.rounds, args.steps
+    args = size_args(__doc__, "34m,100m").parse_args()
+    sizes, precisions, rounds, steps = sizes_of(args)
     with tempfile.TemporaryDirectory(prefix="two-ranks-") as tmp:
         results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc)
     write(results, rounds, steps, args.quick, args.tcmalloc)
