@@ -51,6 +51,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("fsdp_prefetch", "network.md", "## FSDP's gathers issued a block ahead"),
     ("sharded_rank", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks", "network.md", "## A sharded rank against the single strategy"),
+    ("zero3_fetch", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
     ("sft", "sft-and-dpo.md", "## SFT against TRL"),

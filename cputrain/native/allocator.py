@@ -82,7 +82,7 @@ SHARDED = ("fsdp", "zero3")
 # What a sharded rank loses without tcmalloc (benchmarks/network/sharded_rank.py, block sharded_rank):
 # on glibc it maps and zeroes its gathered blocks and activations again every micro-batch.
 SHARDED_MEASURED = ("one rank alone at ~100M in bf16 on a 2-core AVX512-BF16 EPYC, tcmalloc against glibc as is: fsdp "
-                    "full_shard 1.54× faster, zero3 1.59×, each within 1.09× (fsdp) and 1.34× (zero3) of the single "
+                    "full_shard 1.54× faster, zero3 1.59×, each within 1.09× (fsdp) and 1.34× (zero3, fetching module by module) of the single "
                     "strategy's step (benchmarks/network/sharded_rank.py)")
 
 

@@ -94,6 +94,13 @@ class DeepSpeedPlan:
     def offload_param(self) -> bool:
         return _offloaded(self.config["zero_optimization"].get("offload_param"))
 
+    @property
+    def fetch_granularity_set(self) -> bool:
+        """Whether the config says which modules DeepSpeed fetches whole (its leaf modules, by
+        name or by a granularity threshold); if not, the zero3 strategy fetches each decoder block whole."""
+        zero = self.config["zero_optimization"]
+        return "leaf_module" in zero or float(zero.get("stage3_module_granularity_threshold", 0) or 0) > 0
+
 
 def _offloaded(section) -> bool:
     return isinstance(section, dict) and section.get("device", "none") not in (None, "none")

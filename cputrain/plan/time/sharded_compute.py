@@ -41,16 +41,19 @@ class ShardedCompute:
 
 
 ROWS = [
-    # tcmalloc: single 8.28 s a step; full_shard 9.05, gather_once 8.73, zero3 11.11
+    # tcmalloc: single 8.28 s a step; full_shard 9.05, gather_once 8.73
     ShardedCompute("fsdp", "full_shard", "tcmalloc", 1.09, _SOURCE),
     ShardedCompute("fsdp", "gather_once", "tcmalloc", 1.05, _SOURCE),
-    ShardedCompute("zero3", None, "tcmalloc", 1.34, _SOURCE),
-    # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63. gather_once on
-    # glibc takes full_shard's factor: not measured at ~100M (1.41× against full_shard's 1.50× at ~34M)
+    # zero3 fetching each decoder block whole (the strategy's default): single 8.65 s, zero3 8.90
+    ShardedCompute("zero3", None, "tcmalloc", 1.03, _SOURCE.replace("block sharded_rank", "block zero3_fetch")),
+    # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63 (fetching module by
+    # module, before blocks were fetched whole: an upper bound now). gather_once on glibc takes
+    # full_shard's factor: not measured at ~100M (1.41× against full_shard's 1.50× at ~34M)
     ShardedCompute("fsdp", "full_shard", "glibc", 1.61, _SOURCE),
     ShardedCompute("fsdp", "gather_once", "glibc", 1.61, _SOURCE + "; full_shard's, gather_once on glibc not measured "
                    "at this size"),
-    ShardedCompute("zero3", None, "glibc", 2.04, _SOURCE),
+    ShardedCompute("zero3", None, "glibc", 2.04, _SOURCE + "; fetching module by module, an upper bound for blocks "
+                   "fetched whole"),
 ]
 # Layouts measured apart; the others (hybrid and the node layouts) shard and gather as full_shard does.
 _MEASURED_LAYOUTS = ("full_shard", "gather_once")

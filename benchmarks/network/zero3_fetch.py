@@ -1,0 +1,117 @@
+"""ZeRO-3 fetching each decoder block whole against DeepSpeed's per-module fetch.
+
+DeepSpeed puts its fetch and release hooks on every module that holds parameters (each linear, each
+norm) and runs them in Python on every micro-batch. The zero3 strategy makes each decoder block a
+DeepSpeed leaf module, so a block's parameters are fetched and released together, one hook pair per
+block. Measured here side by side: one rank alone against the single strategy, and two ranks on
+one node against DDP, each case alternated round by round, median step of the steps after the
+first two, median over rounds; "modules" is the zero3 strategy given a DeepSpeed file whose
+`zero_optimization.leaf_module` is empty (DeepSpeed's own default), "blocks" the strategy as it
+runs. Every case on tcmalloc where given (preloaded, as the training image has it), else glibc as
+`auto` gives it. The largest loss difference between modules and blocks over the run's steps is
+shown: the same computation, fetched in other groups. Writes block `zero3_fetch` of
+docs/benchmarks/network.md.
+
+    python benchmarks/network/zero3_fetch.py                   # the figures (a quiet machine)
+    python benchmarks/network/zero3_fetch.py --sizes 34m --ranks 1 --rounds 3
+    python benchmarks/network/zero3_fetch.py --tcmalloc /path/to/libtcmalloc_minimal.so.4
+    python benchmarks/network/zero3_fetch.py --quick           # tiny model, 4 steps: checks the script only
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.network.sharded_rank import SIZES, ZERO3, common, median_step_s, preloaded, size_args, sizes_of  # noqa: E402
+from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
+from benchmarks.runner.machine import machine_line  # noqa: E402
+
+TOKENS_PER_STEP = 8 * 512  # common(): global batch 8 of seq 512
+
+
+def cases(ranks: int, per_module_file: Path) -> list[tuple[str, list[str]]]:
+    peer = ("single", ["parallel.strategy=single"]) if ranks == 1 else ("ddp", ["parallel.strategy=ddp"])
+    return [peer, ("zero3 modules", [*ZERO3, f"parallel.deepspeed_config={per_module_file}"]), ("zero3 blocks", ZERO3)]
+
+
+def losses(rows: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], ranks_list: list[int], rounds: int,
+            steps: int, tmp: Path, tcmalloc: str | None) -> list[dict]:
+    per_module = tmp / "per-module.json"
+    per_module.write_text(json.dumps({"zero_optimization": {"stage": 3, "leaf_module": {}}}))
+    allocator = "tcmalloc" if tcmalloc else "system"
+    results = []
+    for ranks in ranks_list:
+        for size in (sizes if ranks == 1 else two_rank_sizes):
+            for precision in precisions:
+                base = [*SIZES[size], *common(steps, tmp / "cache"), f"hardware.precision={precision}",
+                        *(["--nproc-per-node", str(ranks)] if ranks > 1 else [])]
+                times: dict[str, list[float]] = {}
+                peaks, first_losses = {}, {}
+                for _ in range(rounds):  # alternated: drift in the machine hits every case alike
+                    for label, overrides in cases(ranks, per_module):
+                        alloc = "glibc-tuned" if label in ("single", "ddp") and not tcmalloc else allocator
+                        with preloaded(alloc, tcmalloc) as chosen:
+                            run = train_measured([*base, *overrides, *chosen], what=f"{size} {precision} {label}")
+                        times.setdefault(label, []).append(median_step_s(run.metrics_rows))
+                        peaks[label] = run.step_peak["rss_gib"]
+                        first_losses.setdefault(label, losses(run.metrics_rows))
+                        print(f"{ranks} rank(s) {size} {precision} {label}: {times[label][-1]:.3f} s", flush=True)
+                peer_s = statistics.median(times[cases(ranks, per_module)[0][0]])
+                drift = max(abs(first_losses["zero3 blocks"][s] - first_losses["zero3 modules"][s])
+                            for s in first_losses["zero3 modules"])
+                for label, _ in cases(ranks, per_module):
+                    step_s = statistics.median(times[label])
+                    results.append({"ranks": ranks, "size": size, "precision": precision, "case": label,
+                                    "step_s": step_s, "vs_peer": peer_s / step_s if ranks > 1 else step_s / peer_s,
+                                    "tokens_s": TOKENS_PER_STEP / step_s, "step_peak_gib": peaks[label],
+                                    "loss_drift": drift if label.startswith("zero3") else None})
+    return results
+
+
+def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None) -> None:
+    lines = [machine_line(), "",
+             f"`python benchmarks/network/zero3_fetch.py`{' --quick' if quick else ''}: seq 512, global batch 8 in "
+             f"micro-batches of 2, {steps} steps, median step of the steps after the first two, median of {rounds} "
+             "alternated round(s); attention sdpa, every other `auto` cputrain's; "
+             + (f"tcmalloc preloaded ({Path(tcmalloc).name})" if tcmalloc else "glibc as `auto` gives each case")
+             + ". One rank: ÷ single is the step over the single strategy's (lower is better); two ranks (1 thread "
+               "each, one node): × ddp is tokens/s over DDP's (higher is better). |Δ loss| is the largest "
+               "difference between the modules and blocks runs' losses over the steps.", "",
+             "| ranks | size | precision | case | step s | tokens/s | vs peer | step peak GiB | \\|Δ loss\\| |",
+             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        vs = f"{r['vs_peer']:.2f}× " + ("÷ single" if r["ranks"] == 1 else "ddp")
+        drift = "" if r["loss_drift"] is None else f"{r['loss_drift']:.1e}"
+        lines.append(f"| {r['ranks']} | {r['size']} | {r['precision']} | {r['case']} | {r['step_s']:.3f} | "
+                     f"{r['tokens_s']:.0f} | {vs} | {r['step_peak_gib']:.2f} | {drift} |")
+    print_and_write_block("zero3_fetch", "\n".join(lines), None, quick)
+
+
+def main() -> None:
+    parser = size_args(__doc__, "demo,34m,100m")
+    parser.set_defaults(precisions="bf16")
+    parser.add_argument("--ranks", default="1,2", help="1: one rank against single; 2: two ranks against ddp")
+    parser.add_argument("--two-rank-sizes", default="100m", help="the sizes two ranks run at")
+    args = parser.parse_args()
+    sizes, precisions, rounds, steps = sizes_of(args)
+    two_rank_sizes = sizes if args.quick else args.two_rank_sizes.split(",")
+    with tempfile.TemporaryDirectory(prefix="zero3-fetch-") as tmp:
+        results = measure(sizes, two_rank_sizes, precisions, [int(n) for n in args.ranks.split(",")], rounds, steps,
+                          Path(tmp), args.tcmalloc)
+    write(results, rounds, steps, args.quick, args.tcmalloc)
+
+
+if __name__ == "__main__":
+    main()
