@@ -48,6 +48,17 @@ def test_generated_config_follows_cputrains_config():
     assert plan.config["bf16"]["enabled"] is True and plan.config["zero_optimization"]["stage"] == 3
     assert plan.config["zero_optimization"]["reduce_bucket_size"] == 128 * 128
     assert plan.config["gradient_clipping"] == 1.0
+    assert not plan.fetch_granularity_set  # so the zero3 strategy fetches each decoder block whole
+
+
+@pytest.mark.parametrize("zero, kept", [({"leaf_module": {"classes": ["my.Block"]}}, True),
+                                        ({"stage3_module_granularity_threshold": 5000}, True),
+                                        ({"stage3_module_granularity_threshold": 0}, False)])
+def test_a_file_that_says_what_deepspeed_fetches_whole_keeps_it(tmp_path, zero, kept):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    plan = dsc.plan_for(_cfg(f"parallel.deepspeed_config={path}"), world_size=2, grad_accum_steps=1, hidden_size=64)
+    assert plan.fetch_granularity_set is kept
 
 
 def test_optimizer_scheduler_and_lower_stage_in_the_file_are_reported(tmp_path):
