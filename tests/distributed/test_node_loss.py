@@ -4,7 +4,7 @@ Node 0 (10.77.0.1) hosts the rendezvous; node 1 (10.77.0.2) is the one lost: (b)
 10 s, then up, and later in the same run (a) all its processes killed with SIGKILL, then started
 again; (c) its link down for good. Each case prints the time from the fault to what node 0 does, and the
 figures are in docs/guides/faults-and-resume.md. The bounds come from the settings the nodes run
-with: a collective waits parallel.timeout_s (20 s) for a silent peer, a restarted group waits
+with: a collective waits parallel.timeout_s (20 s; 15 s in (c)) for a silent peer, a restarted group waits
 launch.rdzv_timeout_s for every node to rejoin; every run ends with the losses of one straight
 run of the same config (2 ranks on one host, trained once).
 """
@@ -155,17 +155,19 @@ def test_c_node_never_back_both_sides_end_within_the_bound(hosts, tmp_path, cach
     agent restarts the group (launch.max_restarts=1), waits launch.rdzv_timeout_s for node 1 and
     ends with exit 2 naming it. Node 1, cut off from the rendezvous host, ends too (exit 2)
     instead of waiting on it for ever. The bound: parallel.timeout_s + launch.rdzv_timeout_s and
-    a few seconds for the agents."""
-    rdzv_s = 20
-    bound_s = TIMEOUT_S + rdzv_s + 15
+    a few seconds for the agents: the same 15 s of margin at any settings. Both waits are shorter
+    than (a)'s (15 s and 10 s): only (a)'s outage needs parallel.timeout_s long."""
+    timeout_s, rdzv_s = 15, 10
+    bound_s = timeout_s + rdzv_s + 15
     out = tmp_path / "run"
-    nodes = _start(hosts, out, cache_dir, 29563, **{"launch.max_restarts": 1, "launch.rdzv_timeout_s": rdzv_s})
+    nodes = _start(hosts, out, cache_dir, 29563, **{"launch.max_restarts": 1, "launch.rdzv_timeout_s": rdzv_s,
+                                                    "parallel.timeout_s": timeout_s})
     try:
         _after_checkpoint(out, nodes)
         set_link(hosts[1][0], up=False)
         fault = time.monotonic()
-        named = nodes[0].wait_for_line(f"stopped: node 1 (10.77.0.2, rank 1) did not answer for {TIMEOUT_S} s",
-                                       TIMEOUT_S + 15, since=fault)
+        named = nodes[0].wait_for_line(f"stopped: node 1 (10.77.0.2, rank 1) did not answer for {timeout_s} s",
+                                       timeout_s + 15, since=fault)
         assert named, nodes[0].output()[-3000:]
         assert nodes[0].wait(bound_s - (time.monotonic() - fault)) == 2, nodes[0].output()[-3000:]
         assert nodes[1].wait(max(1.0, bound_s - (time.monotonic() - fault))) == 2, nodes[1].output()[-3000:]
@@ -175,7 +177,7 @@ def test_c_node_never_back_both_sides_end_within_the_bound(hosts, tmp_path, cach
         assert not netns_pids(hosts[1][0]), "a process of node 1 outlived its agent"
         print(f"\n(c) node 1's link down for good: node 0 named it {named[0] - fault:.1f} s after, exited 2 "
               f"{nodes[0].ended_at - fault:.1f} s after; node 1 exited 2 {nodes[1].ended_at - fault:.1f} s after "
-              f"(bound {TIMEOUT_S} + {rdzv_s} s + the agents' few)")
+              f"(bound {timeout_s} + {rdzv_s} s + the agents' few)")
         for node in nodes:
             assert "Traceback" not in node.output(), node.output()[-3000:]
     finally:

@@ -220,7 +220,8 @@ def test_doctor_prints_hardware_and_auto_choices():
         assert f"measured {precision:<5} {peak['flops'] / 1e9:9.1f} GFLOP/s" in proc.stdout
 
 
-@pytest.mark.alone  # the demo's own settings: threads = every core
+# Not `alone`: the demo's own settings (threads = every core) beside the other worker's test change
+# its speed, not what it learns (nothing here is timed); alone, the other worker idled through it.
 @pytest.mark.fresh_interpreter  # the one command of `make demo`, exactly as a user starts it
 def test_default_run_learns_and_leaves_plot_and_sample(tmp_path, cache_dir):
     """`cputrain train` with no config (the built-in demo: its model, corpus, tokenizer and
