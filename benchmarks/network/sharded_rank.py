@@ -62,6 +62,9 @@ FAMILIES = ("matmul", "attention", "compiled", "casts_copies", "elementwise", "c
             "other", "collectives")
 
 
+TOKENS_PER_STEP = 8 * 512  # common(): global batch 8 of seq 512
+
+
 def common(steps: int, cache: Path) -> list[str]:
     # log_every=1: a row per step, so the median below is of steps, not of rows that average a
     # window with the first step in it (a run's first step times its kernels and warms its heap)

@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.sharded_rank import (FULL_SHARD, SIZES, ZERO3, common, median_step_s, preloaded,  # noqa: E402
-                                             size_args, sizes_of)
+from benchmarks.network.sharded_rank import (FULL_SHARD, SIZES, TOKENS_PER_STEP, ZERO3, common, median_step_s,  # noqa: E402
+                                             preloaded, size_args, sizes_of)
 from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
@@ -33,7 +33,6 @@ from benchmarks.runner.machine import machine_line  # noqa: E402
 CASES = [("ddp", ["parallel.strategy=ddp"]), ("fsdp full_shard", FULL_SHARD), ("zero3", ZERO3)]
 # what auto gives each strategy without tcmalloc, then tcmalloc
 GLIBC = {"ddp": "glibc-tuned", "fsdp full_shard": "system", "zero3": "system"}
-TOKENS_PER_STEP = 8 * 512
 
 
 def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tmp: Path, tcmalloc: str | None) -> list[dict]:

@@ -29,13 +29,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.sharded_rank import SIZES, ZERO3, common, median_step_s, preloaded, size_args, sizes_of  # noqa: E402
+from benchmarks.network.sharded_rank import (SIZES, TOKENS_PER_STEP, ZERO3, common, median_step_s, preloaded,  # noqa: E402
+                                             size_args, sizes_of)
 from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
-
-TOKENS_PER_STEP = 8 * 512  # common(): global batch 8 of seq 512
-
 
 def cases(ranks: int, per_module_file: Path) -> list[tuple[str, list[str]]]:
     peer = ("single", ["parallel.strategy=single"]) if ranks == 1 else ("ddp", ["parallel.strategy=ddp"])

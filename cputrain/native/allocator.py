@@ -79,11 +79,13 @@ GLIBC_TUNED_MEASURED = {
              "fully fine-tuned, 1.10× with LoRA on ~300M, at the same step peak (benchmarks/memory/allocator.py)"),
 }
 SHARDED = ("fsdp", "zero3")
-# What a sharded rank loses without tcmalloc (benchmarks/network/sharded_rank.py, block sharded_rank):
-# on glibc it maps and zeroes its gathered blocks and activations again every micro-batch.
+# What a sharded rank loses without tcmalloc (benchmarks/network/sharded_rank.py, block sharded_rank; zero3
+# as it runs now, each block fetched whole: zero3_fetch.py): on glibc it maps and zeroes its gathered
+# blocks and activations again every micro-batch.
 SHARDED_MEASURED = ("one rank alone at ~100M in bf16 on a 2-core AVX512-BF16 EPYC, tcmalloc against glibc as is: fsdp "
-                    "full_shard 1.54× faster, zero3 1.59×, each within 1.09× (fsdp) and 1.34× (zero3, fetching module by module) of the single "
-                    "strategy's step (benchmarks/network/sharded_rank.py)")
+                    "full_shard 1.54× faster, zero3 1.59× (fetching module by module); on tcmalloc within 1.09× (fsdp) "
+                    "and 1.03× (zero3) of the single strategy's step (benchmarks/network/sharded_rank.py, "
+                    "zero3_fetch.py)")
 
 
 def _search_dirs() -> list[str]:

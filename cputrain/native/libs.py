@@ -35,7 +35,7 @@ def report_lines() -> list[str]:
                              "hardware.allocator=system turns it off)"
                              if malloc else "glibc (tcmalloc not installed: apt install libtcmalloc-minimal4, or make "
                                             "install; measured 1.00–1.17× glibc's tokens/s in fp32 on one unsharded "
-                                            "rank, 1.54× on an fsdp rank and 1.59× on a zero3 rank in bf16)"),
+                                            "rank, 1.54× on an fsdp rank and 1.59× on a zero3 rank fetching module by module, in bf16)"),
         "OpenMP         " + (f"torch's libgomp; Intel's libiomp5 is installed at {iomp} (not preloaded: "
                              "its effect is not measured yet)" if iomp else
                              "torch's libgomp (Intel's libiomp5 not installed: pip install intel-openmp)"),

@@ -22,9 +22,15 @@ from dataclasses import dataclass
 
 # The allocator the instance plans assume: the training image's (Dockerfile: libgoogle-perftools4).
 IMAGE_ALLOCATOR = "tcmalloc"
-_SOURCE = ("one rank alone, ~100M Llama in bf16, 4 micro-batches of 2 × 512, median of 2 alternated rounds, "
-           "against the single strategy on the same allocator (block sharded_rank of docs/benchmarks/network.md, "
-           "AMD EPYC with AVX512-BF16)")
+
+
+def _source(block: str) -> str:
+    return ("one rank alone, ~100M Llama in bf16, 4 micro-batches of 2 × 512, median of 2 alternated rounds, "
+            f"against the single strategy on the same allocator (block {block} of docs/benchmarks/network.md, "
+            "AMD EPYC with AVX512-BF16)")
+
+
+_SOURCE = _source("sharded_rank")
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ ROWS = [
     ShardedCompute("fsdp", "full_shard", "tcmalloc", 1.09, _SOURCE),
     ShardedCompute("fsdp", "gather_once", "tcmalloc", 1.05, _SOURCE),
     # zero3 fetching each decoder block whole (the strategy's default): single 8.65 s, zero3 8.90
-    ShardedCompute("zero3", None, "tcmalloc", 1.03, _SOURCE.replace("block sharded_rank", "block zero3_fetch")),
+    ShardedCompute("zero3", None, "tcmalloc", 1.03, _source("zero3_fetch")),
     # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63 (fetching module by
     # module, before blocks were fetched whole: an upper bound now). gather_once on glibc takes
     # full_shard's factor: not measured at ~100M (1.41× against full_shard's 1.50× at ~34M)
