@@ -4,7 +4,14 @@ then decoded a token a step from a KV cache, each row ending at a stop token or 
 Sampling follows transformers' order (temperature, then top-k, then top-p) and draws only from the
 generator it is given, so a resumed run that restores the generator's state samples the same.
 
+Two paths, one loop. A Llama-family policy on an unsharded rank decodes on its own weights fused
+and merged once per rollout (decoder_weights.py, fused_decoder.py): four products a block, LoRA's
+adapters merged, no per-token cast under autocast, no collective (each rank decodes its rows to its
+own end). Any other model, or a sharded one, runs through its own modules (`_ModuleSteps`), ranks
+kept in step by `any_rank_running`. `Rollout.path` says which ran.
+
 What makes it faster than `model.generate()` (each measured, docs/benchmarks/online-rl.md):
+- the fused decoder above, where the model is one it runs;
 - the prefill's head computes the last position's logits only;
 - the KV cache is written in place into tensors sized once (kv_cache.py), not concatenated;
 - the attention mask is built once and passed as a view (attention_masks.py);
@@ -33,6 +40,8 @@ import torch
 
 from cputrain.rollouts.attention_masks import RolloutMasks
 from cputrain.rollouts.decode_attention import decode_attention
+from cputrain.rollouts.decoder_weights import decoder_weights, runs_fused
+from cputrain.rollouts.fused_decoder import FusedDecoder
 from cputrain.rollouts.kv_cache import cache_keyword, rollout_cache, select_rows
 from cputrain.rollouts.token_draw import next_tokens
 
@@ -54,6 +63,7 @@ class Rollout:
     prefill_s: float
     decode_s: float
     new_tokens: int
+    path: str = "modules"  # "fused": fused_decoder.py on the policy's merged weights; "modules": the model's own
 
 
 def _left_padded(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,37 +142,91 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout
     completions: list[list[int]] = [[] for _ in range(rows)]
     stopped = [False] * rows
     start = time.perf_counter()
+    weights = decoder_weights(model, _compute_dtype(model)) if rows and settings.max_new_tokens > 0 else None
+    if weights is not None:
+        # no collective in a fused rollout: each rank decodes its own rows to its own end
+        return _prefill_and_decode(model, _FusedSteps(weights), prompt_ids, settings, generator, None, start,
+                                   completions, stopped)
     if rows == 0 or settings.max_new_tokens <= 0:
-        if any_rank_running is not None:  # the others prefill (one forward), then decode
+        if any_rank_running is not None and not runs_fused(model):  # the others prefill, then decode
             _keep_step_until_all_done(model, settings.pad_token_id, any_rank_running)
         return Rollout(completions, stopped, time.perf_counter() - start, 0.0, 0)
     forward = _Forward(model)
     if getattr(forward.config, "sliding_window", None):
         # a window the masks built here do not know: the model builds its own from the 2D mask, and
         # attends with its own attention
-        return _prefill_and_decode(model, forward, "2d", prompt_ids, settings, generator, any_rank_running, start,
-                                   completions, stopped)
+        return _prefill_and_decode(model, _ModuleSteps(forward, "2d"), prompt_ids, settings, generator,
+                                   any_rank_running, start, completions, stopped)
     with decode_attention(forward.config) as ours:
         kind = "rollout" if ours else getattr(forward.config, "_attn_implementation", None)
-        return _prefill_and_decode(model, forward, kind, prompt_ids, settings, generator, any_rank_running, start,
-                                   completions, stopped)
+        return _prefill_and_decode(model, _ModuleSteps(forward, kind), prompt_ids, settings, generator,
+                                   any_rank_running, start, completions, stopped)
 
 
-def _prefill_and_decode(model, forward, kind, prompt_ids, settings, generator, any_rank_running, start,
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype a forward's products run in: the autocast's under one, else the weights'."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return next(model.parameters()).dtype
+
+
+class _ModuleSteps:
+    """A rollout through the model's own modules: transformers' forward over rollout_cache()."""
+
+    path = "modules"
+
+    def __init__(self, forward: _Forward, kind: str | None):
+        self.forward, self.kind = forward, kind
+
+    def start(self, rows: int, capacity: int) -> None:
+        self.cache = rollout_cache(self.forward.config, capacity)
+
+    def prefill(self, ids, positions, mask) -> torch.Tensor:
+        return self.forward(ids, mask, positions, self.cache)
+
+    def decode(self, tokens, positions, masks: RolloutMasks, seen: int) -> torch.Tensor:
+        return self.forward(tokens, masks.decode(seen), positions, self.cache)
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        select_rows(self.cache, indices)
+
+
+class _FusedSteps:
+    """A rollout on the policy's fused weights (fused_decoder.py)."""
+
+    kind, path = "rollout", "fused"
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def start(self, rows: int, capacity: int) -> None:
+        self.decoder = FusedDecoder(self.weights, rows, capacity)
+
+    def prefill(self, ids, positions, mask) -> torch.Tensor:
+        return self.decoder.prefill(ids, positions, mask)
+
+    def decode(self, tokens, positions, masks: RolloutMasks, seen: int) -> torch.Tensor:
+        return self.decoder.decode(tokens, positions, masks.decode(self.decoder.span(seen)))
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        self.decoder.select_rows(indices)
+
+
+def _prefill_and_decode(model, steps, prompt_ids, settings, generator, any_rank_running, start,
                         completions, stopped) -> Rollout:
     distinct, copy_of = _distinct(prompt_ids)
     ids, padding = _left_padded(distinct, settings.pad_token_id)
     width = ids.shape[1]
-    cache = rollout_cache(forward.config, width + settings.max_new_tokens)
-    masks = RolloutMasks(padding, width + settings.max_new_tokens, kind, next(model.parameters()).dtype)
+    steps.start(len(distinct), width + settings.max_new_tokens)
+    masks = RolloutMasks(padding, width + settings.max_new_tokens, steps.kind, next(model.parameters()).dtype)
     # positions count real tokens only, so a left-padded row sees the positions it would alone
     positions = (padding.cumsum(dim=-1) - 1).clamp(min=0)
-    logits = forward(ids, masks.prefill(), positions, cache)
+    logits = steps.prefill(ids, positions, masks.prefill())
     masks.start_decoding()
     next_position = positions[:, -1:] + 1
     if len(distinct) < len(prompt_ids):  # each completion of a shared prompt gets its own copy of the cache rows
         rows_of_prompts = torch.tensor(copy_of)
-        select_rows(cache, rows_of_prompts)
+        steps.select_rows(rows_of_prompts)
         masks.select_rows(rows_of_prompts)
         logits, next_position = logits[rows_of_prompts], next_position[rows_of_prompts]
     prefill_s = time.perf_counter() - start
@@ -188,12 +252,12 @@ def _prefill_and_decode(model, forward, kind, prompt_ids, settings, generator, a
             break
         if _rows_worth_dropping(int((~live).sum()), len(row_of)):
             kept = live.nonzero().flatten()
-            select_rows(cache, kept)
+            steps.select_rows(kept)
             masks.select_rows(kept)
             row_of = [row_of[i] for i in kept.tolist()]
             token, next_position, live = token[kept], next_position[kept], live[kept]
         seen += 1
-        logits = forward(token[:, None], masks.decode(seen), next_position, cache)
+        logits = steps.decode(token[:, None], next_position, masks, seen)
         next_position = next_position + 1
     return Rollout(completions, stopped, prefill_s, time.perf_counter() - start,
-                   sum(len(c) for c in completions))
+                   sum(len(c) for c in completions), steps.path)

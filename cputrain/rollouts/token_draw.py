@@ -48,6 +48,11 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         drawn = _draw_among_candidates(logits.float() / temperature, top_k, top_p, generator)
         if drawn is not None:
             return drawn
+    if top_k == 0 and top_p >= 1.0:
+        # plain sampling: the draw takes unnormalised probabilities, so neither the softmax's
+        # division nor (at temperature 1) the temperature's is paid: two passes over rows × vocab
+        scores = logits.float() if temperature == 1.0 else logits.float() / temperature
+        return _draw((scores - scores.amax(dim=-1, keepdim=True)).exp_(), generator)
     return _draw(warped_scores(logits, temperature, top_k, top_p).softmax(dim=-1), generator)
 
 

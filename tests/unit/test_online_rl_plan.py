@@ -8,6 +8,7 @@ import pytest
 
 from cputrain.config.file import load_config
 from cputrain.plan.time.step_time import ROLLOUT_MFU_SHARE, StepSettings
+from cputrain.rollouts.fused_weight_size import fused_weight_bytes
 from cputrain.rollouts.kv_cache_size import kv_cache_bytes
 from cputrain.training.choices import decide_and_plan
 
@@ -28,7 +29,9 @@ def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits(plans):
     m = plan.shape
     shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
              "hidden_size": m.hidden}
-    assert rank.rollout_bytes == kv_cache_bytes(shape, 32, 256, "fp32") + 2 * 32 * m.vocab * 4
+    shape.update(intermediate_size=m.intermediate, vocab_size=m.vocab)
+    assert rank.rollout_bytes == (kv_cache_bytes(shape, 32, 256, "fp32") + 2 * 32 * m.vocab * 4
+                                  + fused_weight_bytes(shape, "fp32", "fp32"))
     assert lm.peak_rank.rollout_bytes == 0
 
 
@@ -37,3 +40,27 @@ def test_the_time_plan_counts_one_forward_a_rollout_position(plans):
     assert StepSettings.of_plan(plan, 32).rollout_positions == 32 * 256
     assert StepSettings.of_plan(lm, 32).rollout_positions == 0
     assert 0 < ROLLOUT_MFU_SHARE < 1
+
+
+@pytest.mark.parametrize("weights, compute, lora", [("fp32", "fp32", False), ("fp32", "bf16", False),
+                                                    ("fp32", "fp32", True), ("bf16", "bf16", True)])
+def test_fused_weight_bytes_is_what_the_fused_decoder_holds_beside_the_model(weights, compute, lora):
+    """The bytes of decoder_weights()'s tensors whose storage is not one of the model's own."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.rollouts.decoder_weights import decoder_weights
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(dtypes[weights])
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]))
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = decoder_weights(model, dtypes[compute])
+    tensors = [held.head] + [t for b in held.blocks for t in (b.qkv, b.out, b.gate_up, b.down)]
+    new = sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in own)
+    assert new == fused_weight_bytes(config, compute, weights, lora=lora) > 0

@@ -38,12 +38,33 @@ def _seeded(seed: int = 1234) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(params=["fused", "modules"])
+def path(request, monkeypatch):
+    """Each rollout path a test runs on: the fused decoder on the policy's merged weights (what a
+    Llama takes), or the model's own modules (what any other model takes)."""
+    if request.param == "modules":
+        from cputrain.rollouts import sampling
+
+        monkeypatch.setattr(sampling, "decoder_weights", lambda model, dtype: None)
+        monkeypatch.setattr(sampling, "runs_fused", lambda model: False)
+    return request.param
+
+
+@pytest.fixture
+def modules_only(monkeypatch):
+    from cputrain.rollouts import sampling
+
+    monkeypatch.setattr(sampling, "decoder_weights", lambda model, dtype: None)
+    monkeypatch.setattr(sampling, "runs_fused", lambda model: False)
+
+
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementation):
+def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementation, path):
     """Token for token, each prompt against generate on it alone; the model's attention implementation
     is its own again after."""
     model = tiny_llama(attn_implementation=attn_implementation)
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded())
+    assert rollout.path == path
     assert model.config._attn_implementation == attn_implementation
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 10)
     assert rollout.stopped == [False] * len(PROMPTS)
@@ -61,10 +82,32 @@ def test_a_sliding_window_model_attends_within_its_window():
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    assert rollout.path == "modules"
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 8)
 
 
-def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row():
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_families_equal_generate_fused_where_their_blocks_are_a_llamas(family):
+    """Qwen2's blocks are a Llama's with biases on the query, key and value projections: the fused
+    decoder takes them (biases fused too). Qwen3 normalises its queries and keys: its own modules run."""
+    import transformers
+
+    config_class = getattr(transformers, f"{family.capitalize()}Config")
+    model_class = getattr(transformers, f"{family.capitalize()}ForCausalLM")
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          tie_word_embeddings=True, pad_token_id=0)
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    if family == "qwen2":
+        for layer in model.model.layers:  # nonzero biases, so that a bias left out changes the completions
+            torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
+    assert rollout.path == {"qwen2": "fused", "qwen3": "modules"}[family]
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, 8)
+
+
+def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row(path):
     """GRPO's generations: the rows of one prompt share its prefill, and each writes its own completion."""
     model = tiny_llama()
     rows = [p for p in PROMPTS[:3] for _ in range(3)]
@@ -74,7 +117,7 @@ def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row(
     assert len({tuple(c) for c in sampled[:3]}) > 1  # the copies of one prompt draw apart
 
 
-def test_stop_tokens_end_a_row_and_stopped_says_so():
+def test_stop_tokens_end_a_row_and_stopped_says_so(path):
     model = tiny_llama()
     free = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded()).completion_ids
     # a token the first row writes first at its third place or later: it ends there, the others where they meet it
@@ -178,7 +221,7 @@ def test_top_k_and_top_p_among_the_likeliest_tokens_draw_as_the_full_sort():
             assert not frequency[expected == 0].any()
 
 
-def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
+def test_a_lora_wrapped_model_samples_and_its_modes_are_restored(path):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
@@ -196,7 +239,8 @@ def test_a_lora_wrapped_model_samples_and_its_modes_are_restored():
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_without_the_decode_attention_the_models_own_attention_gets_its_own_masks(monkeypatch, attn_implementation):
+def test_without_the_decode_attention_the_models_own_attention_gets_its_own_masks(monkeypatch, attn_implementation,
+                                                                                  modules_only):
     """Where transformers has no AttentionInterface, the model attends with its own sdpa or eager,
     and the masks take its form: the completions are the same."""
     import contextlib
@@ -209,7 +253,7 @@ def test_without_the_decode_attention_the_models_own_attention_gets_its_own_mask
     assert sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids == ours
 
 
-def test_a_model_with_activation_checkpointing_in_train_mode_samples_as_without():
+def test_a_model_with_activation_checkpointing_in_train_mode_samples_as_without(path):
     model = tiny_llama()
     plain = sample(model, PROMPTS, SamplingSettings(max_new_tokens=6, temperature=0), _seeded()).completion_ids
     # transformers 5.x's name for gradient_checkpointing_enable, which it deprecates
@@ -276,7 +320,7 @@ def test_kv_cache_bytes_of_the_demo_shape():
         kv_cache_bytes(demo, rows=1, max_len=1, dtype="int3")
 
 
-def test_under_the_trainers_bf16_autocast_the_cache_holds_bf16(monkeypatch):
+def test_under_the_trainers_bf16_autocast_the_cache_holds_bf16(monkeypatch, modules_only):
     """The trainer holds fp32 weights and computes in bf16 under autocast: sample() called inside its
     autocast keeps the cache in bf16 (what attention's products read), its completions as long as asked."""
     from cputrain.rollouts import kv_cache, sampling
@@ -293,3 +337,25 @@ def test_under_the_trainers_bf16_autocast_the_cache_holds_bf16(monkeypatch):
     assert [len(c) for c in rollout.completion_ids] == [5] * len(PROMPTS)
     assert all(0 <= t < VOCAB for c in rollout.completion_ids for t in c)
     assert {layer.key_store.dtype for layer in caches[0].layers} == {torch.bfloat16}
+
+
+def test_under_the_trainers_bf16_autocast_the_fused_decoder_computes_in_bf16(monkeypatch):
+    """Under the trainer's autocast over fp32 weights, the fused rollout casts the weights to bf16 once
+    (not every product, every token) and keeps its cache in bf16; the model's weights stay fp32."""
+    from cputrain.rollouts import fused_decoder, sampling
+
+    decoders = []
+
+    class Kept(fused_decoder.FusedDecoder):
+        def __init__(self, *args):
+            super().__init__(*args)
+            decoders.append(self)
+
+    monkeypatch.setattr(sampling, "FusedDecoder", Kept)
+    model = tiny_llama()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=5, temperature=1.0), _seeded())
+    assert rollout.path == "fused" and [len(c) for c in rollout.completion_ids] == [5] * len(PROMPTS)
+    assert {k.dtype for k in decoders[0].keys} == {torch.bfloat16}
+    assert {b.qkv.dtype for b in decoders[0].w.blocks} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -257,15 +257,23 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
 
 def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
     """Online RL's rollout on this rank: its KV cache (cputrain.rollouts.kv_cache_size, sized once
-    for the whole rollout in the precision the forwards run in) and the fp32 logits of each row's
-    last position with their warped copy; 0 without a rollout."""
+    for the whole rollout in the precision the forwards run in), the fp32 logits of each row's
+    last position with their warped copy, and on an unsharded rank the fused decoder's weights
+    (cputrain.rollouts.fused_weight_size; sharded ranks decode through their modules); 0 without
+    a rollout."""
     if not inp.rollout_rows:
         return 0
+    from cputrain.rollouts.fused_weight_size import fused_weight_bytes
     from cputrain.rollouts.kv_cache_size import kv_cache_bytes
 
     shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
-             "hidden_size": m.hidden}
-    return kv_cache_bytes(shape, inp.rollout_rows, inp.rollout_len, inp.precision) + 2 * inp.rollout_rows * m.vocab * 4
+             "hidden_size": m.hidden, "intermediate_size": m.intermediate, "vocab_size": m.vocab}
+    fused = 0
+    if inp.strategy in ("single", "ddp"):
+        held = "bf16" if m.lora and inp.precision == "bf16" else "fp32"  # LoRA's base is frozen in bf16 under bf16
+        fused = fused_weight_bytes(shape, inp.precision, held, lora=m.lora)
+    return (kv_cache_bytes(shape, inp.rollout_rows, inp.rollout_len, inp.precision)
+            + 2 * inp.rollout_rows * m.vocab * 4 + fused)
 
 
 def plan_all_ranks(m: ModelShape, inp: PlanInputs) -> list[RankPlan]:

@@ -1,0 +1,30 @@
+"""The bytes decoder_weights() holds beside the model for a rollout, for the memory plan: pure
+arithmetic on the model's shape, no torch.
+
+Its query-key-value and gate-up matrices are new tensors (concatenations) always. Each other
+projection, and the head, is the model's own tensor unless it has to be made anew: cast (the
+products compute in another dtype than the weights are held in, as under the trainer's bf16
+autocast over fp32 weights) or merged with a LoRA adapter (LoRA adapts the projections, not the
+head). The embedding table is looked up where it is.
+"""
+
+from __future__ import annotations
+
+from cputrain.rollouts.kv_cache_size import _field, bytes_per_element
+
+
+def fused_weight_bytes(config, compute_dtype, weights_dtype, lora: bool = False) -> int:
+    """For the model `config` describes (a transformers config or its dict), products computed in
+    `compute_dtype` over weights held in `weights_dtype`, with or without LoRA adapters."""
+    config = _field(config, "text_config", config)
+    hidden = int(_field(config, "hidden_size"))
+    inter = int(_field(config, "intermediate_size"))
+    heads = int(_field(config, "num_attention_heads"))
+    kv_heads = int(_field(config, "num_key_value_heads", heads))
+    head_dim = int(_field(config, "head_dim", hidden // heads))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    cast = bytes_per_element(compute_dtype) != bytes_per_element(weights_dtype)
+    always = hidden * (q + 2 * kv) + 2 * hidden * inter  # qkv, gate_up
+    remade = q * hidden + inter * hidden if cast or lora else 0  # out, down
+    head = int(_field(config, "vocab_size")) * hidden if cast else 0
+    return (int(_field(config, "num_hidden_layers")) * (always + remade) + head) * bytes_per_element(compute_dtype)
