@@ -13,8 +13,9 @@ token (sample() gets none, generate's EOS is unset) and every row writes exactly
 tokens. The models are built from their configs (random weights are fine for speed): the demo's
 (configs/demo.yaml: a 4-layer Llama, hidden 256, vocabulary 4,096) and a ~100M Llama (12 layers,
 hidden 768, vocabulary 8,192), each in fp32 and in bf16 (bf16 only where the CPU has bf16 units:
-the model held in the dtype the trainer holds it, not cast by the rollout). Each cell: sample and
-generate alternated `--runs` times (the order swapped each run), the median of each side.
+the model held in the dtype the trainer holds it, not cast by the rollout). Each cell: sample() on
+the fused decoder, sample() through the model's own modules (`fused=False`) and generate,
+alternated `--runs` times (the order reversed each run), the median of each side.
 
 The decode's share of its ceiling: the FLOPs of one decode step (2 × rows × every projection's and
 the head's weights, plus the attention's two products over the positions so far) ÷ its measured
@@ -80,11 +81,12 @@ def batch(vocab: int, prompts: int, generations: int) -> list[list[int]]:
     return [p for p in distinct for _ in range(generations)]
 
 
-def run_sample(model, rows: list[list[int]], new: int, generator: torch.Generator) -> dict:
+def run_sample(model, rows: list[list[int]], new: int, generator: torch.Generator, fused: bool = True) -> dict:
     from cputrain.rollouts.sampling import SamplingSettings, sample
 
     start = time.perf_counter()
-    rollout = sample(model, rows, SamplingSettings(max_new_tokens=new, temperature=1.0), generator)
+    rollout = sample(model, rows, SamplingSettings(max_new_tokens=new, temperature=1.0), generator, fused=fused)
+    assert rollout.path == ("fused" if fused else "modules")
     seconds = time.perf_counter() - start
     assert rollout.new_tokens == len(rows) * new, "a row stopped early: the comparison needs equal lengths"
     return {"tokens_per_s": rollout.new_tokens / seconds, "decode_step_s": rollout.decode_s / max(new - 1, 1),
@@ -148,18 +150,21 @@ def matmul_ceiling_at_batch(config, rows: int, dtype: torch.dtype, repeats: int)
 def measure_cell(arch: dict, vocab: int, dtype: torch.dtype, new: int, rows: list[list[int]], runs: int) -> dict:
     model = build(arch, vocab, dtype)
     generator = torch.Generator().manual_seed(3)
-    run_sample(model, rows[:2], 2, generator)  # first calls allocate; neither side is timed on them
+    run_sample(model, rows[:2], 2, generator)  # first calls allocate; no side is timed on them
+    run_sample(model, rows[:2], 2, generator, fused=False)
     run_generate(model, rows[:2], 2)
-    ours, theirs = [], []
-    for run in range(runs):  # alternated, the order swapped each run
-        pair = [lambda: ours.append(run_sample(model, rows, new, generator)),
-                lambda: theirs.append(run_generate(model, rows, new))]
-        for call in pair if run % 2 == 0 else reversed(pair):
+    ours, modules, theirs = [], [], []
+    for run in range(runs):  # alternated, the order reversed each run
+        sides = [lambda: ours.append(run_sample(model, rows, new, generator)),
+                 lambda: modules.append(run_sample(model, rows, new, generator, fused=False)),
+                 lambda: theirs.append(run_generate(model, rows, new))]
+        for call in sides if run % 2 == 0 else reversed(sides):
             call()
     step_s = statistics.median(r["decode_step_s"] for r in ours)
     width = max(len(p) for p in rows)
     flops = decode_step_flops(model.config, len(rows), width + new / 2)
     return {"sample": statistics.median(r["tokens_per_s"] for r in ours),
+            "modules": statistics.median(r["tokens_per_s"] for r in modules),
             "generate": statistics.median(r["tokens_per_s"] for r in theirs),
             "prefill_s": statistics.median(r["prefill_s"] for r in ours),
             "step_ms": step_s * 1e3, "decode_flops": flops / step_s,
@@ -213,15 +218,18 @@ def render(cells: dict, peaks: dict, threads: int, prompts: int, generations: in
              "products alone at this batch (the matmul ceiling at the batch) and against the machine's measured "
              "matmul peak (" + "; ".join(f"{name} {flops / 1e9:,.0f} GFLOP/s ({how})"
                                           for name, (flops, how) in peaks.items()) + ").", "",
-             "| model | dtype | new tokens | sample() tokens/s | generate() tokens/s | × | target | decode ms/step | "
-             "decode GFLOP/s | of matmul at batch | of measured peak |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "sample() decodes on the policy's fused weights (cputrain/rollouts/fused_decoder.py); \"modules\" is "
+             "sample() through the model's own modules (`fused=False`: what a model the fused decoder does not "
+             "run gets), the same loop otherwise.", "",
+             "| model | dtype | new tokens | sample() tokens/s | modules tokens/s | generate() tokens/s | × | target | "
+             "decode ms/step | decode GFLOP/s | of matmul at batch | of measured peak |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (size, precision, new), cell in cells.items():
         ratio = cell["sample"] / cell["generate"]
         target = TARGETS.get(size)
         lines.append(
             f"| {size} ({cell['parameters'] / 1e6:.1f}M) | {precision} | {new} | {cell['sample']:,.0f} | "
-            f"{cell['generate']:,.0f} | {ratio:.2f}× | {f'≥ {target:g}×' if target else '—'} | {cell['step_ms']:.1f} | "
+            f"{cell['modules']:,.0f} | {cell['generate']:,.0f} | {ratio:.2f}× | {f'≥ {target:g}×' if target else '—'} | {cell['step_ms']:.1f} | "
             f"{cell['decode_flops'] / 1e9:,.1f} | {cell['decode_flops'] / cell['ceiling_at_batch']:.0%} "
             f"({cell['ceiling_at_batch'] / 1e9:,.0f} GFLOP/s) | {cell['decode_flops'] / peaks[precision][0]:.0%} |")
     return lines

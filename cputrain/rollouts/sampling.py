@@ -106,10 +106,12 @@ class _Forward:
 
 
 def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, generator: torch.Generator,
-           any_rank_running: Callable[[bool], bool] | None = None) -> Rollout:
+           any_rank_running: Callable[[bool], bool] | None = None, fused: bool = True) -> Rollout:
     """Completions of `prompt_ids` (one per prompt) from `model`, in eval mode and without grad; the
     model's train/eval modes are restored after. `any_rank_running` (an all-reduce the caller
-    provides) keeps the ranks of a sharded model stepping together until every rank is done."""
+    provides) keeps the ranks of a sharded model stepping together until every rank is done.
+    `fused=False` decodes through the model's own modules even where the fused decoder would run
+    (what the rollouts benchmark compares it with); every rank must pass the same."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -118,7 +120,7 @@ def sample(model, prompt_ids: list[list[int]], settings: SamplingSettings, gener
         model = model.module
     try:
         with torch.no_grad():
-            return _sample(model, prompt_ids, settings, generator, any_rank_running)
+            return _sample(model, prompt_ids, settings, generator, any_rank_running, fused)
     finally:
         for module, training in modes:
             module.training = training
@@ -137,18 +139,20 @@ def _distinct(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     return [list(p) for p in index], copy_of
 
 
-def _sample(model, prompt_ids, settings, generator, any_rank_running) -> Rollout:
+def _sample(model, prompt_ids, settings, generator, any_rank_running, fused: bool) -> Rollout:
     rows = len(prompt_ids)
     completions: list[list[int]] = [[] for _ in range(rows)]
     stopped = [False] * rows
     start = time.perf_counter()
-    weights = decoder_weights(model, _compute_dtype(model)) if rows and settings.max_new_tokens > 0 else None
+    weights = None
+    if fused and rows and settings.max_new_tokens > 0:
+        weights = decoder_weights(model, _compute_dtype(model))
     if weights is not None:
         # no collective in a fused rollout: each rank decodes its own rows to its own end
         return _prefill_and_decode(model, _FusedSteps(weights), prompt_ids, settings, generator, None, start,
                                    completions, stopped)
     if rows == 0 or settings.max_new_tokens <= 0:
-        if any_rank_running is not None and not runs_fused(model):  # the others prefill, then decode
+        if any_rank_running is not None and not (fused and runs_fused(model)):  # the others prefill, then decode
             _keep_step_until_all_done(model, settings.pad_token_id, any_rank_running)
         return Rollout(completions, stopped, time.perf_counter() - start, 0.0, 0)
     forward = _Forward(model)
