@@ -62,13 +62,14 @@ class FusedDecoder:
 
     def span(self, end: int) -> int:
         """How many cached positions a decode step attends over when `end` are written (its mask's
-        width; the positions past `end` are masked here): all of them. A slice of the cache up to
-        `end` is not contiguous, and torch's bf16 batched product copies such an operand whole
-        first: 0.76 ms for each block's keys and again for its values at 64 rows × 4 heads × 80 of
-        96 positions (the demo's model, 2 threads), two thirds of the decode step. Attending over
-        every position costs the products a few masked positions instead (at the scale RL trains,
-        attention is a small share of a decode step's FLOPs, the weights most of it)."""
-        return self.capacity
+        width; the positions past `end` are masked here). In fp32, `end`: the products read a
+        slice of the cache where it lies. In bf16, all of them: a slice up to `end` is not
+        contiguous, and torch's bf16 batched product (oneDNN's) copies such an operand whole first,
+        0.76 ms for each block's keys and again for its values at 64 rows × 4 heads × 80 of 96
+        positions (the demo's model, 2 threads), two thirds of the decode step; reading every
+        position costs less than copying the written ones (a copy reads and writes them, then the
+        product reads them again) until the cache is three times longer than what is written."""
+        return end if self.w.dtype == torch.float32 else self.capacity
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last position's logits (rows × vocab) of `ids` (rows × new positions) at `positions`,
