@@ -49,13 +49,15 @@ class WarmInterpreter:
                 if key in answer:
                     return answer[key]
 
-    def start(self, argv: list[str], cwd) -> tuple[int, Path, Path]:
-        """Fork `python -m cputrain ARGV`; its pid and the files of its stdout and stderr. The
-        server forks nothing else until returncode() has answered for it."""
+    def start(self, argv: list[str], cwd, environ: dict | None = None) -> tuple[int, Path, Path]:
+        """Fork `python -m cputrain ARGV` (in `environ`, where given); its pid and the files of its
+        stdout and stderr. The server forks nothing else until returncode() has answered for it."""
         self.calls += 1
         out, err = self.folder / f"{self.calls}.out", self.folder / f"{self.calls}.err"
-        self.server.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out),
-                                            "stderr": str(err)}) + "\n")
+        request = {"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        if environ is not None:
+            request["environ"] = environ
+        self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         return self._answer("pid", None), out, err
 
@@ -63,8 +65,8 @@ class WarmInterpreter:
         """The exit code of the started command, or None if it has not ended within timeout_s."""
         return self._answer("returncode", timeout_s)
 
-    def run(self, argv: list[str], cwd, timeout_s: float) -> subprocess.CompletedProcess:
-        pid, out, err = self.start(argv, cwd)
+    def run(self, argv: list[str], cwd, timeout_s: float, environ: dict | None = None) -> subprocess.CompletedProcess:
+        pid, out, err = self.start(argv, cwd, environ)
         code = self.returncode(timeout_s)
         timed_out = code is None
         if timed_out:  # as subprocess.run does: kill it, then raise

@@ -10,8 +10,11 @@ cannot give is a different environment at import time, so a run_cli call with it
 a test that measures a process's memory, start a fresh interpreter instead (harness.run_cli).
 
 Protocol, one JSON object per line: the request {"argv", "cwd", "stdout", "stderr"} (the two
-output paths are files the child writes); the answers {"pid"} at once and {"returncode"} when the
-child has ended (negative: the signal that ended it, as subprocess reports it).
+output paths are files the child writes) and optionally "environ" (the child's whole environment,
+set before cputrain is imported: run_cli's fresh="ranks" sends one without the rank server's
+PYTHON_EXEC, so that the agent's ranks start as fresh interpreters); the answers {"pid"} at once
+and {"returncode"} when the child has ended (negative: the signal that ended it, as subprocess
+reports it).
 
 `--ranks SOCKET` serves the ranks a torchrun agent starts (tests/harness/rank_python.py is the `python`
 the agent runs, through torchrun's PYTHON_EXEC): over a unix socket, each request brings the
@@ -69,7 +72,12 @@ def _become_cputrain(argv: list[str], unbuffered: bool = False) -> None:
 
 
 def _child(request: dict) -> None:
-    """Become `python -m cputrain ARGV`, its output in the request's files."""
+    """Become `python -m cputrain ARGV`, its output in the request's files; with the request's
+    "environ", in that environment (read by cputrain, imported after it, and by the processes it
+    starts, but not by the libraries this server imported before)."""
+    if "environ" in request:
+        os.environ.clear()
+        os.environ.update(request["environ"])
     os.chdir(request["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
