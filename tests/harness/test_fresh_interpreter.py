@@ -44,3 +44,18 @@ def test_fresh_starts_a_fresh_interpreter(import_times_in_the_environment):
 @pytest.mark.fresh_interpreter
 def test_a_test_marked_fresh_interpreter_runs_its_commands_fresh(import_times_in_the_environment):
     assert _ran_fresh(run_cli("--help"))
+
+
+def test_fresh_ranks_forks_the_command_in_the_tests_environment(tmp_path, monkeypatch):
+    """fresh="ranks": the command is forked warm (no import times) but runs in the environment the
+    test has now, which its agent hands to the fresh ranks it starts: a variable the command reads
+    at run time (TORCHELASTIC_ERROR_FILE, where a refused command records its message) is seen."""
+    warm()
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    plain = run_cli("plan", "no_such.key=1")
+    assert plain.returncode != 0 and not error_file.exists()  # the warm server's environment
+    proc = run_cli("plan", "no_such.key=1", fresh="ranks")
+    assert proc.returncode == plain.returncode and IMPORT_TIMES not in proc.stderr
+    assert "no_such" in error_file.read_text()
