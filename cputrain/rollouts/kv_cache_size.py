@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# The fused decoder's cache (paged_kv_cache.py) holds positions in pages of this many: its rows
+# hold the rollout's positions rounded up to a whole page.
+PAGE_POSITIONS = 32
+
 _BYTES_PER_ELEMENT = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                       "half": 2, "float64": 8, "fp64": 8}
 

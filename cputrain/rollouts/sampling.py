@@ -182,7 +182,7 @@ class _ModuleSteps:
     def __init__(self, forward: _Forward, kind: str | None):
         self.forward, self.kind = forward, kind
 
-    def start(self, rows: int, capacity: int) -> None:
+    def start(self, rows: int, capacity: int, padding: torch.Tensor) -> None:
         self.cache = rollout_cache(self.forward.config, capacity)
 
     def prefill(self, ids, positions, mask) -> torch.Tensor:
@@ -203,14 +203,14 @@ class _FusedSteps:
     def __init__(self, weights):
         self.weights = weights
 
-    def start(self, rows: int, capacity: int) -> None:
-        self.decoder = FusedDecoder(self.weights, rows, capacity)
+    def start(self, rows: int, capacity: int, padding: torch.Tensor) -> None:
+        self.decoder = FusedDecoder(self.weights, rows, capacity, padding)
 
     def prefill(self, ids, positions, mask) -> torch.Tensor:
         return self.decoder.prefill(ids, positions, mask)
 
     def decode(self, tokens, positions, masks: RolloutMasks, seen: int) -> torch.Tensor:
-        return self.decoder.decode(tokens, positions, masks.decode(self.decoder.span(seen)))
+        return self.decoder.decode(tokens, positions)  # the decoder's cache keeps its own mask
 
     def select_rows(self, indices: torch.Tensor) -> None:
         self.decoder.select_rows(indices)
@@ -221,7 +221,7 @@ def _prefill_and_decode(model, steps, prompt_ids, settings, generator, any_rank_
     distinct, copy_of = _distinct(prompt_ids)
     ids, padding = _left_padded(distinct, settings.pad_token_id)
     width = ids.shape[1]
-    steps.start(len(distinct), width + settings.max_new_tokens)
+    steps.start(len(distinct), width + settings.max_new_tokens, padding)
     masks = RolloutMasks(padding, width + settings.max_new_tokens, steps.kind, next(model.parameters()).dtype)
     # positions count real tokens only, so a left-padded row sees the positions it would alone
     positions = (padding.cumsum(dim=-1) - 1).clamp(min=0)

@@ -71,6 +71,22 @@ def test_greedy_equals_generate_for_prompts_of_different_lengths(attn_implementa
     assert rollout.new_tokens == 10 * len(PROMPTS)
 
 
+def test_greedy_equals_generate_over_several_pages_of_the_fused_cache():
+    """A rollout longer than one page of the fused decoder's cache (paged_kv_cache.PAGE_POSITIONS):
+    its attention spans pages, the last one partly written, and rows ending early leave the batch."""
+    from cputrain.rollouts.kv_cache_size import PAGE_POSITIONS
+
+    model = tiny_llama()
+    new = 2 * PAGE_POSITIONS + 5
+    rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=new, temperature=0), _seeded())
+    assert rollout.path == "fused"
+    assert rollout.completion_ids == generate_greedy(model, PROMPTS, new)
+    stop = rollout.completion_ids[1][PAGE_POSITIONS]  # a token one row writes on its second page
+    stopped = sample(model, PROMPTS, SamplingSettings(max_new_tokens=new, temperature=0, stop_token_ids=(stop,)),
+                     _seeded())
+    assert stopped.completion_ids == generate_greedy(model, PROMPTS, new, stop=(stop,))
+
+
 def test_a_sliding_window_model_attends_within_its_window():
     """A window the rollout's own masks do not know: the model's own masks and attention run, and
     greedy still equals generate past the window."""
@@ -356,6 +372,6 @@ def test_under_the_trainers_bf16_autocast_the_fused_decoder_computes_in_bf16(mon
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=5, temperature=1.0), _seeded())
     assert rollout.path == "fused" and [len(c) for c in rollout.completion_ids] == [5] * len(PROMPTS)
-    assert {k.dtype for k in decoders[0].keys} == {torch.bfloat16}
+    assert {page.dtype for pages in decoders[0].cache.keys for page in pages} == {torch.bfloat16}
     assert {b.qkv.dtype for b in decoders[0].w.blocks} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}

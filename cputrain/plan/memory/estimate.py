@@ -264,15 +264,16 @@ def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
     if not inp.rollout_rows:
         return 0
     from cputrain.rollouts.fused_weight_size import fused_weight_bytes
-    from cputrain.rollouts.kv_cache_size import kv_cache_bytes
+    from cputrain.rollouts.kv_cache_size import PAGE_POSITIONS, kv_cache_bytes
 
     shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
              "hidden_size": m.hidden, "intermediate_size": m.intermediate, "vocab_size": m.vocab}
-    fused = 0
+    fused, positions = 0, inp.rollout_len
     if inp.strategy in ("single", "ddp"):
         held = "bf16" if m.lora and inp.precision == "bf16" else "fp32"  # LoRA's base is frozen in bf16 under bf16
         fused = fused_weight_bytes(shape, inp.precision, held, lora=m.lora)
-    return (kv_cache_bytes(shape, inp.rollout_rows, inp.rollout_len, inp.precision)
+        positions = -(-positions // PAGE_POSITIONS) * PAGE_POSITIONS  # its cache holds whole pages
+    return (kv_cache_bytes(shape, inp.rollout_rows, positions, inp.precision)
             + 2 * inp.rollout_rows * m.vocab * 4 + fused)
 
 
