@@ -103,6 +103,8 @@ def _why_not(causal) -> str | None:
     decoder = getattr(causal, "model", None)
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
         return "no decoder with layers and a rotary embedding"
+    if type(decoder.embed_tokens) is not torch.nn.Embedding:  # an adapted or wrapped table: its own lookup
+        return f"an embedding of type {type(decoder.embed_tokens).__name__}"
     attention = _unwrap(decoder.layers[0]).self_attn
     if hasattr(attention, "q_norm") or hasattr(attention, "k_norm"):
         return "norms on the queries and keys"
