@@ -64,3 +64,21 @@ def test_fused_weight_bytes_is_what_the_fused_decoder_holds_beside_the_model(wei
     tensors = [held.head] + [t for b in held.blocks for t in (b.qkv, b.out, b.gate_up, b.down)]
     new = sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in own)
     assert new == fused_weight_bytes(config, compute, weights, lora=lora) > 0
+
+
+def test_the_fused_weights_are_counted_from_the_dtype_the_blocks_are_held_in(plans):
+    """A base whose block matrices are stored in bf16 (LoRA's model.lora.base_dtype) under fp32 compute:
+    the fused decoder casts every projection and the head, which fp32 masters would not need."""
+    from dataclasses import replace
+
+    from cputrain.plan.memory.estimate import PlanInputs, rollout_bytes
+
+    m = plans[0].shape
+    inp = PlanInputs(strategy="single", precision="fp32", world_size=1, micro_batch=32, seq_len=256,
+                     rollout_rows=32, rollout_len=256)
+    bf16_blocks = replace(m, params=tuple(replace(p, stored_bytes=2) if p.unit != "root" and len(p.shape) == 2 else p
+                                          for p in m.params))
+    shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
+             "hidden_size": m.hidden, "intermediate_size": m.intermediate, "vocab_size": m.vocab}
+    assert (rollout_bytes(bf16_blocks, inp) - rollout_bytes(m, inp)
+            == fused_weight_bytes(shape, "fp32", "bf16") - fused_weight_bytes(shape, "fp32", "fp32") > 0)

@@ -270,7 +270,8 @@ def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
              "hidden_size": m.hidden, "intermediate_size": m.intermediate, "vocab_size": m.vocab}
     fused, positions = 0, inp.rollout_len
     if inp.strategy in ("single", "ddp"):
-        held = "bf16" if m.lora and inp.precision == "bf16" else "fp32"  # LoRA's base is frozen in bf16 under bf16
+        # the dtype the blocks' weights are held in: fp32 masters, or a LoRA base as model.lora.base_dtype stores it
+        held = "bf16" if any(p.stored_bytes == 2 for p in m.params if p.unit != "root" and len(p.shape) == 2) else "fp32"
         fused = fused_weight_bytes(shape, inp.precision, held, lora=m.lora)
         positions = -(-positions // PAGE_POSITIONS) * PAGE_POSITIONS  # its cache holds whole pages
     return (kv_cache_bytes(shape, inp.rollout_rows, positions, inp.precision)
