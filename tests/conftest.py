@@ -20,10 +20,10 @@ import tempfile
 
 # The machine cache (the matmul peak each run's MFU is measured against, timed once per dtype and
 # thread count) belongs to the session, not to the home folder: a session's time and figures do
-# not depend on what an earlier one left there, as on CI's fresh machines. Both xdist workers of
-# one run share it (PYTEST_XDIST_TESTRUNUID names the run), so each peak is timed once a session.
-os.environ.setdefault("CPUTRAIN_CACHE_HOME", os.path.join(
-    tempfile.gettempdir(), f"cputrain-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}", "machine-cache"))
+# not depend on what an earlier one left there, as on CI's fresh machines. Set where pytest starts
+# (xdist's controller), its workers inherit it: each peak is timed once a session.
+os.environ.setdefault("CPUTRAIN_CACHE_HOME", os.path.join(tempfile.gettempdir(), f"cputrain-tests-{os.getpid()}",
+                                                          "machine-cache"))
 
 import shutil
 import subprocess
