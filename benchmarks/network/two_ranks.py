@@ -10,6 +10,7 @@ the same allocator, and rank 0's step peak. Writes block `two_ranks` of docs/ben
 
     python benchmarks/network/two_ranks.py                 # the figures (a quiet machine)
     python benchmarks/network/two_ranks.py --sizes 100m --precisions bf16 --rounds 2
+    python benchmarks/network/two_ranks.py --sizes 100m --no-glibc   # tcmalloc's rows alone (the image's allocator)
     python benchmarks/network/two_ranks.py --quick         # tiny model, 3 steps: checks the script only
 """
 
@@ -24,21 +25,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.sharded_rank import (FULL_SHARD, SIZES, TOKENS_PER_STEP, ZERO3, common, median_step_s,  # noqa: E402
-                                             preloaded, size_args, sizes_of)
+from benchmarks.network.sharded_rank import (FULL_SHARD, GATHER_ONCE, SIZES, TOKENS_PER_STEP, ZERO3, common,  # noqa: E402
+                                             median_step_s, preloaded, size_args, sizes_of)
 from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 
-CASES = [("ddp", ["parallel.strategy=ddp"]), ("fsdp full_shard", FULL_SHARD), ("zero3", ZERO3)]
+# gather_once: each block gathered once a step and its gradients kept unsharded through the step's
+# micro-batches (DDP's traffic and memory for parameters and gradients; the optimizer state sharded)
+CASES = [("ddp", ["parallel.strategy=ddp"]), ("fsdp full_shard", FULL_SHARD), ("fsdp gather_once", GATHER_ONCE),
+         ("zero3", ZERO3)]
 # what auto gives each strategy without tcmalloc, then tcmalloc
-GLIBC = {"ddp": "glibc-tuned", "fsdp full_shard": "system", "zero3": "system"}
+GLIBC = {"ddp": "glibc-tuned", "fsdp full_shard": "system", "fsdp gather_once": "system", "zero3": "system"}
 
 
-def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tmp: Path, tcmalloc: str | None) -> list[dict]:
+def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tmp: Path, tcmalloc: str | None,
+            glibc: bool = True) -> list[dict]:
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None
     cases = [(label, o) for label, o in CASES if have_deepspeed or o is not ZERO3]
-    allocators = ["glibc", "tcmalloc"] if tcmalloc else ["glibc"]
+    allocators = (["glibc"] if glibc or not tcmalloc else []) + (["tcmalloc"] if tcmalloc else [])
     results = []
     for size in sizes:
         for precision in precisions:
@@ -64,13 +69,14 @@ def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tm
     return results
 
 
-def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None) -> None:
+def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None, command: str) -> None:
     lines = [machine_line(), "",
-             f"`python benchmarks/network/two_ranks.py`{' --quick' if quick else ''}: 2 ranks on one node (1 thread "
+             f"`{command}`: 2 ranks on one node (1 thread "
              f"each), seq 512, global batch 8 in micro-batches of 2, {steps} steps, median step of the steps after "
-             f"the first two, median of {rounds} alternated round(s); glibc as `auto` gives each strategy without "
-             "tcmalloc (tuned for ddp, as is for fsdp and zero3), tcmalloc "
-             + (f"preloaded ({Path(tcmalloc).name})" if tcmalloc else "not installed here (no rows)")
+             f"the first two, median of {rounds} alternated round(s); "
+             + ("glibc as `auto` gives each strategy without tcmalloc (tuned for ddp, as is for fsdp and zero3), "
+                if any(r["allocator"] == "glibc" for r in results) else "no glibc rows (--no-glibc), ")
+             + "tcmalloc " + (f"preloaded ({Path(tcmalloc).name})" if tcmalloc else "not installed here (no rows)")
              + "; ÷ ddp is ddp's step on the same allocator over this one's.", "",
              "| size | precision | allocator | case | step s | tokens/s | × ddp's tokens/s | rank 0 step peak GiB |",
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
@@ -80,11 +86,13 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
 
 
 def main() -> None:
-    args = size_args(__doc__, "34m,100m").parse_args()
+    parser = size_args(__doc__, "34m,100m")
+    parser.add_argument("--no-glibc", action="store_true", help="tcmalloc's rows alone (what the training image runs)")
+    args = parser.parse_args()
     sizes, precisions, rounds, steps = sizes_of(args)
     with tempfile.TemporaryDirectory(prefix="two-ranks-") as tmp:
-        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc)
-    write(results, rounds, steps, args.quick, args.tcmalloc)
+        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, glibc=not args.no_glibc)
+    write(results, rounds, steps, args.quick, args.tcmalloc, "python benchmarks/network/two_ranks.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":
