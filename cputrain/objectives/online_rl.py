@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -29,6 +30,7 @@ from cputrain.objectives import rl_loss
 from cputrain.objectives.contract import Objective
 from cputrain.objectives.rollout_batch import RolloutBatch, completion_logps, rollout_batch
 
+log = logging.getLogger("cputrain")
 
 def _cut(values, micro_batch: int) -> list:
     return [values[i : i + micro_batch] for i in range(0, len(values), micro_batch)]
@@ -59,6 +61,7 @@ class OnlineRlObjective(Objective):
         self.stop_token_ids: tuple[int, ...] = ()  # EOS and a chat turn's end (use_rewards, from the tokenizer)
         self.last_samples: list[dict] = []  # the last rollout's first group, for completions.jsonl
         self.iteration = 0  # steps taken on self.kept
+        self.said_rollout_path = False  # the run's log says once which rollout path sampled
 
     # ---- facts ------------------------------------------------------------------------------
     @classmethod
@@ -193,7 +196,15 @@ class OnlineRlObjective(Objective):
         # ranks of a sharded model run the same number of decode steps (rollouts.sample)
         several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         any_running = (lambda running: pg.all_reduce_sum([float(running)])[0] > 0) if several else None
-        return sample(_unwrapped(model), prompt_ids, settings, self.generator, any_running)
+        rollout = sample(_unwrapped(model), prompt_ids, settings, self.generator, any_running)
+        if not self.said_rollout_path:  # once a run: which path sampled, and why not the fused one
+            from cputrain.rollouts.decoder_weights import why_not_fused
+
+            why = why_not_fused(_unwrapped(model))
+            log.info("rollouts: %s", "the fused decoder (the policy's weights fused and cast once a rollout)"
+                     if rollout.path == "fused" else f"through the model's modules ({why or 'nothing to sample'})")
+            self.said_rollout_path = True
+        return rollout
 
 
     def _first_group(self, record, completion_ids, scores, batches) -> list[dict]:

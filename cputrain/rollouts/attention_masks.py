@@ -52,7 +52,6 @@ class RolloutMasks:
     def select_rows(self, indices: torch.Tensor) -> None:
         """Only the rows `indices` stay (finished ones dropped), in their order (repeats allowed)."""
         self.valid = self.valid.index_select(0, indices)
-        if self.kind == "2d":
-            self._decode_2d = self._decode_2d.index_select(0, indices)
-        else:
-            self._decode_4d = self._decode_4d.index_select(0, indices)
+        for name in ("_decode_2d", "_decode_4d"):  # those start_decoding() built
+            if hasattr(self, name):
+                setattr(self, name, getattr(self, name).index_select(0, indices))

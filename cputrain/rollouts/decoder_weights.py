@@ -119,9 +119,13 @@ def _causal(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
 
 
+def why_not_fused(model) -> str | None:
+    """Why decoder_weights() does not take `model` (None: it does), checked on its structure, no weight copied."""
+    return _why_not(_causal(model))
+
+
 def runs_fused(model) -> bool:
-    """Whether decoder_weights() takes `model` (checked on its structure, no weight copied)."""
-    return _why_not(_causal(model)) is None
+    return why_not_fused(model) is None
 
 
 def decoder_weights(model, dtype: torch.dtype) -> DecoderWeights | None:

@@ -178,6 +178,7 @@ class _ModuleSteps:
     """A rollout through the model's own modules: transformers' forward over rollout_cache()."""
 
     path = "modules"
+    decode_masks = True  # each step attends under RolloutMasks.decode()
 
     def __init__(self, forward: _Forward, kind: str | None):
         self.forward, self.kind = forward, kind
@@ -199,6 +200,7 @@ class _FusedSteps:
     """A rollout on the policy's fused weights (fused_decoder.py)."""
 
     kind, path = "rollout", "fused"
+    decode_masks = False  # the decoder's paged cache keeps its own mask
 
     def __init__(self, weights):
         self.weights = weights
@@ -226,7 +228,8 @@ def _prefill_and_decode(model, steps, prompt_ids, settings, generator, any_rank_
     # positions count real tokens only, so a left-padded row sees the positions it would alone
     positions = (padding.cumsum(dim=-1) - 1).clamp(min=0)
     logits = steps.prefill(ids, positions, masks.prefill())
-    masks.start_decoding()
+    if steps.decode_masks:  # rows × capacity of mask, built once, only where a step reads it
+        masks.start_decoding()
     next_position = positions[:, -1:] + 1
     if len(distinct) < len(prompt_ids):  # each completion of a shared prompt gets its own copy of the cache rows
         rows_of_prompts = torch.tensor(copy_of)

@@ -77,6 +77,7 @@ def test_a_stopped_grpo_run_resumes_to_the_same_figures(straight, tmp_path, cach
     run_cli("train", *_args(out, cache_dir, base, **{"train.stop_at_step": 1}), check=True)
     proc = run_cli("train", *_args(out, cache_dir, base), check=True)
     assert "resumed from" in proc.stderr
+    assert "rollouts: the fused decoder" in proc.stderr  # a LoRA Llama: its merged weights sample
     ours = [(r["step"], r["loss"], r["grad_norm"], r["reward"]) for r in metrics_rows(out)]
     theirs = [(r["step"], r["loss"], r["grad_norm"], r["reward"]) for r in metrics_rows(straight)]
     assert ours == theirs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cputrain.rollouts.decoder_weights import why_not_fused
 from cputrain.rollouts.sampling import SamplingSettings, sample
 
 VOCAB = 97
@@ -120,6 +121,8 @@ def test_other_families_equal_generate_fused_where_their_blocks_are_a_llamas(fam
             torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
     rollout = sample(model, PROMPTS, SamplingSettings(max_new_tokens=8, temperature=0), _seeded())
     assert rollout.path == {"qwen2": "fused", "qwen3": "modules"}[family]
+    why = why_not_fused(model)  # what the run's log says once
+    assert why is None if family == "qwen2" else why.startswith("model type 'qwen3' is not one of"), why
     assert rollout.completion_ids == generate_greedy(model, PROMPTS, 8)
 
 
