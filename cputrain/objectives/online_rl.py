@@ -32,6 +32,7 @@ from cputrain.objectives.rollout_batch import RolloutBatch, completion_logps, ro
 
 log = logging.getLogger("cputrain")
 
+
 def _cut(values, micro_batch: int) -> list:
     return [values[i : i + micro_batch] for i in range(0, len(values), micro_batch)]
 
