@@ -20,6 +20,7 @@ class RolloutMasks:
         valid = torch.ones((rows, capacity), dtype=torch.bool)
         valid[:, :width] = padding.bool()
         self.valid = valid  # every new position is a real token
+        self._decode: torch.Tensor | None = None  # built by start_decoding(): 2D, or rows × 1 × 1 × capacity
 
     def _form(self, allowed: torch.Tensor, step: bool = False) -> torch.Tensor:
         if self.kind == "eager" or (self.kind == "rollout" and step):
@@ -38,20 +39,14 @@ class RolloutMasks:
 
     def decode(self, positions: int) -> torch.Tensor:
         """The mask of a one-token step that attends to `positions` positions (the new one included)."""
-        if self.kind == "2d":
-            return self._decode_2d[:, :positions]
-        return self._decode_4d[:, :, :, :positions]
+        return self._decode[..., :positions]
 
     def start_decoding(self) -> None:
         """Builds the decode masks once (after the prefill, before the first step)."""
-        if self.kind == "2d":
-            self._decode_2d = self.valid.long()
-        else:
-            self._decode_4d = self._form(self.valid, step=True)[:, None, None, :]
+        self._decode = self.valid.long() if self.kind == "2d" else self._form(self.valid, step=True)[:, None, None, :]
 
     def select_rows(self, indices: torch.Tensor) -> None:
         """Only the rows `indices` stay (finished ones dropped), in their order (repeats allowed)."""
         self.valid = self.valid.index_select(0, indices)
-        for name in ("_decode_2d", "_decode_4d"):  # those start_decoding() built
-            if hasattr(self, name):
-                setattr(self, name, getattr(self, name).index_select(0, indices))
+        if self._decode is not None:  # a fused rollout never builds them
+            self._decode = self._decode.index_select(0, indices)

@@ -38,8 +38,8 @@ def report_wall_time(terminalreporter, elapsed_s: float, gflops_at_start: float 
                      gflops_at_end: float | None = None) -> None:
     """The suite's wall time against its budget, with the machine's matmul speed at its start and end
     where measured; past WARN_AFTER_S, a warning that names the budget."""
-    speed = ("" if gflops_at_end is None else
-             f"; fp32 matmul {CALIBRATION_N}² {gflops_at_start or 0:.0f} GFLOP/s at the start, {gflops_at_end:.0f} at the end")
+    speed = ("" if gflops_at_start is None or gflops_at_end is None else
+             f"; fp32 matmul {CALIBRATION_N}² {gflops_at_start:.0f} GFLOP/s at the start, {gflops_at_end:.0f} at the end")
     terminalreporter.write_line(f"suite wall time: {elapsed_s:.0f} s on {cpu_line()} "
                                 f"(budget: {BUDGET_S // 60} min on a 2-core AVX2-only CPU){speed}")
     if elapsed_s > WARN_AFTER_S:

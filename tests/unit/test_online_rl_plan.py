@@ -27,9 +27,7 @@ def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits(plans):
     plan, lm = plans
     rank = plan.peak_rank
     m = plan.shape
-    shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
-             "hidden_size": m.hidden}
-    shape.update(intermediate_size=m.intermediate, vocab_size=m.vocab)
+    shape = m.config_sizes
     assert rank.rollout_bytes == (kv_cache_bytes(shape, 32, 256, "fp32") + 2 * 32 * m.vocab * 4
                                   + fused_weight_bytes(shape, "fp32", "fp32"))
     assert lm.peak_rank.rollout_bytes == 0
@@ -78,7 +76,7 @@ def test_the_fused_weights_are_counted_from_the_dtype_the_blocks_are_held_in(pla
                      rollout_rows=32, rollout_len=256)
     bf16_blocks = replace(m, params=tuple(replace(p, stored_bytes=2) if p.unit != "root" and len(p.shape) == 2 else p
                                           for p in m.params))
-    shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
-             "hidden_size": m.hidden, "intermediate_size": m.intermediate, "vocab_size": m.vocab}
+    shape = m.config_sizes
+    assert bf16_blocks.blocks_held_dtype == "bf16" and m.blocks_held_dtype == "fp32"
     assert (rollout_bytes(bf16_blocks, inp) - rollout_bytes(m, inp)
             == fused_weight_bytes(shape, "fp32", "bf16") - fused_weight_bytes(shape, "fp32", "fp32") > 0)

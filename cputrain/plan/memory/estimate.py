@@ -266,13 +266,10 @@ def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
     from cputrain.rollouts.fused_weight_size import fused_weight_bytes
     from cputrain.rollouts.kv_cache_size import PAGE_POSITIONS, kv_cache_bytes
 
-    shape = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
-             "hidden_size": m.hidden, "intermediate_size": m.intermediate, "vocab_size": m.vocab}
+    shape = m.config_sizes
     fused, positions = 0, inp.rollout_len
     if inp.strategy in ("single", "ddp"):
-        # the dtype the blocks' weights are held in: fp32 masters, or a LoRA base as model.lora.base_dtype stores it
-        held = "bf16" if any(p.stored_bytes == 2 for p in m.params if p.unit != "root" and len(p.shape) == 2) else "fp32"
-        fused = fused_weight_bytes(shape, inp.precision, held, lora=m.lora)
+        fused = fused_weight_bytes(shape, inp.precision, m.blocks_held_dtype, lora=m.lora)
         positions = -(-positions // PAGE_POSITIONS) * PAGE_POSITIONS  # its cache holds whole pages
     return (kv_cache_bytes(shape, inp.rollout_rows, positions, inp.precision)
             + 2 * inp.rollout_rows * m.vocab * 4 + fused)
