@@ -122,7 +122,8 @@ def test_metered_bytes_match_loopback_counter(namespace, tmp_path, cache_dir):
 def test_fsdp_reduce_scatters_counted_and_halved(namespace, tmp_path, cache_dir):
     """FSDP over gloo: the meter counts what crossed the loopback with either reduce-scatter
     (gloo's own sends an all-reduce's bytes), and the all-to-all one sends fewer. Each step logged
-    what the time plan plans for the layout the run decided (one node: full_shard, fp32 reduction)."""
+    what the time plan plans for the layout the run decided (one node: gather_once, the fastest that
+fits, and fp32 reduction)."""
     from cputrain.config.file import load_config
     from cputrain.plan.time import comm_pattern
     from cputrain.plan.model_shape import model_shape
@@ -137,15 +138,15 @@ def test_fsdp_reduce_scatters_counted_and_halved(namespace, tmp_path, cache_dir)
         _, kernel[reduce_scatter], rows = metered_and_kernel_bytes(namespace, out, overrides)
 
         decided = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
-        assert (decided["layout"], decided["reduce_dtype"]) == ("full_shard", "fp32")
+        assert (decided["layout"], decided["reduce_dtype"]) == ("gather_once", "fp32")
         doc = json.loads((out / "plan.json").read_text())
         shape = model_shape(load_config(None, overrides).model, vocab_size=doc["model"]["vocab_size"])
         # 8 sequences a step, 2 a micro-batch, 2 ranks: 2 micro-batches per rank
-        planned = sum(comm_pattern(shape, "fsdp", "fp32", WORLD, micro_batches=2, layout="full_shard",
+        planned = sum(comm_pattern(shape, "fsdp", "fp32", WORLD, micro_batches=2, layout="gather_once",
                                    reduce_dtype="fp32", reduce_scatter=reduce_scatter).rank_bytes(WORLD).values())
         logged = statistics.median(r["comm_sent_bytes"] for r in rows if "comm_sent_bytes" in r and "loss" in r)
         assert abs(logged - planned) <= PLAN_TOLERANCE * planned, \
             f"{reduce_scatter}: a step logged {logged:,} bytes, the plan {planned:,.0f}"
-    # the gradients are about half of what FSDP sends (the rest: parameters gathered twice a
-    # micro-batch); halving their bytes saves about a quarter
+    # gather_once sends each block's parameters once a step and its gradients once: the
+    # gradients are about half of what it sends, and halving their bytes saves about a quarter
     assert kernel["all_to_all"] < 0.85 * kernel["native"], kernel

@@ -39,11 +39,11 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 # One rank runs as `single` (or as a one-rank shard for fsdp/zero3); ddp is for 2 and more.
 # (strategy, ranks, optimizer offload): zero3's offload is planned and measured on its own;
-# "fsdp:gather_once" is fsdp with parallel.layout=gather_once (elsewhere the layout is auto:
-# full_shard on one node).
+# "fsdp:<layout>" pins parallel.layout; a plain "fsdp" leaves it to auto (one node: the fastest
+# layout whose plan fits, gather_once on these sizes).
 # `single` runs at both sizes: the plan's fixed runtime memory and its state are checked apart.
 LAYOUTS = {"tiny": [("single", 1, False), ("fsdp", 1, False), ("zero3", 1, False)],
-           "100m": [("single", 1, False), ("ddp", 2, False), ("fsdp", 2, False), ("fsdp:gather_once", 2, False),
+           "100m": [("single", 1, False), ("ddp", 2, False), ("fsdp:full_shard", 2, False), ("fsdp:gather_once", 2, False),
                     ("zero3", 2, False), ("zero3", 2, True)]}
 CASES = [(s, st, n, off) for s in SIZES for st, n, off in LAYOUTS[s]]
 
@@ -102,8 +102,10 @@ def test_plan_matches_memory_json(size, strategy, ranks, offload, tmp_path, cach
     strategy, _, layout = strategy.partition(":")
     overrides = SIZES[size] + COMMON + [f"parallel.strategy={strategy}", f"output_dir={tmp_path / 'run'}",
                                         f"data.cache_dir={cache_dir}", f"parallel.offload_optimizer={offload}"]
-    if layout:  # two micro-batches a step: gather_once accumulates every gradient unsharded between them
-        overrides += [f"parallel.layout={layout}", "train.global_batch_size=8"]
+    if layout:
+        overrides += [f"parallel.layout={layout}"]
+    if layout == "gather_once":  # two micro-batches a step: it accumulates every gradient unsharded between them
+        overrides += ["train.global_batch_size=8"]
     rows, table = _train_and_compare(overrides, ranks, tmp_path / "run", timeout=600)
 
     # `cputrain plan` on the same config, before any run, plans the same bytes (the vocabulary

@@ -37,17 +37,15 @@ def figures(layout: str, step_s: float, fits: bool, link_bytes: float = 1.0) -> 
 
 def test_the_fastest_layout_that_fits_and_full_shard_where_none_does():
     table = [figures("full_shard", 10, True), figures("gather_once", 4, True), figures("hybrid", 2, False)]
-    layout, why = layout_choice(table, 4, "a pod", "test")
+    layout, why = layout_choice(table, "a pod", "test")
     assert layout == "gather_once" and "hybrid does not fit" in why and "full_shard 100 tokens/s" in why
     none = [replace(f, fits=False) for f in table]
-    layout, why = layout_choice(none, 4, "a pod", "test")
+    layout, why = layout_choice(none, "a pod", "test")
     assert layout == "full_shard" and "no layout's memory plan fits a pod" in why
-    layout, why = layout_choice(table, 1, "a pod", "test")  # one node: nothing crosses a link
-    assert layout == "full_shard" and why.startswith("one node")
     # equal steps (no link rate known): the fewest bytes through the link, then full_shard first
     tie = [figures("full_shard", 5, True, 9.0), figures("gather_once", 5, True, 3.0)]
-    assert layout_choice(tie, 2, "a pod", "test")[0] == "gather_once"
-    assert layout_choice([figures("full_shard", 5, True), figures("hybrid", 5, True)], 2, "", "")[0] == "full_shard"
+    assert layout_choice(tie, "a pod", "test")[0] == "gather_once"
+    assert layout_choice([figures("full_shard", 5, True), figures("hybrid", 5, True)], "", "")[0] == "full_shard"
 
 
 def _plan_decision(instance: str | None, nproc: int | None = 2, world: int = 8, **network):
@@ -71,10 +69,12 @@ def test_a_plan_decides_the_layout_on_the_instance_it_sizes():
     assert _plan_decision(None)[0].parallel.layout == "full_shard"
 
 
-def test_a_plan_on_one_node_or_without_nodes_keeps_full_shard_and_fp32():
+def test_a_plan_on_one_node_takes_the_fastest_layout_that_fits_and_without_nodes_full_shard():
+    # the seeds' 8B on one r7i.8xlarge: 8 ranks each gathering the whole model do not fit
     cfg, why = _plan_decision(None, nproc=8)
     assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("full_shard", "fp32")
-    assert why["parallel.layout"].startswith("one node")
+    assert "one r7i.8xlarge: no collective crosses a link" in why["parallel.layout"]
+    assert "gather_once does not fit" in why["parallel.layout"]
     res = choices.decide_for_plan(load_config(SEEDS, []), 8)  # neither ranks per node nor an instance table
     why = {key: reason for key, _, reason in res.reasons}
     assert (res.config.parallel.layout, res.config.parallel.reduce_dtype) == ("full_shard", "fp32")
@@ -122,8 +122,14 @@ def test_a_run_decides_both_on_its_node_and_records_why(tmp_path):
     # a node that holds none of them: the least memory
     cfg, why = _run_decision(tmp_path, memory_gib=0.5)
     assert cfg.parallel.layout == "full_shard" and "no layout's memory plan fits" in why["parallel.layout"]
-    cfg, why = _run_decision(tmp_path, world=2, local=2)  # one node
-    assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("full_shard", "fp32")
+    # one node: gather_once gathers once a step, so its node's own collectives take less time
+    cfg, why = _run_decision(tmp_path, world=2, local=2)
+    assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("gather_once", "fp32")
+    assert "this node alone: no collective crosses a link" in why["parallel.layout"]
+    assert "full_shard" in why["parallel.layout"]
+    # ... unless it does not fit: the least memory
+    cfg, why = _run_decision(tmp_path, world=2, local=2, memory_gib=0.5)
+    assert cfg.parallel.layout == "full_shard" and "no layout's memory plan fits" in why["parallel.layout"]
     cfg, why = _run_decision(tmp_path, layout="gather_once", reduce_dtype="fp32")  # set: kept, no reason
     assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("gather_once", "fp32")
     assert "parallel.layout" not in why and "parallel.reduce_dtype" not in why

@@ -5,9 +5,12 @@ Every layout the world and its ranks per node admit (cputrain.parallel.fsdp_layo
 is planned twice: its memory per rank (cputrain.plan.memory, the layout's buffers and shards) and
 its step (cputrain.plan.time.step_time, the layout's collectives on the link). Of those that fit,
 the one with the shortest step; at equal steps (no link rate known: no network time planned), the
-fewest bytes through a node's link, then the order of LAYOUTS (full_shard first). On one node no
-byte crosses a link: full_shard, the least memory. Where none fits, full_shard too, the least
-memory, and the reason says by how much it is over.
+fewest bytes through a node's link, then the order of LAYOUTS (full_shard first). One node is no
+exception: no byte crosses a link there, but the layouts still differ in what a sharded rank's own
+work costs (cputrain.plan.time.sharded_compute: gather_once casts and gathers once a step) and in
+the node's own collectives, so the fastest that fits is chosen there too; where their steps tie
+(the allocator's factors equal, no loopback rate measured), full_shard, the least memory. Where
+none fits, full_shard too, and the reason says by how much it is over.
 
 Where it fits is the caller's: in a plan, each pod's share of the instance the plan sizes (the
 cluster fit's rule, cputrain.plan.memory.fit); in a run, the rank's share of the node's memory
@@ -104,15 +107,9 @@ def _figure(f: LayoutFigures) -> str:
             f"{f.peak_rank_bytes / GIB:,.1f} GiB a rank")
 
 
-ONE_NODE = ("one node: no collective crosses a network, so no layout saves time, and full_shard holds the least "
-            "memory")
-
-
-def layout_choice(figures: list[LayoutFigures], nnodes: int, where: str, how: str) -> tuple[str, str]:
-    """parallel.layout and why. `figures`: each admissible layout's (none needed on one node);
-    `where`: what a rank must fit in, `how`: what the time plan assumed (for the words)."""
-    if nnodes <= 1:
-        return DEFAULT_LAYOUT, ONE_NODE
+def layout_choice(figures: list[LayoutFigures], where: str, how: str) -> tuple[str, str]:
+    """parallel.layout and why. `figures`: each admissible layout's; `where`: what a rank must fit
+    in, `how`: what the time plan assumed (for the words)."""
     by_name = {f.layout: f for f in figures}
     full = by_name[DEFAULT_LAYOUT]
     fitting = [f for f in figures if f.fits]
@@ -153,16 +150,17 @@ def layout_on_instance(cfg, base, network: Network) -> tuple[str, str]:
     and shape); each layout with `cfg`'s reduce dtype, on that instance's link."""
     fit = base.fit
     per_node, nnodes = fit.nproc_per_node, fit.nnodes
-    if nnodes <= 1:
-        return layout_choice([], nnodes, "", "")
     plans = plans_by_layout(base, per_node, reduce_dtype=cfg.parallel.reduce_dtype)
     figures = figures_on_instance(plans, cfg.train.global_batch_size, fit.instance, per_node, network)
     link = network.link_of(fit.instance)
     where = f"a pod of {per_node} rank(s) on {fit.instance.name} ({fit.allocatable_gib:.1f} GiB allocatable)"
-    how = (f"{nnodes} × {fit.instance.name}, "
-           + (f"{link:g} Gbit/s links" if link else "no link rate known: no network time planned")
-           + (", in a cluster placement group" if network.placement_group else ""))
-    return layout_choice(figures, nnodes, where, how)
+    if nnodes <= 1:
+        how = f"one {fit.instance.name}: no collective crosses a link"
+    else:
+        how = (f"{nnodes} × {fit.instance.name}, "
+               + (f"{link:g} Gbit/s links" if link else "no link rate known: no network time planned")
+               + (", in a cluster placement group" if network.placement_group else ""))
+    return layout_choice(figures, where, how)
 
 
 def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: int | None) -> tuple[str, str]:
@@ -174,8 +172,6 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     from cputrain.plan.time import cpu_kind, measured_compute, measured_mfu, running_allocator
 
     nnodes = world_size // max(ranks_per_node, 1)
-    if nnodes <= 1:
-        return layout_choice([], nnodes, "", "")
     base = make_plan(with_layout(least_memory_checkpointing(cfg), DEFAULT_LAYOUT), world_size,
                      nproc_per_node=ranks_per_node, vocab_size=vocab_size)
     precision = cfg.hardware.precision
@@ -187,6 +183,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
                            lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes,
                            lambda layout: measured_compute(peak, mfu, "fsdp", layout, allocator))
     where = f"this node's {hw.memory_gib:.1f} GiB with {ranks_per_node} rank(s) (the plan's pod rule: each × 1.1)"
-    how = (f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
+    how = ("this node alone: no collective crosses a link" if nnodes <= 1 else
+           f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "
            "link rate, so the smallest built-in instance's, outside a placement group")
-    return layout_choice(figures, nnodes, where, how)
+    return layout_choice(figures, where, how)

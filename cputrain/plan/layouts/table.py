@@ -1,7 +1,8 @@
 """Every FSDP layout on every instance type of the table, as `cputrain plan` prints it: tokens/s,
 the network's share of the step, USD per million tokens, and whether the memory plan fits a node;
 then, per instance type, "will these nodes beat one?": its fastest layout that fits against one
-node of the same type (the same ranks per node and global batch, decided as on one node: full_shard).
+node of the same type (the same ranks per node and global batch, its layout decided as a run there
+would decide it).
 
 Each cell is the plan of cputrain.plan.layouts.choice (the layout's memory plan, its step on
 that instance's link and MFU), so the table and parallel.layout=auto never disagree.
@@ -25,7 +26,7 @@ class InstanceRow:
     instance: Instance
     nnodes: int
     figures: list[LayoutFigures]  # each admissible layout on nnodes of the instance
-    one_node: LayoutFigures | None  # full_shard on one node of it (None: the plan is of one node)
+    one_node: LayoutFigures | None  # the layout auto decides on one node of it (None: the plan is of one node)
 
     def usd_per_million_tokens(self, f: LayoutFigures, nnodes: int | None = None) -> float | None:
         if self.instance.price_per_hour is None:
