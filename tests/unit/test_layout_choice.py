@@ -30,7 +30,7 @@ def test_bf16_reduction_where_several_nodes_communicate_in_bf16():
 
 
 def figures(layout: str, step_s: float, fits: bool, link_bytes: float = 1.0) -> LayoutFigures:
-    step = SimpleNamespace(step_s=step_s, tokens_per_s=1000 / step_s, network_share=0.5,
+    step = SimpleNamespace(step_s=step_s, tokens_per_s=1000 / step_s, network_share=0.5, nnodes=4,
                            link_bytes_by_kind={"all_gather": link_bytes})
     return LayoutFigures(layout, 2**30, fits, step)
 
@@ -126,7 +126,7 @@ def test_a_run_decides_both_on_its_node_and_records_why(tmp_path):
     cfg, why = _run_decision(tmp_path, world=2, local=2)
     assert (cfg.parallel.layout, cfg.parallel.reduce_dtype) == ("gather_once", "fp32")
     assert "this node alone: no collective crosses a link" in why["parallel.layout"]
-    assert "full_shard" in why["parallel.layout"]
+    assert "full_shard" in why["parallel.layout"] and "collectives over loopback" in why["parallel.layout"]
     # ... unless it does not fit: the least memory
     cfg, why = _run_decision(tmp_path, world=2, local=2, memory_gib=0.5)
     assert cfg.parallel.layout == "full_shard" and "no layout's memory plan fits" in why["parallel.layout"]

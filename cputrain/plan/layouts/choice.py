@@ -103,7 +103,9 @@ def fastest(figures: list[LayoutFigures]) -> LayoutFigures:
 
 
 def _figure(f: LayoutFigures) -> str:
-    return (f"{f.layout} {f.step.tokens_per_s:,.0f} tokens/s, network {f.step.network_share:.0%} of the step, "
+    # on one node the share is the node's own collectives over loopback: no byte is on a network
+    what = "network" if f.step.nnodes > 1 else "collectives over loopback"
+    return (f"{f.layout} {f.step.tokens_per_s:,.0f} tokens/s, {what} {f.step.network_share:.0%} of the step, "
             f"{f.peak_rank_bytes / GIB:,.1f} GiB a rank")
 
 
