@@ -1,6 +1,7 @@
 """Does a change of the code's layout change what a run computes? Two revisions, side by side.
 
     python benchmarks/revision_parity/revision_parity.py BEFORE [AFTER]       (git revisions; AFTER: HEAD)
+    python benchmarks/revision_parity/revision_parity.py --sharded BEFORE [AFTER]
 
 For a restructuring that must change no behaviour, each revision is checked out in a temporary
 worktree and run from there (its own code and configs, this venv), alternated:
@@ -43,6 +44,13 @@ DPO_STEPS = 20  # of the DPO demo's 40, and of the KTO and reward demos' 40
 # The post-training demos run on the SFT demo's model: (row name, config).
 PREFERENCE_DEMOS = {"DPO": "configs/demo-dpo.yaml", "KTO": "configs/demo-kto.yaml", "reward": "configs/demo-reward.yaml"}
 SFT_STEPS = 60  # of the SFT demo's 150: the losses either agree from the start or they do not
+SHARDED_STEPS = 20
+# (row name, overrides): the demo on 2 ranks; every other key left to auto on both sides
+SHARDED_CASES = [(f"{name}, {precision}", [f"parallel.strategy={strategy}", f"hardware.precision={precision}", *extra])
+                 for precision in ("bf16", "fp32")
+                 for name, strategy, extra in (("fsdp, layout auto", "fsdp", []),
+                                               ("fsdp, full_shard", "fsdp", ["parallel.layout=full_shard"]),
+                                               ("zero3", "zero3", []))]
 
 
 def _worktree(rev: str, root: Path) -> tuple[Path, str]:
@@ -54,11 +62,12 @@ def _worktree(rev: str, root: Path) -> tuple[Path, str]:
     return folder, sha
 
 
-def _train(tree: Path, out: Path, cache: Path, *args: str) -> list[dict]:
-    """One `cputrain train` of the revision in `tree` (its code first on the path); its metrics rows."""
+def _train(tree: Path, out: Path, cache: Path, *args: str, ranks: int = 1) -> list[dict]:
+    """One `cputrain train` of the revision in `tree` (its code first on the path), on `ranks`
+    ranks of this node; its metrics rows."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "cputrain", "train", *args, f"output_dir={out}", f"data.cache_dir={cache}",
-           "train.sample_tokens=0"]
+           "train.sample_tokens=0", *(["--nproc-per-node", str(ranks)] if ranks > 1 else [])]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed in {tree}:\n{proc.stderr[-3000:]}")
@@ -87,11 +96,77 @@ def _worst(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[s] - b[s]) for s in a)
 
 
+def _decided(run: Path) -> str:
+    """What the run's config.yaml decided that a sharded case's losses depend on."""
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    parallel, model = cfg["parallel"], cfg["model"]
+    said = [parallel["strategy"]]
+    if parallel["strategy"] == "fsdp":
+        said += [parallel.get("layout", "?"), f"reduce {parallel.get('reduce_dtype', '?')}"]
+    return " ".join(said + [str(model.get("attn_implementation", "?"))])
+
+
+def sharded(before: str, after: str) -> None:
+    """The demo on 2 ranks under each sharding strategy, before and after: block revision-parity-sharded."""
+    import importlib.util
+
+    cases = [(n, o) for n, o in SHARDED_CASES if "zero3" not in n or importlib.util.find_spec("deepspeed")]
+    with tempfile.TemporaryDirectory(prefix="revision-parity-") as tmp:
+        root = Path(tmp)
+        trees = dict(before=_worktree(before, root), after=_worktree(after, root))
+        found = []
+        try:
+            tokenizer = _shared_tokenizer(trees["before"][0], root)
+            fixed = [f"model.tokenizer={tokenizer}", "model.attn_implementation=sdpa",
+                     f"train.max_steps={SHARDED_STEPS}", "train.eval_every=10", f"train.checkpoint_every={SHARDED_STEPS}"]
+            again = None
+            for i, (name, overrides) in enumerate(cases):
+                runs, decided = {}, {}
+                for side, (tree, _) in trees.items():  # alternated, case by case
+                    out = root / f"{side}-sharded-{i}"
+                    runs[side] = _losses(_train(tree, out, root / f"{side}-cache", *fixed, *overrides, ranks=2))
+                    decided[side] = _decided(out)
+                if again is None:
+                    out = root / "after-sharded-again"
+                    again = _worst(runs["after"], _losses(_train(trees["after"][0], out, root / "after-cache",
+                                                                 *fixed, *overrides, ranks=2)))
+                worst = _worst(runs["before"], runs["after"])
+                found.append((name, len(runs["after"]), worst, decided["before"], decided["after"]))
+                print(f"{name}: {worst:.2e} ({decided['before']} → {decided['after']})", flush=True)
+        finally:
+            for tree, _ in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+    table = [f"| {name} | {steps} | {worst:.2e} | {'yes' if worst < 5e-5 else 'NO'} | {b} | "
+             f"{'the same' if a == b else a} |" for name, steps, worst, b, a in found]
+    sha_before, sha_after = trees["before"][1], trees["after"][1]
+    write_block("revision-parity-sharded", "\n".join([
+        "## Sharded runs before and after",
+        "",
+        machine_line(),
+        "",
+        f"`python benchmarks/revision_parity/revision_parity.py --sharded {sha_before} {sha_after}`: the demo on "
+        f"2 ranks of one node, {SHARDED_STEPS} steps, each revision from its own worktree and token cache, "
+        "alternated case by case; the same tokenizer and attention kernel (sdpa) on both sides, every other "
+        "key left to auto.",
+        "",
+        "| run | logged steps | largest loss difference | equal to 4 decimals | decided before | decided after |",
+        "| --- | ---: | ---: | --- | --- | --- |",
+        *table,
+        "",
+        f"The after revision run again ({cases[0][0]}): largest loss difference {again:.1e}.",
+    ]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before")
     parser.add_argument("after", nargs="?", default="HEAD")
+    parser.add_argument("--sharded", action="store_true", help="the sharded strategies on 2 ranks instead")
     args = parser.parse_args()
+    if args.sharded:
+        return sharded(args.before, args.after)
     with tempfile.TemporaryDirectory(prefix="revision-parity-") as tmp:
         root = Path(tmp)
         trees = dict(before=_worktree(args.before, root), after=_worktree(args.after, root))

@@ -62,6 +62,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("kto", "sft-and-dpo.md", "## KTO against TRL"),
     ("reward_model", "sft-and-dpo.md", "## Reward models against TRL"),
     ("revision-parity", "revision-parity.md", None),
+    ("revision-parity-sharded", "revision-parity.md", None),
     ("rollouts", "online-rl.md", "## Rollouts: sample() against generate()"),
     ("grpo_step", "online-rl.md", "## A GRPO step against TRL's GRPOTrainer"),
 )
