@@ -14,6 +14,7 @@ factors from cputrain/plan/time/sharded_compute.py, which cites this block.
     python benchmarks/network/sharded_rank.py                  # the figures (a quiet machine)
     python benchmarks/network/sharded_rank.py --sizes 34m --precisions bf16 --rounds 3
     python benchmarks/network/sharded_rank.py --tcmalloc /path/to/libtcmalloc_minimal.so.4
+    python benchmarks/network/sharded_rank.py --precisions fp32 --allocators tcmalloc --block sharded_rank_fp32
     python benchmarks/network/sharded_rank.py --quick          # tiny model, 3 steps: checks the script only
 """
 
@@ -107,10 +108,12 @@ def preloaded(allocator: str, tcmalloc: str | None):
 
 
 def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tmp: Path, tcmalloc: str | None,
-            profile_sizes: list[str]) -> list[dict]:
+            profile_sizes: list[str], allocators: list[str]) -> list[dict]:
+    """`allocators`: tcmalloc and/or glibc, the cases run on each."""
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None
     cases = [(label, o, alloc) for label, o, alloc in CASES
-             if (have_deepspeed or o is not ZERO3) and (tcmalloc or alloc != "tcmalloc")]
+             if (have_deepspeed or o is not ZERO3) and (tcmalloc or alloc != "tcmalloc")
+             and ("tcmalloc" if alloc == "tcmalloc" else "glibc") in allocators]
     results = []
     for size in sizes:
         for precision in precisions:
@@ -136,13 +139,16 @@ def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tm
     return results
 
 
-def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None) -> None:
+def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None, block: str,
+          command: str) -> None:
     lines = [machine_line(), "",
-             f"`python benchmarks/network/sharded_rank.py`{' --quick' if quick else ''}: one rank alone (2 threads, "
+             f"`python benchmarks/network/sharded_rank.py{command}`{' --quick' if quick else ''}: one rank alone (2 threads, "
              f"nothing to communicate), seq 512, global batch 8 in micro-batches of 2, {steps} steps, median step of "
              f"the steps after the first two, median of {rounds} alternated round(s); attention sdpa, every other "
-             "`auto` cputrain's. Each case on glibc (what `auto` gives it without tcmalloc: tuned, keeping what a "
-             "step frees, for single; as is with its mmap threshold pinned for fsdp and zero3) and on tcmalloc "
+             "`auto` cputrain's. "
+             + ("Each case on glibc (what `auto` gives it without tcmalloc: tuned, keeping what a step frees, for "
+                "single; as is with its mmap threshold pinned for fsdp and zero3) and on tcmalloc "
+                if any("glibc" in r["case"] for r in results) else "Each case on tcmalloc only ")
              + (f"(preloaded: {Path(tcmalloc).name}, as the training image has it)" if tcmalloc else
                 "(not installed here: no tcmalloc rows)")
              + "; ÷ single is the single case on the same allocator.", "",
@@ -158,7 +164,7 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
                   "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in FAMILIES) + " |"]
         lines += [f"| {r['size']} | {r['precision']} | {r['case']} | {r['families']['step_s']:.2f} | "
                   + " | ".join(f"{r['families'][f]:.2f}" for f in FAMILIES) + " |" for r in profiled_rows]
-    print_and_write_block("sharded_rank", "\n".join(lines), None, quick)
+    print_and_write_block(block, "\n".join(lines), None, quick)
 
 
 def size_args(description: str, sizes: str) -> argparse.ArgumentParser:
@@ -187,12 +193,20 @@ def sizes_of(args: argparse.Namespace) -> tuple[list[str], list[str], int, int]:
 def main() -> None:
     parser = size_args(__doc__, "demo,34m,100m")
     parser.add_argument("--profile-sizes", default="demo,34m,100m", help="the sizes whose cases are profiled once more")
+    parser.add_argument("--allocators", default="glibc,tcmalloc", help="the allocators the cases run on")
+    parser.add_argument("--block", default="sharded_rank", choices=("sharded_rank", "sharded_rank_fp32"),
+                        help="the block written (sharded_rank_fp32: the fp32 rows, kept beside bf16's)")
     args = parser.parse_args()
     sizes, precisions, rounds, steps = sizes_of(args)
     profile_sizes = ["tiny"] if args.quick else args.profile_sizes.split(",")
+    allocators = args.allocators.split(",")
     with tempfile.TemporaryDirectory(prefix="sharded-rank-") as tmp:
-        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, profile_sizes)
-    write(results, rounds, steps, args.quick, args.tcmalloc)
+        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, profile_sizes, allocators)
+    said = "".join(f" {flag} {value}" for flag, value, default in (
+        ("--sizes", args.sizes, "demo,34m,100m"), ("--precisions", args.precisions, "bf16,fp32"),
+        ("--allocators", args.allocators, "glibc,tcmalloc"), ("--profile-sizes", args.profile_sizes, "demo,34m,100m"),
+        ("--block", args.block, "sharded_rank")) if value != default and not args.quick)
+    write(results, rounds, steps, args.quick, args.tcmalloc, args.block, said)
 
 
 if __name__ == "__main__":

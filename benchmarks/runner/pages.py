@@ -50,6 +50,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("fsdp_layouts", "network.md", "## FSDP layouts over a shaped link"),
     ("fsdp_prefetch", "network.md", "## FSDP's gathers issued a block ahead"),
     ("sharded_rank", "network.md", "## A sharded rank against the single strategy"),
+    ("sharded_rank_fp32", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_fetch", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
