@@ -121,7 +121,7 @@ def sharded(before: str, after: str) -> None:
             tokenizer = _shared_tokenizer(trees["before"][0], root)
             # micro-batches of 2: each rank accumulates 2 a step, where the layouts differ
             fixed = [f"model.tokenizer={tokenizer}", "model.attn_implementation=sdpa", "train.micro_batch_size=2",
-                     f"train.max_steps={SHARDED_STEPS}", "train.eval_every=10", f"train.checkpoint_every={SHARDED_STEPS}"]
+                     "train.log_every=1", f"train.max_steps={SHARDED_STEPS}", "train.eval_every=10", f"train.checkpoint_every={SHARDED_STEPS}"]
             again = None
             for i, (name, overrides) in enumerate(cases):
                 runs, decided = {}, {}
@@ -148,7 +148,7 @@ def sharded(before: str, after: str) -> None:
         machine_line(),
         "",
         f"`python benchmarks/revision_parity/revision_parity.py --sharded {sha_before} {sha_after}`: the demo on "
-        f"2 ranks of one node, {SHARDED_STEPS} steps of 2 micro-batches of 2 a rank, each revision from its own worktree and token cache, "
+        f"2 ranks of one node, {SHARDED_STEPS} steps of 2 micro-batches of 2 a rank, the loss of every step, each revision from its own worktree and token cache, "
         "alternated case by case; the same tokenizer and attention kernel (sdpa) on both sides, every other "
         "key left to auto.",
         "",
