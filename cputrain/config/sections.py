@@ -635,8 +635,8 @@ class ParallelConfig(Section):
     across nodes (HSDP, 2 or more nodes), the gradients all-reduced across nodes once per step;
     each rank holds 1/(ranks per node) of the state. Every layout keeps the root (embeddings,
     final norm, head) gathered across a step's micro-batches. auto: the fastest by the time plan
-    among the layouts whose memory plan fits each rank's share of the node; full_shard on one
-    node. Other strategies: leave it auto."""
+    among the layouts whose memory plan fits each rank's share of the node (one node too:
+    gather_once where it fits). Other strategies: leave it auto."""
 
     reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """fsdp: the dtype gradients are reduced in. bf16 halves the reduce traffic (the weights and

@@ -51,7 +51,7 @@ def test_the_seeds_case_planned_on_nodes_that_hold_the_state(rows):
     _, big, wide = rows
     for row in (big, wide):
         best = row.best
-        assert "for a fsdp rank's own work (gather_once) on tcmalloc" in best.step.source["mfu"]
+        assert "for a fsdp rank's own work (gather_once) in bf16 on tcmalloc" in best.step.source["mfu"]
         assert best.step.tokens_per_s >= 2.5 * BEFORE_TOKENS_S
         assert best.step.tokens_per_s >= 3.4 * row.one_node.step.tokens_per_s
         assert best.step.network_share <= 0.25

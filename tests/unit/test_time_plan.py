@@ -329,4 +329,12 @@ def test_a_sharded_rank_computes_at_the_measured_mfu_divided_by_its_factor():
         assert sharded_factor(strategy, layout, "system").factor >= sharded_factor(strategy, layout, "tcmalloc").factor
     # the node layouts gather and shard as full_shard does; the instance plans assume the image's tcmalloc
     assert sharded_factor("fsdp", "hybrid") == sharded_factor("fsdp", "full_shard", IMAGE_ALLOCATOR)
+    # fp32 measured apart on tcmalloc (its own block; FSDP2's smaller: no bf16 casts); on glibc bf16's row stands
+    for strategy, layout in (("fsdp", "full_shard"), ("fsdp", "gather_once"), ("zero3", "full_shard")):
+        fp32, bf16 = (sharded_factor(strategy, layout, "tcmalloc", p) for p in ("fp32", "bf16"))
+        assert (fp32.precision, bf16.precision) == ("fp32", "bf16") and fp32.factor != bf16.factor
+        assert fp32.factor < bf16.factor or strategy == "zero3"
+        assert "sharded_rank_fp32" in fp32.source and "in fp32" in fp32.describe()
+        assert sharded_factor(strategy, layout, "system", "fp32") == sharded_factor(strategy, layout, "system", "bf16")
+    assert measured_compute(1e12, choice, "fsdp", "gather_once", "tcmalloc", "fp32").mfu == share  # 0.99: never < 1
     assert IMAGE_ALLOCATOR == "tcmalloc" and "libgoogle-perftools4" in (REPO / "Dockerfile").read_text()

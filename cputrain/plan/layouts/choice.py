@@ -183,7 +183,7 @@ def layout_on_node(cfg, world_size: int, ranks_per_node: int, hw, vocab_size: in
     allocator = running_allocator(cfg)  # a sharded rank's speed depends on it (plan.time.sharded_compute)
     figures = figures_here(plans_by_layout(base, ranks_per_node), cfg.train.global_batch_size, ranks_per_node,
                            lambda peak_bytes: pod_memory_bytes(peak_bytes, ranks_per_node) <= memory_bytes,
-                           lambda layout: measured_compute(peak, mfu, "fsdp", layout, allocator))
+                           lambda layout: measured_compute(peak, mfu, "fsdp", layout, allocator, precision))
     where = f"this node's {hw.memory_gib:.1f} GiB with {ranks_per_node} rank(s) (the plan's pod rule: each × 1.1)"
     how = ("this node alone: no collective crosses a link" if nnodes <= 1 else
            f"{nnodes} nodes like this one, each on a {RUN_NETWORK.link_gbit_s:g} Gbit/s link: a run knows no "

@@ -99,7 +99,7 @@ def worth_here(plan, cfg, hw, world_size: int, ranks_per_node: int) -> Checkpoin
     precision = cfg.hardware.precision
     mfu = measured_mfu(precision, cpu_kind(hw.flags), cfg.model.lora.enabled)
     compute = measured_compute(rank_peak_flops(precision, hw=hw, threads=cfg.hardware.threads), mfu,
-                               cfg.parallel.strategy, cfg.parallel.layout, running_allocator(cfg))
+                               cfg.parallel.strategy, cfg.parallel.layout, running_allocator(cfg), precision)
     nnodes = max(1, world_size // max(1, ranks_per_node))
     link = RUN_NETWORK.link(RUN_NETWORK.link_gbit_s if nnodes > 1 else None)
     step = plan_step_time(StepSettings.of_plan(plan, cfg.train.global_batch_size), world_size, ranks_per_node,

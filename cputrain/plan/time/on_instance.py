@@ -60,7 +60,7 @@ def step_on_instance(plan, global_batch: int, instance: Instance, ranks_per_node
     settings = StepSettings.of_plan(plan, global_batch)
     choice = mfu_on(instance, settings.precision, plan.shape.lora)
     compute = measured_compute(rank_peak_flops(settings.precision, instance=instance, ranks_per_node=ranks_per_node),
-                               choice, settings.strategy, settings.layout, IMAGE_ALLOCATOR)
+                               choice, settings.strategy, settings.layout, IMAGE_ALLOCATOR, settings.precision)
     step = plan_step_time(settings, plan.inputs.world_size, ranks_per_node, plan.shape, compute,
                           network.link(network.link_of(instance)))
     return step, choice

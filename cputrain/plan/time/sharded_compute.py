@@ -13,7 +13,8 @@ frees of its gathered blocks leaves the process, maps and zeroes those pages aga
 micro-batch, and every activation over 128 KiB with them; tcmalloc keeps freed spans for the next
 allocation of their size and returns them to the system slowly. So each factor is measured on the
 allocator `auto` gives the rank (tcmalloc where installed, as the training image has it) and
-divided by the single strategy's step on the same allocator.
+divided by the single strategy's step on the same allocator, in the compute dtype of the run:
+bf16 pays for the casts of every gathered block and gradient, fp32 for none.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 IMAGE_ALLOCATOR = "tcmalloc"
 
 
-def _source(block: str) -> str:
-    return ("one rank alone, ~100M Llama in bf16, 4 micro-batches of 2 × 512, median of 2 alternated rounds, "
+def _source(block: str, precision: str = "bf16") -> str:
+    return (f"one rank alone, ~100M Llama in {precision}, 4 micro-batches of 2 × 512, median of 2 alternated rounds, "
             f"against the single strategy on the same allocator (block {block} of docs/benchmarks/network.md, "
             "AMD EPYC with AVX512-BF16)")
 
 
 _SOURCE = _source("sharded_rank")
+_SOURCE_FP32 = _source("sharded_rank_fp32", "fp32")
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,11 @@ class ShardedCompute:
     allocator: str  # tcmalloc, or glibc (what auto gives a sharded rank without tcmalloc)
     factor: float  # a sharded rank's step ÷ the single strategy's, one rank alone, nothing to communicate
     source: str  # where it was measured
+    precision: str = "bf16"  # the compute dtype it was measured in
 
     def describe(self) -> str:
         where = f"a {self.strategy} rank's own work" + (f" ({self.layout})" if self.layout else "")
-        return f"÷ {self.factor:.2f} for {where} on {self.allocator} (measured: {self.source})"
+        return f"÷ {self.factor:.2f} for {where} in {self.precision} on {self.allocator} (measured: {self.source})"
 
 
 ROWS = [
@@ -60,6 +63,13 @@ ROWS = [
                    "at this size"),
     ShardedCompute("zero3", None, "glibc", 2.04, _SOURCE + "; fetching module by module, an upper bound for blocks "
                    "fetched whole"),
+    # fp32, tcmalloc, zero3 fetching blocks whole: single 15.65 s a step; full_shard 15.95, gather_once 15.51
+    # (below single: planned at 1.00), zero3 16.58. FSDP2's are smaller than bf16's: in fp32 it casts
+    # nothing, and the matmuls take a larger share of the step. zero3's is not (1.06 against 1.03 in bf16,
+    # measured a day apart in two blocks). fp32 on glibc is not measured: bf16's glibc rows stand for it.
+    ShardedCompute("fsdp", "full_shard", "tcmalloc", 1.02, _SOURCE_FP32, "fp32"),
+    ShardedCompute("fsdp", "gather_once", "tcmalloc", 0.99, _SOURCE_FP32, "fp32"),
+    ShardedCompute("zero3", None, "tcmalloc", 1.06, _SOURCE_FP32, "fp32"),
 ]
 # Layouts measured apart; the others (hybrid and the node layouts) shard and gather as full_shard does.
 _MEASURED_LAYOUTS = ("full_shard", "gather_once")
@@ -71,25 +81,28 @@ def allocator_family(allocator: str) -> str:
     return "tcmalloc" if allocator == "tcmalloc" else "glibc"
 
 
-def sharded_factor(strategy: str, layout: str = "full_shard", allocator: str = IMAGE_ALLOCATOR) -> ShardedCompute | None:
-    """The factor for a rank of `strategy` (fsdp: in `layout`) on `allocator`; None where its rank
-    computes as the single strategy's (single, ddp)."""
+def sharded_factor(strategy: str, layout: str = "full_shard", allocator: str = IMAGE_ALLOCATOR,
+                   precision: str = "bf16") -> ShardedCompute | None:
+    """The factor for a rank of `strategy` (fsdp: in `layout`) on `allocator` computing in
+    `precision`; None where its rank computes as the single strategy's (single, ddp). Where the
+    precision was not measured on that allocator, bf16's row (the larger factor)."""
     if strategy not in ("fsdp", "zero3"):
         return None
     layout_key = (layout if layout in _MEASURED_LAYOUTS else "full_shard") if strategy == "fsdp" else None
     family = allocator_family(allocator)
-    return next(r for r in ROWS if (r.strategy, r.layout, r.allocator) == (strategy, layout_key, family))
+    rows = [r for r in ROWS if (r.strategy, r.layout, r.allocator) == (strategy, layout_key, family)]
+    return next((r for r in rows if r.precision == precision), next(r for r in rows if r.precision == "bf16"))
 
 
 def measured_compute(peak_flops_per_s: float, choice, strategy: str, layout: str = "full_shard",
-                     allocator: str = IMAGE_ALLOCATOR):
+                     allocator: str = IMAGE_ALLOCATOR, precision: str = "bf16"):
     """A rank's cores at the MFU measured for its CPU (`choice`: measured_mfu's, a single-strategy
     run's), slowed by what sharding costs a rank where `strategy` shards. A factor is never below 1:
     a sharded rank is not planned faster than the same rank unsharded."""
     from cputrain.plan.time.step_time import Compute
 
     share, said = choice.row.executed_share_of_peak, choice.describe()
-    sharded = sharded_factor(strategy, layout, allocator)
+    sharded = sharded_factor(strategy, layout, allocator, precision)
     if sharded is None:
         return Compute(peak_flops_per_s, share, said)
     return Compute(peak_flops_per_s, share / max(1.0, sharded.factor), f"{said}; {sharded.describe()}")
