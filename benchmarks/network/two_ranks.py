@@ -11,6 +11,7 @@ the same allocator, and rank 0's step peak. Writes block `two_ranks` of docs/ben
     python benchmarks/network/two_ranks.py                 # the figures (a quiet machine)
     python benchmarks/network/two_ranks.py --sizes 100m --precisions bf16 --rounds 2
     python benchmarks/network/two_ranks.py --sizes 100m --no-glibc   # tcmalloc's rows alone (the image's allocator)
+    python benchmarks/network/two_ranks.py --sizes 34m --no-glibc --block two_ranks_34m
     python benchmarks/network/two_ranks.py --quick         # tiny model, 3 steps: checks the script only
 """
 
@@ -69,7 +70,8 @@ def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tm
     return results
 
 
-def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None, command: str) -> None:
+def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None, command: str,
+          block: str) -> None:
     lines = [machine_line(), "",
              f"`{command}`: 2 ranks on one node (1 thread "
              f"each), seq 512, global batch 8 in micro-batches of 2, {steps} steps, median step of the steps after "
@@ -82,17 +84,20 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['size']} | {r['precision']} | {r['allocator']} | {r['case']} | {r['step_s']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['vs_ddp']:.2f}× | {r['step_peak_gib']:.2f} |" for r in results]
-    print_and_write_block("two_ranks", "\n".join(lines), None, quick)
+    print_and_write_block(block, "\n".join(lines), None, quick)
 
 
 def main() -> None:
     parser = size_args(__doc__, "34m,100m")
     parser.add_argument("--no-glibc", action="store_true", help="tcmalloc's rows alone (what the training image runs)")
+    parser.add_argument("--block", default="two_ranks", choices=("two_ranks", "two_ranks_34m"),
+                        help="the block written (two_ranks_34m: ~34M's rows, kept beside ~100M's)")
     args = parser.parse_args()
     sizes, precisions, rounds, steps = sizes_of(args)
     with tempfile.TemporaryDirectory(prefix="two-ranks-") as tmp:
         results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, glibc=not args.no_glibc)
-    write(results, rounds, steps, args.quick, args.tcmalloc, "python benchmarks/network/two_ranks.py " + " ".join(sys.argv[1:]))
+    write(results, rounds, steps, args.quick, args.tcmalloc, "python benchmarks/network/two_ranks.py " + " ".join(sys.argv[1:]),
+          args.block)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("sharded_rank", "network.md", "## A sharded rank against the single strategy"),
     ("sharded_rank_fp32", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks", "network.md", "## A sharded rank against the single strategy"),
+    ("two_ranks_34m", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_fetch", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
