@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +61,29 @@ def _worktree(rev: str, root: Path) -> tuple[Path, str]:
     subprocess.run(["git", "worktree", "add", "--detach", "-f", str(folder), rev], cwd=REPO, check=True,
                    capture_output=True)
     return folder, sha
+
+
+@contextmanager
+def _worktrees(before: str, after: str, root: Path):
+    """{"before": (folder, sha), "after": (folder, sha)}, each a worktree under `root`, removed after."""
+    trees = dict(before=_worktree(before, root), after=_worktree(after, root))
+    try:
+        yield trees
+    finally:
+        for tree, _ in trees.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+
+
+def _block(name: str, title: str, command: str, columns: list[str], table: list[str], after: str) -> None:
+    """Block `name`: its title, the machine, the command and what it ran, the table (`columns`: the
+    first 3 are the run, its logged steps and its largest loss difference), a closing line."""
+    header = "| " + " | ".join(columns) + " |"
+    rule = "| --- | ---: | ---: |" + " --- |" * (len(columns) - 3)
+    write_block(name, "\n".join([title, "", machine_line(), "", command, "", header, rule, *table, "", after]))
+
+
+def _equal(worst: float) -> str:
+    return "yes" if worst < 5e-5 else "NO"
 
 
 def _train(tree: Path, out: Path, cache: Path, *args: str, ranks: int = 1) -> list[dict]:
@@ -115,9 +139,8 @@ def sharded(before: str, after: str) -> None:
     cases = [(n, o) for n, o in SHARDED_CASES if "zero3" not in n or importlib.util.find_spec("deepspeed")]
     with tempfile.TemporaryDirectory(prefix="revision-parity-") as tmp:
         root = Path(tmp)
-        trees = dict(before=_worktree(before, root), after=_worktree(after, root))
         found = []
-        try:
+        with _worktrees(before, after, root) as trees:
             tokenizer = _shared_tokenizer(trees["before"][0], root)
             # micro-batches of 2: each rank accumulates 2 a step, where the layouts differ
             fixed = [f"model.tokenizer={tokenizer}", "model.attn_implementation=sdpa", "train.micro_batch_size=2",
@@ -136,28 +159,17 @@ def sharded(before: str, after: str) -> None:
                 worst = _worst(runs["before"], runs["after"])
                 found.append((name, len(runs["after"]), worst, decided["before"], decided["after"]))
                 print(f"{name}: {worst:.2e} ({decided['before']} → {decided['after']})", flush=True)
-        finally:
-            for tree, _ in trees.values():
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
-    table = [f"| {name} | {steps} | {worst:.2e} | {'yes' if worst < 5e-5 else 'NO'} | {b} | "
-             f"{'the same' if a == b else a} |" for name, steps, worst, b, a in found]
+    table = [f"| {name} | {steps} | {worst:.2e} | {_equal(worst)} | {b} | {'the same' if a == b else a} |"
+             for name, steps, worst, b, a in found]
     sha_before, sha_after = trees["before"][1], trees["after"][1]
-    write_block("revision-parity-sharded", "\n".join([
-        "## Sharded runs before and after",
-        "",
-        machine_line(),
-        "",
-        f"`python benchmarks/revision_parity/revision_parity.py --sharded {sha_before} {sha_after}`: the demo on "
-        f"2 ranks of one node, {SHARDED_STEPS} steps of 2 micro-batches of 2 a rank, the loss of every step, each revision from its own worktree and token cache, "
-        "alternated case by case; the same tokenizer and attention kernel (sdpa) on both sides, every other "
-        "key left to auto.",
-        "",
-        "| run | logged steps | largest loss difference | equal to 4 decimals | decided before | decided after |",
-        "| --- | ---: | ---: | --- | --- | --- |",
-        *table,
-        "",
-        f"The after revision run again ({cases[0][0]}): largest loss difference {again:.1e}.",
-    ]))
+    _block("revision-parity-sharded", "## Sharded runs before and after",
+           f"`python benchmarks/revision_parity/revision_parity.py --sharded {sha_before} {sha_after}`: the demo on "
+           f"2 ranks of one node, {SHARDED_STEPS} steps of 2 micro-batches of 2 a rank, the loss of every step, each "
+           "revision from its own worktree and token cache, alternated case by case; the same tokenizer and "
+           "attention kernel (sdpa) on both sides, every other key left to auto.",
+           ["run", "logged steps", "largest loss difference", "equal to 4 decimals", "decided before",
+            "decided after"], table,
+           f"The after revision run again ({cases[0][0]}): largest loss difference {again:.1e}.")
 
 
 def main() -> None:
@@ -170,8 +182,7 @@ def main() -> None:
         return sharded(args.before, args.after)
     with tempfile.TemporaryDirectory(prefix="revision-parity-") as tmp:
         root = Path(tmp)
-        trees = dict(before=_worktree(args.before, root), after=_worktree(args.after, root))
-        try:
+        with _worktrees(args.before, args.after, root) as trees:
             tokenizer = _shared_tokenizer(trees["before"][0], root)
             fixed = [f"model.tokenizer={tokenizer}", "model.attn_implementation=sdpa"]
             demo = {side: [] for side in trees}
@@ -193,9 +204,6 @@ def main() -> None:
                         tree, root / f"{side}-{name}", root / f"{side}-cache", config,
                         f"model.name_or_path={root / f'{side}-sft' / 'model'}", f"train.max_steps={DPO_STEPS}",
                         f"train.checkpoint_every={DPO_STEPS}", "model.attn_implementation=sdpa")
-        finally:
-            for tree, _ in trees.values():
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     demo_worst = max(_worst(_losses(a), _losses(b)) for a, b in zip(demo["before"], demo["after"]))
     repeat_worst = max(_worst(_losses(runs[0]), _losses(runs[i])) for runs in demo.values() for i in range(1, DEMO_RUNS))
     speed = {side: statistics.median(_tokens_per_s(rows) for rows in runs) for side, runs in demo.items()}
@@ -208,25 +216,16 @@ def main() -> None:
         *((f"{name} demo (LoRA), {DPO_STEPS} steps", _worst(_losses(runs["before"]), _losses(runs["after"])),
            len(_losses(runs["after"]))) for name, runs in preference.items()),
     ]
-    table = [f"| {name} | {steps} | {worst:.2e} | {'yes' if worst < 5e-5 else 'NO'} |" for name, worst, steps in rows]
+    table = [f"| {name} | {steps} | {worst:.2e} | {_equal(worst)} |" for name, worst, steps in rows]
     print("\n".join(table))
     sha_before, sha_after = trees["before"][1], trees["after"][1]
-    write_block("revision-parity", "\n".join([
-        "## The same run before and after a restructuring",
-        "",
-        machine_line(),
-        "",
-        f"`python benchmarks/revision_parity/revision_parity.py {sha_before} {sha_after}`: each revision from its own worktree and "
-        "token cache, alternated. Losses must agree to 4 decimals at every logged step.",
-        "",
-        "| run | logged steps | largest loss difference | equal to 4 decimals |",
-        "| --- | ---: | ---: | --- |",
-        *table,
-        "",
-        f"The same revision run again: largest loss difference {repeat_worst:.1e}. "
-        f"Demo tokens/s, median of {DEMO_RUNS} runs (median of steps 10 on in each): before "
-        f"{speed['before']:,.0f}, after {speed['after']:,.0f}, ratio {speed['after'] / speed['before']:.3f}.",
-    ]))
+    _block("revision-parity", "## The same run before and after a restructuring",
+           f"`python benchmarks/revision_parity/revision_parity.py {sha_before} {sha_after}`: each revision from its "
+           "own worktree and token cache, alternated. Losses must agree to 4 decimals at every logged step.",
+           ["run", "logged steps", "largest loss difference", "equal to 4 decimals"], table,
+           f"The same revision run again: largest loss difference {repeat_worst:.1e}. "
+           f"Demo tokens/s, median of {DEMO_RUNS} runs (median of steps 10 on in each): before "
+           f"{speed['before']:,.0f}, after {speed['after']:,.0f}, ratio {speed['after'] / speed['before']:.3f}.")
 
 
 if __name__ == "__main__":
