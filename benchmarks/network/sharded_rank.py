@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
-from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 
@@ -142,7 +142,7 @@ def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tm
 def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None, block: str,
           command: str) -> None:
     lines = [machine_line(), "",
-             f"`python benchmarks/network/sharded_rank.py{command}`{' --quick' if quick else ''}: one rank alone (2 threads, "
+             f"`{command}`: one rank alone (2 threads, "
              f"nothing to communicate), seq 512, global batch 8 in micro-batches of 2, {steps} steps, median step of "
              f"the steps after the first two, median of {rounds} alternated round(s); attention sdpa, every other "
              "`auto` cputrain's. "
@@ -202,11 +202,7 @@ def main() -> None:
     allocators = args.allocators.split(",")
     with tempfile.TemporaryDirectory(prefix="sharded-rank-") as tmp:
         results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, profile_sizes, allocators)
-    said = "".join(f" {flag} {value}" for flag, value, default in (
-        ("--sizes", args.sizes, "demo,34m,100m"), ("--precisions", args.precisions, "bf16,fp32"),
-        ("--allocators", args.allocators, "glibc,tcmalloc"), ("--profile-sizes", args.profile_sizes, "demo,34m,100m"),
-        ("--block", args.block, "sharded_rank")) if value != default and not args.quick)
-    write(results, rounds, steps, args.quick, args.tcmalloc, args.block, said)
+    write(results, rounds, steps, args.quick, args.tcmalloc, args.block, command_as_run())
 
 
 if __name__ == "__main__":

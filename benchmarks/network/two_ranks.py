@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.network.sharded_rank import (FULL_SHARD, GATHER_ONCE, SIZES, TOKENS_PER_STEP, ZERO3, common,  # noqa: E402
                                              median_step_s, preloaded, size_args, sizes_of)
-from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 
@@ -96,8 +96,7 @@ def main() -> None:
     sizes, precisions, rounds, steps = sizes_of(args)
     with tempfile.TemporaryDirectory(prefix="two-ranks-") as tmp:
         results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, glibc=not args.no_glibc)
-    write(results, rounds, steps, args.quick, args.tcmalloc, "python benchmarks/network/two_ranks.py " + " ".join(sys.argv[1:]),
-          args.block)
+    write(results, rounds, steps, args.quick, args.tcmalloc, command_as_run(), args.block)
 
 
 if __name__ == "__main__":

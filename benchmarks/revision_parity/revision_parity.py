@@ -136,7 +136,8 @@ def sharded(before: str, after: str) -> None:
     """The demo on 2 ranks under each sharding strategy, before and after: block revision-parity-sharded."""
     import importlib.util
 
-    cases = [(n, o) for n, o in SHARDED_CASES if "zero3" not in n or importlib.util.find_spec("deepspeed")]
+    cases = [(n, o) for n, o in SHARDED_CASES
+             if "parallel.strategy=zero3" not in o or importlib.util.find_spec("deepspeed")]
     with tempfile.TemporaryDirectory(prefix="revision-parity-") as tmp:
         root = Path(tmp)
         found = []

@@ -13,6 +13,16 @@ from pathlib import Path
 
 from benchmarks.runner.pages import DOCS, insert_into_section, place_of
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def command_as_run() -> str:
+    """The running script's command line, as a block says how to reproduce it: `python
+    benchmarks/…/script.py` and its arguments."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    return " ".join(["python", str(shown), *sys.argv[1:]])
+
 
 def write_block(name: str, markdown: str, docs: Path = DOCS) -> None:
     """Block `name` replaced where it stands on its page, or, new there, added at the end of its

@@ -129,3 +129,12 @@ def test_the_trainer_comparison_heads_each_block_by_precision_and_unit(monkeypat
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(cputrain.hardware, "detect", lambda: SimpleNamespace(flags={}))
     assert block_heading(["fp32"]) == "### fp32 on AVX2"
+
+
+def test_a_block_says_the_command_as_run_from_the_repository(monkeypatch):
+    from benchmarks.runner.blocks import command_as_run
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks/network/two_ranks.py"), "--sizes", "34m", "--no-glibc"])
+    assert command_as_run() == "python benchmarks/network/two_ranks.py --sizes 34m --no-glibc"
+    monkeypatch.setattr(sys, "argv", ["/elsewhere/script.py"])  # outside the repository: its whole path
+    assert command_as_run() == "python /elsewhere/script.py"
