@@ -142,7 +142,7 @@ fits, and fp32 reduction)."""
         doc = json.loads((out / "plan.json").read_text())
         shape = model_shape(load_config(None, overrides).model, vocab_size=doc["model"]["vocab_size"])
         # 8 sequences a step, 2 a micro-batch, 2 ranks: 2 micro-batches per rank
-        planned = sum(comm_pattern(shape, "fsdp", "fp32", WORLD, micro_batches=2, layout="gather_once",
+        planned = sum(comm_pattern(shape, "fsdp", "fp32", WORLD, micro_batches=2, layout=decided["layout"],
                                    reduce_dtype="fp32", reduce_scatter=reduce_scatter).rank_bytes(WORLD).values())
         logged = statistics.median(r["comm_sent_bytes"] for r in rows if "comm_sent_bytes" in r and "loss" in r)
         assert abs(logged - planned) <= PLAN_TOLERANCE * planned, \
