@@ -217,17 +217,21 @@ class Checkpoints:
         """model/: `write_model(folder, is_writer)` writes it (the model converter's export: a
         plain Hugging Face model, or LoRA's adapter folder), here or staged and uploaded."""
         local = self.run.local_path()
-        target = f"{local}/model" if local else None
-        if target is None:  # remote run folder: export locally, then upload
-            import tempfile
+        if local is not None:
+            with self.meter.suspended():  # the gathers of the export are not training-step traffic
+                write_model(f"{local}/model", self.ranks.is_main)
+            pg.barrier()
+            return
+        import tempfile
 
-            staging = tempfile.mkdtemp(prefix="cputrain-export-")
-            target = f"{staging}/model"
-        with self.meter.suspended():  # the gathers of the export are not training-step traffic
-            write_model(target, self.ranks.is_main)
-        if self.ranks.is_main and local is None:
-            self.run.fs.put(target, self.run.path("model"), recursive=True)
-        pg.barrier()
+        # A remote run folder: export to local staging, upload it, then remove it (left in /tmp,
+        # every run on the node would leave a whole model behind)
+        with tempfile.TemporaryDirectory(prefix="cputrain-export-") as staging:
+            with self.meter.suspended():
+                write_model(f"{staging}/model", self.ranks.is_main)
+            if self.ranks.is_main:
+                self.run.fs.put(f"{staging}/model", self.run.path("model"), recursive=True)
+            pg.barrier()
 
 
 def disk_full(exc: BaseException) -> bool:

@@ -23,8 +23,10 @@ def test_checkpoints_resume_and_export_through_an_fsspec_url(tmp_path, cache_dir
     out = tmp_path / "run"
     url = f"remotelike://{out}"
     writes = tmp_path / "writes.log"
+    scratch = tmp_path / "scratch"  # the processes' TMPDIR: where the export is staged
+    scratch.mkdir()
     env = cli_env(PYTHONPATH=os.pathsep.join([str(REMOTE_FS), os.environ.get("PYTHONPATH", "")]),
-                  REMOTELIKE_WRITE_LOG=writes)
+                  REMOTELIKE_WRITE_LOG=writes, TMPDIR=scratch)
     common = {"output_dir": url, "train.max_steps": 8, "train.eval_every": 100, "train.checkpoint_every": 4,
               "parallel.strategy": "fsdp"}
     run_cli("train", *tiny_overrides(out, cache_dir, **common, **{"train.stop_at_step": 4}), "--nproc-per-node", 2,
@@ -44,3 +46,5 @@ def test_checkpoints_resume_and_export_through_an_fsspec_url(tmp_path, cache_dir
 
     weights = load_file(out / "model" / "model.safetensors")  # staged locally, then uploaded
     assert weights and all(t.isfinite().all() for t in weights.values())
+    staged = sorted(p.name for p in scratch.glob("cputrain-export-*"))
+    assert not staged, f"the export's local staging was left behind: {staged}"
