@@ -11,7 +11,12 @@ its byte-level BPE trained on builtin:pydoc): the demo's shape (configs/demo.yam
 (12 layers, hidden 768). The prompts: one plain-string question per pydoc help topic. A step: 8
 prompts × 8 generations (64 completions, TRL's per_device_train_batch_size=64, one micro-batch),
 up to 48 new tokens each at temperature 1, the reward a format regex (the same function on both
-sides), loss dapo (TRL's default), β 0, fp32, full weights, one process on every physical core.
+sides), loss dapo (TRL's default), β 0, full weights, one process on every physical core.
+
+Precision: bf16 and fp32, each on both sides. bf16 is the default of both: TRL's GRPOConfig sets
+bf16=True (on a CPU with use_cpu=True, autocast over fp32 weights), and cputrain's
+hardware.precision=auto takes bf16 on bf16 units. bf16 rows run only where the CPU has them
+(AVX512-BF16 or AMX); elsewhere bf16 is emulated and both sides would time the emulation.
 
 cputrain    `cputrain train train.objective=grpo`, the rollout from cputrain.rollouts.sample().
 TRL         GRPOTrainer with use_vllm=False (model.generate()), gradient checkpointing off as
@@ -65,7 +70,8 @@ def write_prompts(path: Path) -> None:
             f.write(json.dumps({"prompt": f"Question: what is {name} in Python?\nAnswer:"}) + "\n")
 
 
-def run_cputrain(base: Path, prompts: Path, cache: str, steps: int, warmup: int, threads: int, shape: tuple) -> dict:
+def run_cputrain(base: Path, prompts: Path, cache: str, steps: int, warmup: int, threads: int, shape: tuple,
+                 precision: str) -> dict:
     n_prompts, generations, new_tokens = shape
     run = train_measured([
         f"model.name_or_path={base}", f"data.source={prompts}", "data.format=prompt", f"data.cache_dir={cache}",
@@ -73,7 +79,7 @@ def run_cputrain(base: Path, prompts: Path, cache: str, steps: int, warmup: int,
         f"train.num_generations={generations}", f"train.max_completion_length={new_tokens}",
         f"train.global_batch_size={n_prompts * generations}", f"train.micro_batch_size={n_prompts * generations}",
         f"train.max_steps={steps}", "train.log_every=1", "train.warmup_steps=0", "train.lr=1e-6",
-        "train.checkpoint_every=100000", "train.sample_tokens=0", "hardware.precision=fp32",
+        "train.checkpoint_every=100000", "train.sample_tokens=0", f"hardware.precision={precision}",
         f"hardware.threads={threads}", "model.compile=false"], "cputrain grpo")
     rows = run.metrics_rows[warmup:]
     return {"step_s": statistics.median(r["step_time_s"] for r in rows),
@@ -87,7 +93,7 @@ def _trl_reward(prompts, completions, **kwargs):
     return [float(re.match(REGEX, c) is not None) for c in completions]
 
 
-def run_trl(base: Path, prompts: Path, steps: int, warmup: int, threads: int, shape: tuple) -> dict:
+def run_trl(base: Path, prompts: Path, steps: int, warmup: int, threads: int, shape: tuple, precision: str) -> dict:
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,7 +115,7 @@ def run_trl(base: Path, prompts: Path, steps: int, warmup: int, threads: int, sh
         args = GRPOConfig(output_dir=out, report_to=[], use_cpu=True, max_steps=steps, logging_steps=1,
                           per_device_train_batch_size=n_prompts * generations, num_generations=generations,
                           max_completion_length=new_tokens, learning_rate=1e-6, save_strategy="no",
-                          gradient_checkpointing=False, bf16=False, use_vllm=False)
+                          gradient_checkpointing=False, bf16=precision == "bf16", use_vllm=False)
         clock = trainer_step_clock()
         trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                               reward_funcs=reward, args=args, processing_class=tok,
@@ -131,8 +137,10 @@ def main() -> None:
                                                                "(default: docs/benchmarks/, not with --quick)")
     args = parser.parse_args()
     from benchmarks.runner.base_model import make_base
+    from cputrain.hardware import detect
 
     threads = physical_cores()
+    precisions = ["bf16", "fp32"] if detect().has_fast_bf16 or args.quick else ["fp32"]
     sizes = {"quick": QUICK_ARCH} if args.quick else {"demo": demo_arch(), "~100M": ARCH_100M}
     steps, warmup, runs = (3, 1, 1) if args.quick else (args.steps, args.warmup, args.runs)
     shape = (2, 4, 8) if args.quick else (PROMPTS, GENERATIONS, NEW_TOKENS)
@@ -145,17 +153,18 @@ def main() -> None:
         for size, arch in sizes.items():
             base = tmp / size.strip("~")
             info = make_base(base, arch, "builtin:pydoc", cache, "float32")
-            ours, theirs = [], []
-            for r in range(runs):  # alternated, the order swapped each run
-                for side in (("cputrain", "trl") if r % 2 == 0 else ("trl", "cputrain")):
-                    if side == "cputrain":
-                        ours.append(run_cputrain(base, prompts, cache, steps, warmup, threads, shape))
-                    else:
-                        theirs.append(run_trl(base, prompts, steps, warmup, threads, shape))
-            cells[size] = {"parameters": info["parameters"], **{
-                f"{name}_{key}": statistics.median(run[key] for run in side)
-                for name, side in (("ours", ours), ("trl", theirs)) for key in side[0]}}
-            print(size, cells[size], flush=True)
+            for precision in precisions:
+                ours, theirs = [], []
+                for r in range(runs):  # alternated, the order swapped each run
+                    for side in (("cputrain", "trl") if r % 2 == 0 else ("trl", "cputrain")):
+                        if side == "cputrain":
+                            ours.append(run_cputrain(base, prompts, cache, steps, warmup, threads, shape, precision))
+                        else:
+                            theirs.append(run_trl(base, prompts, steps, warmup, threads, shape, precision))
+                cells[size, precision] = {"parameters": info["parameters"], **{
+                    f"{name}_{key}": statistics.median(run[key] for run in side)
+                    for name, side in (("ours", ours), ("trl", theirs)) for key in side[0]}}
+                print(size, precision, cells[size, precision], flush=True)
     block = "\n".join(render(cells, threads, runs, steps, warmup, shape))
     print_and_write_block("grpo_step", block, args.doc, args.quick)
 
@@ -163,14 +172,16 @@ def main() -> None:
 def render(cells: dict, threads: int, runs: int, steps: int, warmup: int, shape: tuple) -> list[str]:
     n_prompts, generations, new_tokens = shape
     lines = [machine_line(), "",
-             f"{n_prompts} prompts × {generations} generations, up to {new_tokens} new tokens, fp32, full weights, "
-             f"dapo, β 0, {threads} thread(s); each side's median step time over steps {warmup + 1}–{steps}, the "
+             f"{n_prompts} prompts × {generations} generations, up to {new_tokens} new tokens, full weights, "
+             f"dapo, β 0, {threads} thread(s), the same precision on both sides (bf16: autocast over fp32 weights, "
+             f"TRL's default bf16=True and cputrain's auto choice on bf16 units); each side's median step time over steps {warmup + 1}–{steps}, the "
              f"median of {runs} alternated runs (`python benchmarks/online_rl/grpo_step.py`).", "",
-             "| model | cputrain s/step | rollout share | TRL GRPOTrainer s/step | × | target | mean length (ours, TRL) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for size, c in cells.items():
+             "| model | precision | cputrain s/step | rollout share | TRL GRPOTrainer s/step | × | target | "
+             "mean length (ours, TRL) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (size, precision), c in cells.items():
         target = TARGETS.get(size)
-        lines.append(f"| {size} ({c['parameters'] / 1e6:.1f}M) | {c['ours_step_s']:.2f} | {c['ours_rollout_share']:.0%} | "
+        lines.append(f"| {size} ({c['parameters'] / 1e6:.1f}M) | {precision} | {c['ours_step_s']:.2f} | {c['ours_rollout_share']:.0%} | "
                      f"{c['trl_step_s']:.2f} | {c['trl_step_s'] / c['ours_step_s']:.2f}× | "
                      f"{f'≥ {target:g}×' if target else '—'} | {c['ours_mean_length']:.1f}, {c['trl_mean_length']:.1f} |")
     return lines
