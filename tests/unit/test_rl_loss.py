@@ -63,3 +63,32 @@ def test_rloo_takes_the_ratio_of_the_whole_completion():
     out = rl_loss.rloo_loss(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), 0.2, 0.2)
     ratio = math.exp(0.3)  # above 1.2: clipped for the positive advantage
     assert float(out.summed) == pytest.approx(-min(ratio, 1.2) + 1.0)
+
+
+def test_completion_logps_runs_the_head_from_the_first_completion_position_with_the_same_figures():
+    """Rows whose prompts differ in length: the head runs from the earliest position predicting a
+    completion token (logits_to_keep), and each token's log-probability and gradient are those of
+    the logits of every position."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.objectives.rollout_batch import completion_logps, rollout_batch
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    batch = rollout_batch([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]], [[20, 21, 22], [23]], pad_id=0)
+    kept = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: kept.append(kwargs.get("logits_to_keep")),
+                                    with_kwargs=True)
+    logps = completion_logps(model, batch, temperature=0.7)
+    assert kept == [batch.input_ids.shape[1] - 3]  # the second row's first completion token comes from position 3
+    logps.sum().backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits.float() / 0.7
+    every = torch.log_softmax(logits, -1).gather(-1, batch.labels.clamp(min=0)[:, 1:, None]).squeeze(-1)
+    expected = torch.stack([every[r, batch.predicted_from[r]] for r in range(2)]) * batch.completion_mask
+    expected.sum().backward()
+    assert torch.allclose(logps, expected, atol=1e-6)
+    assert torch.allclose(grad, model.lm_head.weight.grad, atol=1e-6)
