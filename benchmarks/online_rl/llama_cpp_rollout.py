@@ -3,7 +3,7 @@ still cputrain's) against cputrain's sample() and transformers' generate() at th
 prompts and length, and what handing it new weights would cost each step. Writes block
 `llama_cpp_rollout` of docs/benchmarks/online-rl.md.
 
-    pip install -e '.[llama-cpp-peer]'                       # builds llama.cpp (~4 min on 2 cores)
+    scripts/install.sh llama-cpp-peer                        # builds llama.cpp (~4 min on 2 cores)
     python benchmarks/online_rl/llama_cpp_rollout.py         # demo size and ~100M: run it alone
     python benchmarks/online_rl/llama_cpp_rollout.py --quick # a tiny model, one run: prints the block only
 
