@@ -9,9 +9,9 @@ prompts and length, and what handing it new weights would cost each step. Writes
 
 The batch and models are the rollouts benchmark's (rollouts.py): 8 prompts × 8 generations, prompts
 of 16–48 random tokens, 48 new tokens, plain sampling, no early stop, random weights, the demo's shape
-and ~100M. Each model is saved with a byte-level BPE of its vocabulary (GGUF carries one) and
-exported by `cputrain export --gguf`'s writer: f32, and bf16 where the CPU has bf16 units. A cell
-is one precision: llama.cpp on that GGUF, sample() and generate() on the model held in that dtype,
+and ~100M. Each model is saved with a byte-level BPE of its vocabulary (GGUF carries one;
+benchmarks/runner/base_model.py) and exported by `cputrain export --gguf`'s writer: f32, and bf16
+where the CPU has bf16 units. A cell is one precision: llama.cpp on that GGUF, sample() and generate() on the model held in that dtype,
 alternated --runs times (the order reversed each run), the median of each.
 
 The weight sync is what a run would pay before each rollout, since the policy changes every step:
@@ -39,21 +39,6 @@ from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
 NEW_TOKENS = 48
 GGUF_TYPE = {"fp32": "f32", "bf16": "bf16"}
-
-
-def saved_model(folder: Path, arch: dict, vocab: int, cache: str) -> int:
-    """A random-weight Llama of `arch` with a BPE of `vocab` tokens, saved to `folder`: its vocabulary."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from benchmarks.runner.base_model import shared_tokenizer
-
-    tok = shared_tokenizer("builtin:pydoc", cache, vocab)
-    config = LlamaConfig(**{"max_position_embeddings": 1024, **arch}, vocab_size=len(tok),
-                         pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return len(tok)
 
 
 def loaded(folder: Path, dtype: torch.dtype):
@@ -108,6 +93,7 @@ def main() -> None:
     parser.add_argument("--doc", type=Path, default=None, help="write the block into this folder's online-rl.md "
                                                                "(default: docs/benchmarks/, not with --quick)")
     args = parser.parse_args()
+    from benchmarks.runner.base_model import make_base
     from cputrain.hardware import detect
 
     threads = physical_cores()
@@ -122,7 +108,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cputrain-llama-cpp-") as tmp:
         for size, (arch, vocab) in sizes.items():
             folder = Path(tmp) / size.strip("~")
-            vocab = saved_model(folder, arch, vocab, str(Path(tmp) / "cache"))
+            vocab = make_base(folder, arch, "builtin:pydoc", str(Path(tmp) / "cache"), "float32", vocab)["vocab"]
             rows = batch(vocab, prompts, generations)
             for precision in precisions:
                 cells[size, precision] = measure_cell(folder, precision, rows, new, runs, threads)

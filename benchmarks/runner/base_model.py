@@ -20,11 +20,11 @@ def shared_tokenizer(source: str, cache_dir: str, vocab: int):
                                    lambda: sources.open_corpus(data_cfg))
 
 
-def make_base(folder: Path, arch: dict, source: str, cache_dir: str, dtype: str) -> dict:
+def make_base(folder: Path, arch: dict, source: str, cache_dir: str, dtype: str, vocab: int = VOCAB) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = shared_tokenizer(source, cache_dir, VOCAB)
+    tok = shared_tokenizer(source, cache_dir, vocab)
     config = LlamaConfig(**arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(SEED)

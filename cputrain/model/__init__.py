@@ -4,9 +4,10 @@ Loading a pretrained model goes skeleton-on-meta → (strategy shards it) → ma
 tensors from the safetensors files. Three jobs, a module each: which model and its config
 (source), the structure and what is done to it (skeleton), filling it (weights). Beside them:
 what a run does to the model beyond building and loading it (converter: the protocol, whose
-identity is full fine-tuning), a reward model's score head (score_head), the finished model written
-as a plain Hugging Face folder (export), and what such a folder says about the model it holds: its
-class, the dtype of its weights, where a generation ends (folder_description).
+identity is full fine-tuning), a reward model's score head (score_head), which keywords its forward
+takes (forward_keywords), the finished model written as a plain Hugging Face folder (export), and
+what such a folder says about the model it holds: its class, the dtype of its weights, where a
+generation ends (folder_description).
 """
 
 from cputrain.model.skeleton import (  # noqa: F401

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX, Batch
+from cputrain.model.forward_keywords import forward_takes
 
 
 @dataclass
@@ -62,7 +63,7 @@ def completion_logps(model, batch: RolloutBatch, temperature: float) -> torch.Te
     docs/benchmarks/online-rl.md)."""
     width = batch.input_ids.shape[1]
     first = int(torch.where(batch.completion_mask > 0, batch.predicted_from, width - 1).min())
-    kept = {"logits_to_keep": width - first} if _keeps_logits(model) else {}
+    kept = {"logits_to_keep": width - first} if forward_takes(model, "logits_to_keep") else {}
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kept).logits
     offset = width - logits.shape[1]  # the row position of the first logits returned
     index = (batch.predicted_from - offset).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
@@ -73,16 +74,3 @@ def completion_logps(model, batch: RolloutBatch, temperature: float) -> torch.Te
     logps = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return logps * batch.completion_mask
 
-
-def _keeps_logits(model) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs since 4.50), seen
-    through the wrappers a run puts around it (DDP, FSDP2, DeepSpeed, peft)."""
-    import inspect
-
-    inner = model
-    while isinstance(getattr(inner, "module", None), torch.nn.Module):  # DDP's and DeepSpeed's wrappers
-        inner = inner.module
-    if hasattr(inner, "get_base_model"):  # peft
-        inner = inner.get_base_model()
-    forward = getattr(type(inner), "forward", None)
-    return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters

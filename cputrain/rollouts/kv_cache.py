@@ -73,10 +73,9 @@ def rollout_cache(config, capacity: int):
 def cache_keyword(model) -> str:
     """The keyword the model's forward takes its cache under: `cache` from transformers 5.x (where
     `past_key_values` is deprecated), `past_key_values` before."""
-    import inspect
+    from cputrain.model.forward_keywords import forward_takes
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    return "cache" if forward_takes(model, "cache") else "past_key_values"
 
 
 def select_rows(cache, indices: torch.Tensor) -> None:

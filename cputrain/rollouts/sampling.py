@@ -31,13 +31,13 @@ step is mostly matmuls, and the few milliseconds compiling saves are a smaller s
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from cputrain.model.forward_keywords import forward_takes
 from cputrain.rollouts.attention_masks import RolloutMasks
 from cputrain.rollouts.decode_attention import decode_attention
 from cputrain.rollouts.decoder_weights import decoder_weights, runs_fused
@@ -94,9 +94,8 @@ class _Forward:
     def __init__(self, model):
         self.model = model
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
-        parameters = inspect.signature(inner.forward).parameters
         self.cache_keyword = cache_keyword(model)
-        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        self.last_only = {"logits_to_keep": 1} if forward_takes(model, "logits_to_keep") else {}
         self.config = inner.config
 
     def __call__(self, ids, mask, positions, cache) -> torch.Tensor:

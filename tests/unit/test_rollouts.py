@@ -378,3 +378,24 @@ def test_under_the_trainers_bf16_autocast_the_fused_decoder_computes_in_bf16(mon
     assert {page.dtype for pages in decoders[0].cache.keys for page in pages} == {torch.bfloat16}
     assert {b.qkv.dtype for b in decoders[0].w.blocks} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_the_forwards_keywords_are_seen_through_the_chunked_head_and_peft(modules_only):
+    """The chunked head replaces the instance's forward with one taking **kwargs: the rollout still
+    passes its cache as `cache` and asks for the last position's logits only, and greedy equals
+    generate's."""
+    from peft import LoraConfig, get_peft_model
+
+    from cputrain.kernels.chunked_head import install_chunked_loss
+    from cputrain.rollouts.kv_cache import cache_keyword
+
+    model = tiny_llama()
+    expected = generate_greedy(model, PROMPTS, 4)
+    install_chunked_loss(model)
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=True))
+    head_rows = []
+    model.lm_head.register_forward_hook(lambda _, args, out: head_rows.append(args[0].shape[1]))
+    rollout = sample(wrapped, PROMPTS, SamplingSettings(max_new_tokens=4, temperature=0.0), _seeded())
+    assert rollout.completion_ids == expected
+    assert cache_keyword(wrapped) == "cache"  # not transformers 5's deprecated past_key_values
+    assert head_rows and set(head_rows) == {1}, f"the head ran on {head_rows} positions, not the last one only"
