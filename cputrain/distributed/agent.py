@@ -94,7 +94,8 @@ class NodeLaunch:
 
     def lines(self) -> list[str]:
         out = [f"launch plan for node {self.node_rank} of {self.nnodes}: {self.nproc_per_node} rank(s) here, "
-               f"world size {self.world_size}, rendezvous c10d at {self.endpoint}"
+               f"world size {self.world_size}, rendezvous c10d at "
+               + (self.endpoint if not self.endpoint.endswith(":0") else f"{self.endpoint[:-2]} (a free port)")
                + (" (this node hosts it)" if self.is_host else "")]
         for key, value, why in self.reasons:
             out.append(f"  {key} = {value}: {why}")
@@ -106,12 +107,6 @@ class NodeLaunch:
             out.append(f"  rank {r.rank} (local {r.local_rank}): {r.threads} thread(s), OMP_NUM_THREADS={r.threads}, "
                        f"cpus {cpus}")
         return out
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -263,10 +258,15 @@ def run_agent(plan: NodeLaunch, cfg: Config, worker_args: list[str]) -> dict:
     # What "auto" resolved to here: every rank resolves again and must come to the same values.
     os.environ[AGENT_SETTINGS_VAR] = json.dumps(plan.settings)
     preload_env(plan.allocator, os.environ)
-    # A fresh store for each rendezvous round, hosted by that round's rank 0 on a port node 0's
-    # agent picks: the agent's shared store would hand a round restarted after a lost rank the
-    # addresses the dead round published (see process_group.agent_store_of_this_round).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Where the ranks meet. On one node: on the agent's own store (torch's shared rendezvous store,
+    # bound on a free port as it opens), under a prefix of the restart round
+    # (process_group.agent_store_of_this_round). Sharing off, the agent picks a free port and rank 0
+    # binds it seconds later, after its imports, and any process's outgoing connection can take the
+    # port in between (EADDRINUSE: it failed a run of the test suite). Across nodes sharing stays off:
+    # node 0's agent publishes the shared store's address only in the first round, so a node that
+    # rejoins with a new agent waits for it until the rendezvous times out (test_node_loss).
+    if plan.nnodes > 1:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = parse_args(torchrun_args(plan, cfg, worker_args))
     config, cmd, cmd_args = config_from_args(args)
     log.info("starting %d rank(s) on this node through the torchrun agent (rendezvous %s, max restarts %d)",

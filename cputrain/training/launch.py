@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 
 from cputrain.config import Config
-from cputrain.distributed.agent import (LaunchError, NodeLaunch, RankPlacement, free_port, run_agent,
+from cputrain.distributed.agent import (LaunchError, NodeLaunch, RankPlacement, run_agent,
                                         split_endpoint, torchrun_args)
 from cputrain.native.allocator import allocator_choice
 from cputrain.distributed.env import normalize, started_by_launcher
@@ -42,7 +42,9 @@ def node_launch(cfg: Config, hw: HardwareFacts, environ: dict | None = None) -> 
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address), "
                           "or PET_MASTER_ADDR and PET_MASTER_PORT")
-    endpoint = launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    # One node: port 0, so the agent's store binds a free port itself. A port picked here and bound
+    # later could be taken in between by any process's outgoing connection (EADDRINUSE at random).
+    endpoint = launch.rdzv_endpoint or "127.0.0.1:0"
     split_endpoint(endpoint)
     world = launch.nnodes * launch.nproc_per_node
     res = resolve(cfg, hw, world, launch.nproc_per_node)  # raises if the world size does not divide the batch

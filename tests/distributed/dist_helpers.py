@@ -4,6 +4,7 @@ and two hosts on this machine (network namespaces) with a node of a run on each.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -23,10 +24,34 @@ from harness.run_metrics import losses_by_step as losses  # noqa: F401  the name
 from harness.warm_client import with_forked_ranks
 
 
+def _port_band() -> range:
+    """This worker's slice of the ports below the kernel's ephemeral range. A port from bind(0) is
+    an ephemeral one: until the process it is handed to binds it (seconds later, after a rank's
+    imports), any outgoing connection on the machine can be given it (EADDRINUSE at random). Below
+    the range only an explicit bind takes a port, and each pytest-xdist worker has its own slice."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    width = (ephemeral_low - 20000) // workers
+    return range(20000 + worker * width, 20000 + (worker + 1) * width)
+
+
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of this worker's band that binds now; the next call starts after it."""
+    band = _port_band()
+    for _ in range(len(band)):
+        port = band[next(_next_port) % len(band)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held, or in TIME_WAIT after an earlier test
+            return port
+    raise RuntimeError(f"no free port in {band}")
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

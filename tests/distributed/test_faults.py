@@ -41,7 +41,6 @@ def _start_under_outside_torchrun(out, cache_dir):
     # its ranks (and those of each restart) forked by the warm rank server through PYTHON_EXEC, as the
     # ranks of cputrain's own agent are: a rank's stand-in killed takes its rank with it
     env = cli_env(**warm().ranks.exec_env())
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

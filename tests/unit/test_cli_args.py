@@ -56,6 +56,8 @@ def test_dry_run_plan_is_the_same_in_both_orders(tmp_path):
         agent = next(line for line in proc.stdout.splitlines() if "agent: torchrun" in line)
         assert "--nproc-per-node=2" in agent and str(out) in agent
         assert "train.micro_batch_size=3 train.global_batch_size=6" in agent
+        # one node: port 0, so the agent's store binds a free port as it opens (none picked early)
+        assert "--rdzv-endpoint=127.0.0.1:0" in agent and "127.0.0.1 (a free port)" in proc.stdout
     assert "rank 1 (local 1)" in after.stdout
     # the malloc's reason cites the measurement of the run's precision (installed or not)
     allocator = next(line for line in after.stdout.splitlines() if "allocator:" in line)
