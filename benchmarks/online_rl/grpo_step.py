@@ -31,7 +31,6 @@ completion length is printed beside its time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -42,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import block_parser, print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
@@ -128,13 +127,9 @@ def run_trl(base: Path, prompts: Path, steps: int, warmup: int, threads: int, sh
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one run: checks the script only")
-    parser.add_argument("--runs", type=int, default=3)
+    parser = block_parser("online-rl.md", 3, quick="tiny model, 3 steps, one run: checks the script only")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--doc", type=Path, default=None, help="write the block into this folder's online-rl.md "
-                                                               "(default: docs/benchmarks/, not with --quick)")
     args = parser.parse_args()
     from benchmarks.runner.base_model import make_base
     from cputrain.hardware import detect

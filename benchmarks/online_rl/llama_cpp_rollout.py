@@ -20,7 +20,6 @@ the GGUF export (from the saved folder, its loading included: an upper bound) an
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.online_rl.rollouts import (  # noqa: E402
     ARCH_100M, GENERATIONS, PROMPTS, QUICK_ARCH, VOCAB_100M, batch, demo_shape, run_generate, run_sample)
-from benchmarks.runner.blocks import command_as_run, print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import block_parser, command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
 NEW_TOKENS = 48
@@ -87,11 +86,7 @@ def measure_cell(folder: Path, precision: str, rows: list[list[int]], new: int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny model, one run: checks the script only")
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--doc", type=Path, default=None, help="write the block into this folder's online-rl.md "
-                                                               "(default: docs/benchmarks/, not with --quick)")
+    parser = block_parser("online-rl.md", 5)
     args = parser.parse_args()
     from benchmarks.runner.base_model import make_base
     from cputrain.hardware import detect

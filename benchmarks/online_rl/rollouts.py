@@ -26,7 +26,6 @@ large product).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import block_parser, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
 PROMPTS, GENERATIONS = 8, 8
@@ -175,12 +174,8 @@ def measure_cell(arch: dict, vocab: int, dtype: torch.dtype, new: int, rows: lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny model, one run: checks the script only")
-    parser.add_argument("--runs", type=int, default=5)
+    parser = block_parser("online-rl.md", 5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the physical cores)")
-    parser.add_argument("--doc", type=Path, default=None, help="write the block into this folder's online-rl.md "
-                                                               "(default: docs/benchmarks/, not with --quick)")
     args = parser.parse_args()
     from cputrain.hardware import detect
     from cputrain.metrics.measured_peak import measured_peak_flops

@@ -7,6 +7,7 @@ belongs to is registered in benchmarks/runner/pages.py.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -22,6 +23,18 @@ def command_as_run() -> str:
     script = Path(sys.argv[0]).resolve()
     shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
     return " ".join(["python", str(shown), *sys.argv[1:]])
+
+
+def block_parser(page: str, runs: int, quick: str = "tiny model, one run: checks the script only"
+                 ) -> argparse.ArgumentParser:
+    """The arguments every block-writing script takes: --quick, --runs and --doc (the folder whose
+    `page` gets the block); the script adds its own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--runs", type=int, default=runs)
+    parser.add_argument("--doc", type=Path, default=None, help=f"write the block into this folder's {page} "
+                                                               "(default: docs/benchmarks/, not with --quick)")
+    return parser
 
 
 def write_block(name: str, markdown: str, docs: Path = DOCS) -> None:

@@ -19,7 +19,6 @@ micro-batches of 1), bf16 where the CPU has AVX512-BF16 or AMX, else fp32.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -34,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.base_model import make_base  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.timing import steady_median  # noqa: E402
-from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import block_parser, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.sft_and_dpo.sft import ARCH_100M, QUICK_ARCH  # noqa: E402
 
@@ -117,12 +116,8 @@ def saved_share(cache_dir: str, seq_len: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one run: checks the script only")
-    parser.add_argument("--runs", type=int, default=3)
+    parser = block_parser("sft-and-dpo.md", 3, quick="tiny model, 3 steps, one run: checks the script only")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--doc", type=Path, default=None, help="write the block into this folder's sft-and-dpo.md "
-                                                               "(default: docs/benchmarks/, not with --quick)")
     args = parser.parse_args()
     from cputrain.hardware import detect
 

@@ -10,13 +10,21 @@ once. The copy costs up to the weights once more in the compute dtype for the ro
 (fused_weight_size.py tells the memory plan how much).
 
 Which models: decoder-only Llamas and the families whose blocks are a Llama's (Qwen2 with its
-projection biases, Mistral without a sliding window), unsharded (single or DDP). Anything else
-(a sliding window, norms on the queries and keys, DoRA, a sharded model) gets None, and the
-rollout runs through the model's own modules as before.
+projection biases, Mistral without a sliding window), unsharded (single or DDP) or sharded by
+FSDP2. Anything else (a sliding window, norms on the queries and keys, DoRA, ZeRO-3's emptied
+parameters) gets None, and the rollout runs through the model's own modules as before.
+
+Under FSDP2 each unit (the root, then each block) is gathered with FSDP2's own unshard(), in the
+dtype its mixed-precision policy computes in, copied from and sharded again: once a rollout, so
+every rank must call decoder_weights() together, rows to sample or not (sampling.sample does). The
+rollout then decodes with no collective at all, where the modules would gather every block for
+every token. The cost is the whole model in the compute dtype on each rank for the rollout
+(fused_weight_size.py counts it), instead of one block at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -74,17 +82,47 @@ def _effective(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, None if base.bias is None else base.bias.detach()
 
 
-def _fused(linears: list[torch.nn.Module], dtype: torch.dtype):
+def _own(tensor: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+    """`tensor` in `dtype`; a copy where `copy` (FSDP2's reshard() frees a gathered unit's storage)."""
+    return tensor.to(dtype, copy=copy)
+
+
+def _fused(linears: list[torch.nn.Module], dtype: torch.dtype, copy: bool):
     """One weight (and bias, if any projection has one) for several projections of one input."""
     parts = [_effective(linear) for linear in linears]
-    if len(parts) == 1:  # the layer's own tensors where the dtype is theirs: no copy
+    if len(parts) == 1:  # the layer's own tensors where the dtype is theirs: no copy unless `copy`
         weight, bias = parts[0]
-        return weight.to(dtype), None if bias is None else bias.to(dtype)
+        return _own(weight, dtype, copy), None if bias is None else _own(bias, dtype, copy)
     weight = torch.cat([w.to(dtype) for w, _ in parts])
     if all(b is None for _, b in parts):
         return weight, None
     bias = torch.cat([(b if b is not None else w.new_zeros(w.shape[0])).to(dtype) for w, b in parts])
     return weight, bias
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """`model`'s FSDP2 units, outermost (the root) first; [] where it is not sharded by FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _gathered(unit: torch.nn.Module | None):
+    """FSDP2's `unit` gathered whole for the reads inside (a collective), then sharded again."""
+    if unit is None:
+        yield
+        return
+    unit.unshard()
+    try:
+        yield
+    finally:
+        unit.reshard()
+
+
+def _unit_of(layer: torch.nn.Module, units: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """The FSDP2 unit that holds `layer`'s parameters (its own, under any wrapper), or None."""
+    return next((m for m in layer.modules() if any(m is u for u in units)), None)
 
 
 def _why_not(causal) -> str | None:
@@ -95,11 +133,9 @@ def _why_not(causal) -> str | None:
         return "a sliding window"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) or p.numel() == 0 for p in causal.parameters()):
-        # FSDP2's DTensors, or ZeRO-3's emptied parameters: gathered block by block, with the other ranks
-        return "a sharded model"
+    if any(p.numel() == 0 for p in causal.parameters()):
+        # ZeRO-3's emptied parameters: its modules gather them block by block, with the other ranks
+        return "ZeRO-3's partitioned parameters"
     decoder = getattr(causal, "model", None)
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
         return "no decoder with layers and a rotary embedding"
@@ -128,28 +164,35 @@ def runs_fused(model) -> bool:
     return why_not_fused(model) is None
 
 
-def decoder_weights(model, dtype: torch.dtype) -> DecoderWeights | None:
-    """`model`'s weights for fused_decoder's step in `dtype`, or None where the model is not one it
-    runs (the module path then samples)."""
+def decoder_weights(model, dtype: torch.dtype | None) -> DecoderWeights | None:
+    """`model`'s weights for fused_decoder's step in `dtype` (None: the dtype FSDP2 gathers them in),
+    or None where the model is not one it runs (the module path then samples)."""
     causal = _causal(model)
     if _why_not(causal) is not None:
         return None
     decoder, config = causal.model, causal.config
-    with torch.no_grad():
+    units = fsdp_units(model)
+    copy = bool(units)
+    with torch.no_grad(), _gathered(units[0] if units else None):
+        if dtype is None:
+            dtype = decoder.embed_tokens.weight.dtype
         blocks = []
         for layer in decoder.layers:
-            layer = _unwrap(layer)
-            attention, mlp = layer.self_attn, layer.mlp
-            blocks.append(BlockWeights(
-                layer.input_layernorm.weight.detach().float(),
-                *_fused([attention.q_proj, attention.k_proj, attention.v_proj], dtype),
-                *_fused([attention.o_proj], dtype), layer.post_attention_layernorm.weight.detach().float(),
-                *_fused([mlp.gate_proj, mlp.up_proj], dtype), *_fused([mlp.down_proj], dtype)))
-        head = _fused([causal.lm_head], dtype)
+            with _gathered(_unit_of(layer, units[1:])):
+                layer = _unwrap(layer)
+                attention, mlp = layer.self_attn, layer.mlp
+                blocks.append(BlockWeights(
+                    _own(layer.input_layernorm.weight.detach(), torch.float32, copy),
+                    *_fused([attention.q_proj, attention.k_proj, attention.v_proj], dtype, copy),
+                    *_fused([attention.o_proj], dtype, copy),
+                    _own(layer.post_attention_layernorm.weight.detach(), torch.float32, copy),
+                    *_fused([mlp.gate_proj, mlp.up_proj], dtype, copy), *_fused([mlp.down_proj], dtype, copy)))
+        head = _fused([causal.lm_head], dtype, copy)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        embed = decoder.embed_tokens.weight.detach()
         return DecoderWeights(
-            embed=decoder.embed_tokens.weight.detach(), blocks=blocks,
-            final_norm=decoder.norm.weight.detach().float(), head=head[0], rotary=decoder.rotary_emb,
-            norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads, head_dim=head_dim,
+            embed=embed.clone() if copy else embed, blocks=blocks,
+            final_norm=_own(decoder.norm.weight.detach(), torch.float32, copy), head=head[0],
+            rotary=decoder.rotary_emb, norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
             scaling=float(getattr(_unwrap(decoder.layers[0]).self_attn, "scaling", head_dim ** -0.5)), dtype=dtype)

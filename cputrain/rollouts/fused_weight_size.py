@@ -6,6 +6,9 @@ projection, and the head, is the model's own tensor unless it has to be made ane
 products compute in another dtype than the weights are held in, as under the trainer's bf16
 autocast over fp32 weights) or merged with a LoRA adapter (LoRA adapts the projections, not the
 head). The embedding table is looked up where it is.
+
+Under FSDP2 (`gathered`) nothing is the model's own: every unit is gathered, copied and sharded
+again, so the copy is the whole model in the compute dtype, the embedding table included.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 from cputrain.rollouts.kv_cache_size import _field, bytes_per_element
 
 
-def fused_weight_bytes(config, compute_dtype, weights_dtype, lora: bool = False) -> int:
+def fused_weight_bytes(config, compute_dtype, weights_dtype, lora: bool = False, gathered: bool = False) -> int:
     """For the model `config` describes (a transformers config or its dict), products computed in
-    `compute_dtype` over weights held in `weights_dtype`, with or without LoRA adapters."""
+    `compute_dtype` over weights held in `weights_dtype`, with or without LoRA adapters; `gathered`:
+    sharded by FSDP2, every tensor a copy."""
     config = _field(config, "text_config", config)
     hidden = int(_field(config, "hidden_size"))
     inter = int(_field(config, "intermediate_size"))
@@ -23,8 +27,12 @@ def fused_weight_bytes(config, compute_dtype, weights_dtype, lora: bool = False)
     kv_heads = int(_field(config, "num_key_value_heads", heads))
     head_dim = int(_field(config, "head_dim", hidden // heads))
     q, kv = heads * head_dim, kv_heads * head_dim
-    cast = bytes_per_element(compute_dtype) != bytes_per_element(weights_dtype)
+    cast = gathered or bytes_per_element(compute_dtype) != bytes_per_element(weights_dtype)
     always = hidden * (q + 2 * kv) + 2 * hidden * inter  # qkv, gate_up
     remade = q * hidden + inter * hidden if cast or lora else 0  # out, down
-    head = int(_field(config, "vocab_size")) * hidden if cast else 0
-    return (int(_field(config, "num_hidden_layers")) * (always + remade) + head) * bytes_per_element(compute_dtype)
+    vocab = int(_field(config, "vocab_size"))
+    head = vocab * hidden if cast else 0
+    embed = vocab * hidden if gathered else 0  # gathered in the dtype FSDP2 computes in
+    layers = int(_field(config, "num_hidden_layers"))
+    norms = (2 * layers + 1) * hidden * 4 if gathered else 0  # copied in fp32
+    return (layers * (always + remade) + head + embed) * bytes_per_element(compute_dtype) + norms

@@ -4,11 +4,12 @@ then decoded a token a step from a KV cache, each row ending at a stop token or 
 Sampling follows transformers' order (temperature, then top-k, then top-p) and draws only from the
 generator it is given, so a resumed run that restores the generator's state samples the same.
 
-Two paths, one loop. A Llama-family policy on an unsharded rank decodes on its own weights fused
-and merged once per rollout (decoder_weights.py, fused_decoder.py): four products a block, LoRA's
-adapters merged, no per-token cast under autocast, no collective (each rank decodes its rows to its
-own end). Any other model, or a sharded one, runs through its own modules (`_ModuleSteps`), ranks
-kept in step by `any_rank_running`. `Rollout.path` says which ran.
+Two paths, one loop. A Llama-family policy, unsharded or sharded by FSDP2, decodes on its own
+weights fused and merged once per rollout (decoder_weights.py, fused_decoder.py): four products a
+block, LoRA's adapters merged, no per-token cast under autocast, no collective (each rank decodes its
+rows to its own end; under FSDP2 the ranks gather the weights together first, rows or not). Any
+other model (ZeRO-3's included) runs through its own modules (`_ModuleSteps`), ranks kept in step
+by `any_rank_running`. `Rollout.path` says which ran.
 
 What makes it faster than `model.generate()` (each measured, docs/benchmarks/online-rl.md):
 - the fused decoder above, where the model is one it runs;
@@ -40,7 +41,7 @@ import torch
 from cputrain.model.forward_keywords import forward_takes
 from cputrain.rollouts.attention_masks import RolloutMasks
 from cputrain.rollouts.decode_attention import decode_attention
-from cputrain.rollouts.decoder_weights import decoder_weights, runs_fused
+from cputrain.rollouts.decoder_weights import decoder_weights, fsdp_units, runs_fused
 from cputrain.rollouts.fused_decoder import FusedDecoder
 from cputrain.rollouts.kv_cache import cache_keyword, rollout_cache, select_rows
 from cputrain.rollouts.token_draw import next_tokens
@@ -144,9 +145,10 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running, fused: boo
     stopped = [False] * rows
     start = time.perf_counter()
     weights = None
-    if fused and rows and settings.max_new_tokens > 0:
+    # FSDP2's ranks gather the weights together: each one, whatever it has to sample
+    if fused and ((rows and settings.max_new_tokens > 0) or fsdp_units(model)):
         weights = decoder_weights(model, _compute_dtype(model))
-    if weights is not None:
+    if weights is not None and rows and settings.max_new_tokens > 0:
         # no collective in a fused rollout: each rank decodes its own rows to its own end
         return _prefill_and_decode(model, _FusedSteps(weights), prompt_ids, settings, generator, None, start,
                                    completions, stopped)
@@ -166,11 +168,12 @@ def _sample(model, prompt_ids, settings, generator, any_rank_running, fused: boo
                                    any_rank_running, start, completions, stopped)
 
 
-def _compute_dtype(model) -> torch.dtype:
-    """The dtype a forward's products run in: the autocast's under one, else the weights'."""
+def _compute_dtype(model) -> torch.dtype | None:
+    """The dtype a forward's products run in: the autocast's under one, else the weights' (None
+    under FSDP2: the dtype its mixed-precision policy gathers them in, which decoder_weights reads)."""
     if torch.is_autocast_enabled("cpu"):
         return torch.get_autocast_dtype("cpu")
-    return next(model.parameters()).dtype
+    return None if fsdp_units(model) else next(model.parameters()).dtype
 
 
 class _ModuleSteps:

@@ -92,8 +92,9 @@ def test_two_ranks_give_one_process_s_loss_and_gradient(tiny_model_dir):
 
 
 def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cache_dir, tiny_model):
-    """The CLI on 2 FSDP ranks: each samples its prompts' groups from the sharded policy (the ranks
-    step together while they sample), the KL to the reference (the adapters off) is logged."""
+    """The CLI on 2 FSDP ranks: each samples its prompts' groups from the sharded policy on the fused
+    decoder (the ranks gather the weights, adapters merged, together, then decode alone), the KL to
+    the reference (the adapters off) is logged."""
     from pydoc_data.topics import topics
 
     from harness.run_cli import run_cli
@@ -104,7 +105,7 @@ def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cac
     prompts.write_text("".join(json.dumps({"prompt": f"Topic: {name}\nFirst word:", "answer": name}) + "\n"
                                for name in sorted(topics)[:40]))
     out = tmp_path / "run"
-    run_cli("train", *tiny_overrides(out, cache_dir, **{
+    proc = run_cli("train", *tiny_overrides(out, cache_dir, **{
         "model.name_or_path": tiny_model(), "data.source": prompts, "data.format": "auto", "data.seq_len": 64,
         "data.val_fraction": 0.1, "data.max_documents": "null", "train.objective": "grpo",
         "train.rewards": '["regex:^ "]', "train.num_generations": 4, "train.max_completion_length": 8,
@@ -113,3 +114,4 @@ def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cac
         "parallel.strategy": "fsdp"}), "--nproc-per-node", "2", check=True)
     rows = metrics_rows(out)
     assert len(rows) == 2 and rows[1]["kl"] > 0 and "eval_reward" in rows[1]
+    assert "rollouts: the fused decoder" in proc.stderr, proc.stderr[-2000:]

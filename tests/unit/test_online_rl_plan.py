@@ -80,3 +80,18 @@ def test_the_fused_weights_are_counted_from_the_dtype_the_blocks_are_held_in(pla
     assert bf16_blocks.blocks_held_dtype == "bf16" and m.blocks_held_dtype == "fp32"
     assert (rollout_bytes(bf16_blocks, inp) - rollout_bytes(m, inp)
             == fused_weight_bytes(shape, "fp32", "bf16") - fused_weight_bytes(shape, "fp32", "fp32") > 0)
+
+
+def test_an_fsdp_rank_counts_the_whole_model_gathered_for_its_rollout(plans):
+    """Under fsdp the fused decoder's weights are every unit gathered and copied, not the rank's
+    shards: the plan counts the whole model in the compute dtype (checked against decoder_weights()
+    on sharded ranks in tests/distributed/test_rollout_fsdp.py)."""
+    from cputrain.plan.memory.estimate import PlanInputs, rollout_bytes
+
+    m = plans[0].shape
+    shape = m.config_sizes
+    settings = dict(precision="bf16", world_size=2, micro_batch=32, seq_len=256, rollout_rows=32, rollout_len=256)
+    fsdp, ddp = (rollout_bytes(m, PlanInputs(strategy=s, **settings)) for s in ("fsdp", "ddp"))
+    gathered = fused_weight_bytes(shape, "bf16", "fp32", gathered=True)
+    assert fsdp - ddp == gathered - fused_weight_bytes(shape, "bf16", "fp32") > 0
+    assert gathered > m.vocab * shape["hidden_size"] * 2 * 2  # the embedding table and the head at least

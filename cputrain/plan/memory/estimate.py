@@ -258,9 +258,9 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
 def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
     """Online RL's rollout on this rank: its KV cache (cputrain.rollouts.kv_cache_size, sized once
     for the whole rollout in the precision the forwards run in), the fp32 logits of each row's
-    last position with their warped copy, and on an unsharded rank the fused decoder's weights
-    (cputrain.rollouts.fused_weight_size; sharded ranks decode through their modules); 0 without
-    a rollout."""
+    last position with their warped copy, and the fused decoder's weights
+    (cputrain.rollouts.fused_weight_size: the whole model gathered under fsdp; zero3's ranks decode
+    through their modules); 0 without a rollout."""
     if not inp.rollout_rows:
         return 0
     from cputrain.rollouts.fused_weight_size import fused_weight_bytes
@@ -268,8 +268,9 @@ def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
 
     shape = m.config_sizes
     fused, positions = 0, inp.rollout_len
-    if inp.strategy in ("single", "ddp"):
-        fused = fused_weight_bytes(shape, inp.precision, m.blocks_held_dtype, lora=m.lora)
+    if inp.strategy in ("single", "ddp", "fsdp"):
+        fused = fused_weight_bytes(shape, inp.precision, m.blocks_held_dtype, lora=m.lora,
+                                   gathered=inp.strategy == "fsdp")
         positions = -(-positions // PAGE_POSITIONS) * PAGE_POSITIONS  # its cache holds whole pages
     return (kv_cache_bytes(shape, inp.rollout_rows, positions, inp.precision)
             + 2 * inp.rollout_rows * m.vocab * 4 + fused)
