@@ -74,7 +74,8 @@ class Objective(ABC):
     batches_from_rollouts: ClassVar[bool] = False
     """Whether a step's micro-batches are made by the objective from its rows (online RL: prompts
     sampled from the policy, scored by reward functions: step_batches) rather than cut from the
-    token cache; the trainer then hands it the run's reward functions (use_rewards), and the plans
+    token cache; the trainer then hands it the run's reward functions (use_rewards) and sets its
+    `fused_rollouts` (False where the memory plan leaves the fused decoder's copy out), and the plans
     count the rollout."""
 
     @classmethod

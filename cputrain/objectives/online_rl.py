@@ -63,6 +63,8 @@ class OnlineRlObjective(Objective):
         self.last_samples: list[dict] = []  # the last rollout's first group, for completions.jsonl
         self.iteration = 0  # steps taken on self.kept
         self.said_rollout_path = False  # the run's log says once which rollout path sampled
+        # False where the trainer's memory plan leaves the fused decoder's copy out (an fsdp rank's whole model)
+        self.fused_rollouts = True
 
     # ---- facts ------------------------------------------------------------------------------
     @classmethod
@@ -197,11 +199,11 @@ class OnlineRlObjective(Objective):
         # ranks of a sharded model run the same number of decode steps (rollouts.sample)
         several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         any_running = (lambda running: pg.all_reduce_sum([float(running)])[0] > 0) if several else None
-        rollout = sample(_unwrapped(model), prompt_ids, settings, self.generator, any_running)
+        rollout = sample(_unwrapped(model), prompt_ids, settings, self.generator, any_running, fused=self.fused_rollouts)
         if not self.said_rollout_path:  # once a run: which path sampled, and why not the fused one
             from cputrain.rollouts.decoder_weights import why_not_fused
 
-            why = why_not_fused(_unwrapped(model))
+            why = why_not_fused(_unwrapped(model)) if self.fused_rollouts else "its copy does not fit this node"
             log.info("rollouts: %s", "the fused decoder (the policy's weights fused and cast once a rollout)"
                      if rollout.path == "fused" else f"through the model's modules ({why or 'nothing to sample'})")
             self.said_rollout_path = True

@@ -182,15 +182,20 @@ class Trainer:
     def _plan_memory(self, skeleton: torch.nn.Module) -> None:
         """3. Rank 0: plan.json, a warning now if this node cannot hold the plan, and a checkpoint's worth."""
         ranks = self.ranks
-        if not ranks.is_main:
-            return
-        from cputrain.plan.memory.runtime import write_run_plan
-        from cputrain.plan.time import worth_here
+        fused = True
+        if ranks.is_main:
+            from cputrain.plan.memory.runtime import fused_rollout_fits, write_run_plan
+            from cputrain.plan.time import worth_here
 
-        plan = write_run_plan(self.run, self.cfg, skeleton, ranks.world_size, ranks.local_world_size,
-                              self.hw.memory_gib)
-        log.info("checkpoints: %s", worth_here(plan, self.cfg, self.hw, ranks.world_size,
-                                               ranks.local_world_size).line())
+            plan = write_run_plan(self.run, self.cfg, skeleton, ranks.world_size, ranks.local_world_size,
+                                  self.hw.memory_gib)
+            log.info("checkpoints: %s", worth_here(plan, self.cfg, self.hw, ranks.world_size,
+                                                   ranks.local_world_size).line())
+            fused, why = fused_rollout_fits(plan, ranks.local_world_size, self.hw.memory_gib)
+            if not fused:
+                log.info("rollouts: through the model's modules, a block gathered at a time: %s", why)
+        if self.objective.batches_from_rollouts:  # every rank samples on the same path: rank 0's plan decides
+            self.objective.fused_rollouts = pg.broadcast_from_main(fused)
 
     def _shard_and_load(self, skeleton: torch.nn.Module, source) -> None:
         """4. The strategy wraps the skeleton, then each rank reads only the weights it owns."""
