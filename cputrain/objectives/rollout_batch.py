@@ -73,4 +73,3 @@ def completion_logps(model, batch: RolloutBatch, temperature: float) -> torch.Te
     targets = torch.where(batch.completion_mask > 0, batch.labels.gather(1, batch.predicted_from + 1), 0)
     logps = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return logps * batch.completion_mask
-

@@ -122,7 +122,7 @@ def _gathered(unit: torch.nn.Module | None):
 
 def _unit_of(layer: torch.nn.Module, units: list[torch.nn.Module]) -> torch.nn.Module | None:
     """The FSDP2 unit that holds `layer`'s parameters (its own, under any wrapper), or None."""
-    return next((m for m in layer.modules() if any(m is u for u in units)), None)
+    return next((m for m in layer.modules() if m in units), None)  # a module's == is its identity
 
 
 def _why_not(causal) -> str | None:
@@ -191,7 +191,7 @@ def decoder_weights(model, dtype: torch.dtype | None) -> DecoderWeights | None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         embed = decoder.embed_tokens.weight.detach()
         return DecoderWeights(
-            embed=embed.clone() if copy else embed, blocks=blocks,
+            embed=_own(embed, embed.dtype, copy), blocks=blocks,
             final_norm=_own(decoder.norm.weight.detach(), torch.float32, copy), head=head[0],
             rotary=decoder.rotary_emb, norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,

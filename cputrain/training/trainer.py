@@ -184,16 +184,13 @@ class Trainer:
         ranks = self.ranks
         fused = True
         if ranks.is_main:
-            from cputrain.plan.memory.runtime import fused_rollout_fits, write_run_plan
+            from cputrain.plan.memory.runtime import write_run_plan
             from cputrain.plan.time import worth_here
 
-            plan = write_run_plan(self.run, self.cfg, skeleton, ranks.world_size, ranks.local_world_size,
-                                  self.hw.memory_gib)
+            plan, fused = write_run_plan(self.run, self.cfg, skeleton, ranks.world_size, ranks.local_world_size,
+                                         self.hw.memory_gib)
             log.info("checkpoints: %s", worth_here(plan, self.cfg, self.hw, ranks.world_size,
                                                    ranks.local_world_size).line())
-            fused, why = fused_rollout_fits(plan, ranks.local_world_size, self.hw.memory_gib)
-            if not fused:
-                log.info("rollouts: through the model's modules, a block gathered at a time: %s", why)
         if self.objective.batches_from_rollouts:  # every rank samples on the same path: rank 0's plan decides
             self.objective.fused_rollouts = pg.broadcast_from_main(fused)
 

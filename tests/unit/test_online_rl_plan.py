@@ -100,13 +100,14 @@ def test_an_fsdp_rank_counts_the_whole_model_gathered_for_its_rollout(plans):
 def test_an_fsdp_rank_rolls_out_through_its_modules_where_the_copy_would_not_fit_the_node():
     """The trainer's call (rank 0's memory plan, broadcast): fused where the node holds the plan with
     the whole model's copy, else the modules, a block gathered at a time; never for ddp's copy."""
-    from cputrain.plan.memory.runtime import GIB, fused_copy_bytes, fused_rollout_fits
+    from cputrain.plan.memory.estimate import fused_decoder_bytes
+    from cputrain.plan.memory.runtime import GIB, fused_rollout_fits
 
     fsdp, ddp = (decide_and_plan(load_config(None, [*RL[:-1], "hardware.precision=bf16", f"parallel.strategy={s}"]),
                                  2, vocab_size=4096) for s in ("fsdp", "ddp"))
     node_gib = 2 * fsdp.peak_rank.total_bytes / GIB
-    copy = fused_copy_bytes(fsdp)
-    assert copy > 0 and fused_copy_bytes(ddp) == 0
+    copy = fused_decoder_bytes(fsdp.shape, fsdp.inputs)
+    assert copy == fused_weight_bytes(fsdp.shape.config_sizes, "bf16", "fp32", gathered=True) > 0
     assert fused_rollout_fits(fsdp, 2, node_gib * 1.01) == (True, "")
     fits, why = fused_rollout_fits(fsdp, 2, node_gib * 0.99)
     assert not fits and f"({copy / GIB:.1f} GiB a rank)" in why and "2 rank(s)" in why

@@ -263,17 +263,27 @@ def rollout_bytes(m: ModelShape, inp: PlanInputs) -> int:
     through their modules); 0 without a rollout."""
     if not inp.rollout_rows:
         return 0
-    from cputrain.rollouts.fused_weight_size import fused_weight_bytes
     from cputrain.rollouts.kv_cache_size import PAGE_POSITIONS, kv_cache_bytes
 
-    shape = m.config_sizes
-    fused, positions = 0, inp.rollout_len
-    if inp.strategy in ("single", "ddp", "fsdp"):
-        fused = fused_weight_bytes(shape, inp.precision, m.blocks_held_dtype, lora=m.lora,
-                                   gathered=inp.strategy == "fsdp")
-        positions = -(-positions // PAGE_POSITIONS) * PAGE_POSITIONS  # its cache holds whole pages
-    return (kv_cache_bytes(shape, inp.rollout_rows, positions, inp.precision)
-            + 2 * inp.rollout_rows * m.vocab * 4 + fused)
+    positions = inp.rollout_len
+    if inp.strategy in FUSED_ROLLOUT_STRATEGIES:
+        positions = -(-positions // PAGE_POSITIONS) * PAGE_POSITIONS  # the fused decoder's cache holds whole pages
+    return (kv_cache_bytes(m.config_sizes, inp.rollout_rows, positions, inp.precision)
+            + 2 * inp.rollout_rows * m.vocab * 4 + fused_decoder_bytes(m, inp))
+
+
+FUSED_ROLLOUT_STRATEGIES = ("single", "ddp", "fsdp")  # zero3's emptied partitions decode through the modules
+
+
+def fused_decoder_bytes(m: ModelShape, inp: PlanInputs) -> int:
+    """The fused decoder's weights beside the model on this rank (cputrain.rollouts.fused_weight_size:
+    the whole model gathered under fsdp); 0 without a rollout or under zero3."""
+    if not inp.rollout_rows or inp.strategy not in FUSED_ROLLOUT_STRATEGIES:
+        return 0
+    from cputrain.rollouts.fused_weight_size import fused_weight_bytes
+
+    return fused_weight_bytes(m.config_sizes, inp.precision, m.blocks_held_dtype, lora=m.lora,
+                              gathered=inp.strategy == "fsdp")
 
 
 def plan_all_ranks(m: ModelShape, inp: PlanInputs) -> list[RankPlan]:
