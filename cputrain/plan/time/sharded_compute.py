@@ -55,9 +55,8 @@ ROWS = [
     ShardedCompute("fsdp", "gather_once", "tcmalloc", 1.05, _SOURCE),
     # zero3 fetching each decoder block whole (the strategy's default): single 8.65 s, zero3 8.90
     ShardedCompute("zero3", None, "tcmalloc", 1.03, _source("zero3_fetch")),
-    # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63 (fetching module by
-    # module, before blocks were fetched whole: an upper bound now). gather_once on glibc takes
-    # full_shard's factor: not measured at ~100M (1.41× against full_shard's 1.50× at ~34M)
+    # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63 (fetched module by module:
+    # an upper bound now). gather_once takes full_shard's (not measured at ~100M; 1.41× against 1.50× at ~34M)
     ShardedCompute("fsdp", "full_shard", "glibc", 1.61, _SOURCE),
     ShardedCompute("fsdp", "gather_once", "glibc", 1.61, _SOURCE + "; full_shard's, gather_once on glibc not measured "
                    "at this size"),
