@@ -655,6 +655,12 @@ class ParallelConfig(Section):
     and part of each gather hidden where the network is slower than the compute (measured: block
     fsdp_prefetch of docs/benchmarks/network.md). false: each block gathered when it runs."""
 
+    overlap_reduction: bool = True
+    """fsdp, gather_once with the all-to-all reduce-scatter: each block's gradients are sent on
+    gloo's own thread and summed later, while the next blocks' backward computes (two blocks' slices
+    held meanwhile; measured: block fsdp_overlap of docs/benchmarks/network.md). false: each
+    block's reduce-scatter waits whole, as FSDP2 runs it on CPU. Other layouts reduce as FSDP2 does."""
+
 
 class LaunchConfig(Section):
     nproc_per_node: int = Field(1, gt=0)
@@ -747,7 +753,7 @@ class Config(Section):
         # key: (its default, the strategies that read it)
         for key, (default, strategies) in {"layout": ("auto", ("fsdp",)), "reduce_dtype": ("auto", ("fsdp",)),
                                            "reduce_scatter": ("auto", ("fsdp", "zero3")),
-                                           "prefetch": (True, ("fsdp",))}.items():
+                                           "prefetch": (True, ("fsdp",)), "overlap_reduction": (True, ("fsdp",))}.items():
             value = getattr(parallel, key)
             if value != default and parallel.strategy not in strategies:
                 def shown(v):  # as it is written on the command line

@@ -27,7 +27,7 @@ from cputrain.model import copy_full_into, decoder_blocks, load_into, materializ
 from cputrain.parallel.base import Strategy, StrategyContext
 from cputrain.parallel.file_reads import PlainReads
 from cputrain.parallel.fsdp2_private import clear_sharding_prop_cache, one_post_forward_mesh, set_unshard_async
-from cputrain.parallel.fsdp_layouts import layout_error, layout_of
+from cputrain.parallel.fsdp_layouts import layout_error, layout_of, overlaps_reduction
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,11 @@ class Layout:
             model.set_requires_gradient_sync(last)
         elif spec.all_reduces_on_last_only:
             model.set_requires_all_reduce(last)
+
+
+# gather_once's reduce-scatters left running behind the backward: a block's gradients cross the
+# network while the next two blocks' backward computes (and two blocks' slices are held meanwhile)
+REDUCTIONS_IN_FLIGHT = 2
 
 
 def shard_of_rows(param) -> tuple[int, int]:
@@ -121,12 +126,20 @@ class FSDPStrategy(Strategy):
         # gloo's own reduce-scatter is an all-reduce and a slice: twice the bytes (parallel.reduce_scatter)
         self.all_to_all = parallel.reduce_scatter == "all_to_all" or (
             parallel.reduce_scatter == "auto" and parallel.backend == "gloo")
+        # A layout that reduces once a step onto no gradient (gather_once) lets the all-to-all run
+        # behind the rest of the backward (cputrain.parallel.reduce_scatter); set in wrap()
+        self.overlaps_reduction = overlaps_reduction(parallel.layout, parallel.overlap_reduction,
+                                                     "all_to_all" if self.all_to_all else "native")
+        self.reduce_scatter = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # bf16 compute gathers bf16 copies of the fp32 master weights; gradients are reduced in
         # parallel.reduce_dtype (fp32 unless bf16 is asked for: bf16 sums lose bits).
         param_dtype = torch.bfloat16 if self.ctx.compute_dtype == torch.bfloat16 else None
         kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=self.reduce_dtype)}
+        # an overlapped reduction's output is the gradient's storage: fp32 master weights only
+        overlapped = self.overlaps_reduction and all(
+            p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
         mesh = self.layout.mesh()
         if mesh is not None:
             kwargs["mesh"] = mesh
@@ -137,16 +150,30 @@ class FSDPStrategy(Strategy):
         if self.ctx.cfg.parallel.prefetch:
             prefetch_neighbours(decoder_blocks(model), model)
         if self.all_to_all:
-            from cputrain.parallel.reduce_scatter import AllToAllReduceScatter
+            from cputrain.parallel.reduce_scatter import AllToAllReduceScatter, OverlappedReduceScatter
 
+            if overlapped:
+                self.reduce_scatter = OverlappedReduceScatter(self.ctx.world_size)
             for module in model.modules():
                 if hasattr(module, "set_custom_reduce_scatter"):
-                    module.set_custom_reduce_scatter(AllToAllReduceScatter())
+                    module.set_custom_reduce_scatter(self.reduce_scatter or AllToAllReduceScatter())
         return model
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
         self.layout.before_micro_batch(model, last_micro_batch)
-        return contextlib.nullcontext()
+        if self.reduce_scatter is None or not last_micro_batch:
+            return contextlib.nullcontext()
+        # FSDP2 views a new gradient into the reduce-scatter's output, but adds to one already held:
+        # a sum filled in later is right only in the first case (set_to_none after every step)
+        self.reduce_scatter.in_flight = REDUCTIONS_IN_FLIGHT if all(
+            p.grad is None for p in model.parameters()) else 0
+        return self._reduced_by_the_end()
+
+    @contextlib.contextmanager
+    def _reduced_by_the_end(self):
+        """Every gradient summed once the step's last backward returns, before clipping reads it."""
+        yield
+        self.reduce_scatter.finish()
 
     def load_weights(self, model: nn.Module, folder: Path | None) -> None:
         materialize(model)  # allocates only this rank's shard of every parameter

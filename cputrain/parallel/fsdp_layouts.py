@@ -104,6 +104,13 @@ class FsdpLayout:
         return self.once_a_step
 
     @property
+    def reduces_behind_backward(self) -> bool:
+        """Its reduce-scatter may be left running behind the rest of the backward and summed when it
+        ends (cputrain.parallel.reduce_scatter.OverlappedReduceScatter): one reduction a step, onto no
+        gradient held yet, and no all-reduce reading it at once."""
+        return self.once_a_step and not self.shards_within_node
+
+    @property
     def all_reduces_on_last_only(self) -> bool:
         """The shards all-reduced across nodes only after the step's last micro-batch (set_requires_all_reduce)."""
         return self.shards_within_node
@@ -146,6 +153,13 @@ def layout_of(name: str) -> FsdpLayout:
     if name not in SPECS:
         raise ValueError(f"unknown layout {name}")
     return SPECS[name]
+
+
+def overlaps_reduction(layout: str, setting: bool, reduce_scatter: str) -> bool:
+    """Whether an fsdp run leaves its reduce-scatter running behind the backward: parallel.overlap_reduction
+    (`setting`) on a layout that allows it, with the all-to-all reduce-scatter (`reduce_scatter` as it
+    runs: cputrain.config.reduction.reduce_scatter_in_use), the one cputrain issues itself."""
+    return setting and layout_of(layout).reduces_behind_backward and reduce_scatter == "all_to_all"
 
 
 def layout_error(layout: str, world_size: int, ranks_per_node: int) -> str | None:

@@ -48,8 +48,10 @@ def _reference_grads() -> tuple[dict, float]:
     return grads, float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
 
 
-def _sharded_grads(layout_name: str, reduce_scatter, reduce_dtype=torch.float32) -> tuple[dict, float]:
-    """This rank's run of the layout: the full gradients (gathered) and the global norm FSDP sees."""
+def _sharded_grads(layout_name: str, reduce_scatter, reduce_dtype=torch.float32, finish: bool = True):
+    """This rank's run of the layout: the full gradients (gathered) and the global norm FSDP sees.
+    An overlapped reduce-scatter is finished after the last backward, as the strategy does (unless
+    `finish` is False: the gradients are then read as the reductions left them)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from cputrain.parallel.fsdp import Layout
@@ -77,9 +79,14 @@ def _sharded_grads(layout_name: str, reduce_scatter, reduce_dtype=torch.float32)
         # each micro-batch's share of the global mean: the mean over it ÷ micro-batches (FSDP
         # averages over ranks)
         (((model(mine_x[i]) - mine_y[i]) ** 2).mean() / MICRO_BATCHES).backward()
+    overlapped = hasattr(reduce_scatter, "finish")
+    if overlapped and finish:
+        reduce_scatter.finish()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    grads = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
+    if overlapped:
+        reduce_scatter.finish()  # what was left in flight, so the next case's collectives line up
     groups = len(dist.distributed_c10d._world.pg_map)
     return grads, norm, groups
 
@@ -92,7 +99,7 @@ def _rank(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
-    from cputrain.parallel.reduce_scatter import AllToAllReduceScatter
+    from cputrain.parallel.reduce_scatter import AllToAllReduceScatter, OverlappedReduceScatter
 
     class SummingReduceScatter(AllToAllReduceScatter):
         """The fault to catch: the slices summed where FSDP asked for their mean."""
@@ -113,6 +120,15 @@ def _rank(rank: int, port: int, results) -> None:
         found[("full_shard", "all_to_all bf16")] = (_worst(grads, reference), abs(norm / reference_norm - 1), 0)
         grads, norm, _ = _sharded_grads("full_shard", SummingReduceScatter())
         found[("full_shard", "summing")] = (_worst(grads, reference), norm / reference_norm, 0)
+        # gather_once's reductions left running behind the backward, summed when it ends; reduced in
+        # bf16 (summed into fp32); and read before they are summed, which the comparison must catch
+        grads, norm, _ = _sharded_grads("gather_once", OverlappedReduceScatter(WORLD))
+        found[("gather_once", "overlapped")] = (_worst(grads, reference), abs(norm / reference_norm - 1), 0)
+        grads, norm, _ = _sharded_grads("gather_once", OverlappedReduceScatter(WORLD), torch.bfloat16)
+        found[("gather_once", "overlapped bf16")] = (_worst(grads, reference), abs(norm / reference_norm - 1), 0)
+        grads, _, _ = _sharded_grads("gather_once", OverlappedReduceScatter(WORLD), finish=False)
+        found[("gather_once", "overlapped, read unsummed")] = (
+            sum(not torch.allclose(grads[n], g, rtol=1e-5, atol=1e-6) for n, g in reference.items()), 0, 0)
         results[rank] = found
     finally:
         dist.destroy_process_group()
@@ -137,10 +153,22 @@ def test_every_layout_reduces_to_one_process_gradient(reductions, layout, reduce
 
 def test_bf16_reduction_stays_within_bf16_rounding(reductions):
     for rank, found in reductions.items():
-        worst, norm_error, _ = found[("full_shard", "all_to_all bf16")]
-        # each slice rounded to bf16 (8 bits of mantissa) once before the fp32 sum: within 2⁻⁷ of the mean
-        assert worst < 2**-7, f"rank {rank}: bf16 reduction off by {worst:.2e}"
-        assert norm_error < 2**-7
+        for case in (("full_shard", "all_to_all bf16"), ("gather_once", "overlapped bf16")):
+            worst, norm_error, _ = found[case]
+            # each slice rounded to bf16 (8 bits of mantissa) once before the fp32 sum: within 2⁻⁷ of the mean
+            assert worst < 2**-7, f"rank {rank}: {case} reduction off by {worst:.2e}"
+            assert norm_error < 2**-7
+
+
+def test_overlapped_reductions_equal_one_process_and_are_summed_only_at_the_end(reductions):
+    """gather_once's reduce-scatters issued on gloo's thread and summed later give the one-process
+    gradient; read before `finish()`, the units still in flight (the last two reduced: the first
+    block and the root) are not summed yet, so the reductions really were left running."""
+    for rank, found in reductions.items():
+        worst, norm_error, _ = found[("gather_once", "overlapped")]
+        assert worst < 1e-5 and norm_error < 1e-5, (rank, worst, norm_error)
+        unsummed, _, _ = found[("gather_once", "overlapped, read unsummed")]
+        assert unsummed >= 2, f"rank {rank}: every gradient was summed before finish(): nothing overlapped"
 
 
 def test_a_reduce_scatter_that_sums_is_caught(reductions):

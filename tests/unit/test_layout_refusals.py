@@ -94,6 +94,7 @@ def test_cputrain_plan_honours_world_size_with_nnodes_or_refuses_both():
     ("auto", "parallel.reduce_scatter=native", "(here auto, which resolves to single or ddp)"),
     ("single", "parallel.prefetch=false", "parallel.prefetch=false needs parallel.strategy=fsdp (here single)"),
     ("zero3", "parallel.prefetch=false", "leave parallel.prefetch=true"),
+    ("ddp", "parallel.overlap_reduction=false", "parallel.overlap_reduction=false needs parallel.strategy=fsdp (here ddp)"),
 ])
 def test_a_sharding_key_no_strategy_of_its_reads(tmp_path, strategy, setting, needs):
     """reduce_scatter and prefetch do nothing under ddp or single: refused as layout is, not accepted
