@@ -49,6 +49,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("reduce_dtype_drift", "network.md", "## Gradients reduced in bf16"),
     ("fsdp_layouts", "network.md", "## FSDP layouts over a shaped link"),
     ("fsdp_prefetch", "network.md", "## FSDP's gathers issued a block ahead"),
+    ("fsdp_overlap", "network.md", "## gather_once's reduce-scatter left running behind the backward"),
     ("sharded_rank", "network.md", "## A sharded rank against the single strategy"),
     ("sharded_rank_fp32", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks", "network.md", "## A sharded rank against the single strategy"),

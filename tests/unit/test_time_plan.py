@@ -306,6 +306,45 @@ def test_fsdp_gathers_issued_a_block_ahead_hide_the_measured_share():
         assert on.step_s < off.step_s
 
 
+def test_gather_once_hides_its_reduce_scatter_behind_the_last_backward_where_it_runs_behind_it():
+    """parallel.overlap_reduction under gather_once with the all-to-all: REDUCE_HIDDEN_SHARE of the
+    shorter of the blocks' reduce-scatters (after the last block's) and the last micro-batch's
+    backward (less a block's) hides. Not where it is off, nor under full_shard (one reduction a
+    micro-batch onto a gradient held), nor with gloo's own reduce-scatter."""
+    from dataclasses import replace
+
+    from cputrain.plan.time.overlap import REDUCE_HIDDEN_SHARE
+
+    base = settings("fsdp", global_batch=4 * W)
+    layers = tiny_shape().layers
+
+    def step(peak: float, **changes):
+        return plan_step_time(replace(base, **changes), W, 1, tiny_shape(), Compute(peak, 0.5),
+                              Link(1e-3, efficiency=1.0))
+
+    for peak in (1e3, 1e9):  # network-bound, then compute-bound
+        off = step(peak, layout="gather_once", reduce_scatter="all_to_all")
+        on = step(peak, layout="gather_once", reduce_scatter="all_to_all", overlap_reduction=True)
+        reduces = sum(c.seconds for c in on.collectives if c.kind == "reduce_scatter")
+        backward_s = _last_backward_s(on, layers)
+        hidden = REDUCE_HIDDEN_SHARE * min(reduces * (layers - 1) / layers, backward_s)
+        assert hidden > 0 and off.exposed_network_s == pytest.approx(off.network_s)
+        assert on.exposed_network_s == pytest.approx(on.network_s - hidden)
+        assert "reduce-scatter left running behind the last backward" in on.overlap_source
+        for unchanged in (step(peak, layout="full_shard", reduce_scatter="all_to_all", overlap_reduction=True),
+                          step(peak, layout="gather_once", reduce_scatter="native", overlap_reduction=True)):
+            assert unchanged.exposed_network_s == pytest.approx(unchanged.network_s)
+
+
+def _last_backward_s(plan, layers: int) -> float:
+    """One micro-batch's backward of the blocks after the first to be reduced, as the plan counts it."""
+    from cputrain.plan.time import token_flops
+
+    ft = token_flops(tiny_shape(), plan.tokens_per_rank // plan.micro_batches, False)
+    rate = plan.model_flops_per_rank / plan.compute_s if plan.compute_s else 0.0
+    return ft.block_backward * plan.tokens_per_rank / plan.micro_batches / rate * (layers - 1)
+
+
 def test_a_sharded_rank_computes_at_the_measured_mfu_divided_by_its_factor():
     """measured_compute: the MFU measured on single-strategy runs, divided for fsdp and zero3 by what
     sharding costs a rank in its layout on its allocator (cputrain.plan.time.sharded_compute), its

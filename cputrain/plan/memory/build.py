@@ -108,6 +108,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         layout=parallel.layout if fsdp else DEFAULT_LAYOUT, reduce_dtype=parallel.reduce_dtype if fsdp else None,
         reduce_scatter=reduce_scatter,
         prefetch=parallel.strategy == "fsdp" and parallel.prefetch,
+        overlap_reduction=fsdp and parallel.overlap_reduction,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         extra_forwards=objective_class(cfg.train.objective).extra_forwards,
         **rollout_inputs(cfg, world_size),

@@ -60,6 +60,7 @@ class PlanInputs:
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "all_to_all"  # fsdp and zero3: as it runs (native | all_to_all: config.reduction)
     prefetch: bool = False  # fsdp: parallel.prefetch (the time plan hides part of the gathers behind compute)
+    overlap_reduction: bool = False  # fsdp: parallel.overlap_reduction (where the layout allows it: fsdp_layouts.overlaps_reduction)
     ranks_per_node: int | None = None  # node_reshard and hybrid read it (None: not known)
     accumulation: int = 1  # micro-batches per rank per step: gather_once accumulates unsharded gradients over them
     extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (the objective's extra_forwards)

@@ -5,19 +5,9 @@ over which ranks, and how many TCP flows each puts through a node's link.
     ddp     one all-reduce of the trained parameters' gradients per step (no_sync skips every
             micro-batch but the last), fp32 buckets of 25 MiB (DDP's bucket_cap_mb default;
             cputrain's comm hook keeps the bucket's dtype, the parameters' fp32)
-    fsdp    FSDP2 as cputrain.parallel.fsdp builds it, in its parallel.layout (each layout's
-            collectives are its spec's: cputrain.parallel.fsdp_layouts), per optimizer step of m
-            micro-batches, L blocks:
-
-            layout        gathers (parameters)                 gradients
-            full_shard    2·L blocks a micro-batch, all ranks  reduce-scattered every micro-batch, all ranks
-            node_reshard  L blocks a micro-batch, all ranks    reduce-scattered every micro-batch, all ranks
-                          + L blocks a micro-batch in the node
-            gather_once   L blocks once a step, all ranks      reduce-scattered once a step, all ranks
-            hybrid        2·L blocks a micro-batch in the node reduce-scattered every micro-batch in the
-                                                               node; the shards all-reduced across the
-                                                               nodes once a step
-
+    fsdp    FSDP2 as cputrain.parallel.fsdp builds it, in its parallel.layout: each layout's
+            collectives a step (what, how often, over which ranks) are its spec's StepCollectives
+            (cputrain.parallel.fsdp_layouts, whose docstring lists the layouts).
             In every layout the root (embeddings, final norm, head) is gathered once a step and
             kept; its gradients are reduced with the blocks' (every micro-batch, except under
             gather_once). bf16 gathers bf16 copies (param_dtype); gradients are reduced in

@@ -1,19 +1,18 @@
 """How much of a step's network time no compute hides: one function per regime.
 
-FSDP2 on CPU, a gather issued as its block begins, hides none of it: measured over a shaped link
-(block gloo_link-runs of docs/benchmarks/network.md), its gathers and reduce-scatters add to the
-step whole at every rate (a CPU has no side streams for the gather to run on while a block
-computes). Issued one block ahead on gloo's own thread (parallel.prefetch, the default), part of
-each block's gather crosses while the block before computes (block fsdp_prefetch): the reduce-
-scatters still show whole. ZeRO-3, modelled: DeepSpeed gathers the next block while the current
-one computes and reduce-scatters a block's gradients behind the next block's backward, so each
-block exposes max(0, its communication − its compute), plus the first gather of a pass and the
-last reduce-scatter, which never hide. DDP's bucketed all-reduce runs behind the last
-micro-batch's backward, all but its last bucket (measured within 10% at 1 Gbit/s). A measured
-overlap (the share of network time hidden, 0 to 1) replaces these where a benchmark has one.
-Planned for the machine the efficiency table was measured on (`gloo_cpu_capped`), gloo's CPU time
-never hides: it comes out of the cores the compute keeps busy. A node's own collectives (over
-loopback, on the cores) never hide either (cputrain.plan.time.step_time adds them whole).
+FSDP2 on CPU, measured over a shaped link (docs/benchmarks/network.md): a gather issued as its block
+begins hides none of it (block gloo_link-runs: no side streams on a CPU). Issued one block ahead on
+gloo's own thread (parallel.prefetch), part of each block's gather crosses while the block before
+computes (block fsdp_prefetch); gather_once's reduce-scatter left running (parallel.overlap_reduction)
+hides behind the last backward (block fsdp_overlap); other reduce-scatters show whole. ZeRO-3,
+modelled: DeepSpeed gathers the next block while the current one computes and reduce-scatters a
+block's gradients behind the next block's backward, so each block exposes max(0, its communication
+− its compute), plus the first gather of a pass and the last reduce-scatter, which never hide. DDP's
+bucketed all-reduce runs behind the last micro-batch's backward, all but its last bucket (measured
+within 10% at 1 Gbit/s). A measured overlap (the share hidden, 0 to 1) replaces these where a
+benchmark has one. Planned for the machine the efficiency table was measured on (`gloo_cpu_capped`),
+gloo's CPU time never hides: it comes out of the cores the compute keeps busy; nor do a node's own
+collectives (over loopback, on the cores: cputrain.plan.time.step_time adds them whole).
 """
 
 from __future__ import annotations
@@ -21,27 +20,32 @@ from __future__ import annotations
 from cputrain.plan.time.comm_volume import Collective, CommPattern
 from cputrain.plan.time.link import LinkTimer
 
-# FSDP2's gathers issued one block ahead (parallel.prefetch): the share of the shorter of the
-# blocks' gathers and the compute that hides. Measured with benchmarks/fsdp_prefetch.py (block
-# fsdp_prefetch of docs/benchmarks/network.md: 2 nodes of one rank on one core each, one thread,
-# gloo's thread sharing the core with the compute): 118%, 61% and 47% at 0.25, 0.5 and 1 Gbit/s,
-# the median taken. Where a core is left to gloo, more may hide: not measured (2 cores).
+# The share of the shorter of two things that hides, measured on 2 nodes of one rank on one core
+# each, gloo's thread sharing it (docs/benchmarks/network.md; a core left to gloo: not measured). The
+# blocks' gathers a block ahead and the compute (fsdp_prefetch.py): 118%, 61%, 47% at 0.25, 0.5, 1 Gbit/s.
 PREFETCH_HIDDEN_SHARE = 0.61
+# gather_once's blocks' reduce-scatters and the last backward less a block's (fsdp_overlap.py): the
+# step saved 276% and 199% of that at 0.25 and 0.5 Gbit/s (the waited-for path also stalls between
+# its calls): the whole window hides, never more than the transfer.
+REDUCE_HIDDEN_SHARE = 1.0
 
 
-def fsdp_exposed_s(network_s: float, block_gathers_s: float, compute_s: float, prefetch: bool, layers: int) -> float:
-    """FSDP2 on CPU, measured: everything shows, but with prefetch PREFETCH_HIDDEN_SHARE of the
-    shorter of the blocks' gathers through the link and the compute; the first gather of each pass waits."""
-    if not prefetch:
-        return network_s
-    return network_s - PREFETCH_HIDDEN_SHARE * min(block_gathers_s * (layers - 1) / layers, compute_s)
-
-
-def fsdp_overlap_source(prefetch: bool) -> str:
+def fsdp_exposed_s(network_s: float, block_gathers_s: float, compute_s: float, prefetch: bool, layers: int,
+                   reduces_s: float = 0.0, backward_s: float = 0.0) -> float:
+    """FSDP2 on CPU: everything shows but, measured, each share of the shorter of the blocks' gathers
+    (less a pass's first) and the compute, and of their reduce-scatters (less the last) and `backward_s`."""
+    hidden = REDUCE_HIDDEN_SHARE * min(reduces_s * (layers - 1) / layers, backward_s)
     if prefetch:
-        return (f"FSDP2 on CPU, gathers issued a block ahead: {PREFETCH_HIDDEN_SHARE:.0%} of the shorter of the "
-                "blocks' gathers and the compute hides, measured")
-    return "FSDP2 on CPU, gathers issued as their block begins, measured: none hides"
+        hidden += PREFETCH_HIDDEN_SHARE * min(block_gathers_s * (layers - 1) / layers, compute_s)
+    return network_s - hidden
+
+
+def fsdp_overlap_source(prefetch: bool, reduces_behind: bool = False) -> str:
+    gathers = (f"gathers issued a block ahead: {PREFETCH_HIDDEN_SHARE:.0%} of the shorter of the blocks' gathers "
+               "and the compute hides" if prefetch else "gathers issued as their block begins: none hides")
+    behind = (f"; the reduce-scatter left running behind the last backward: {REDUCE_HIDDEN_SHARE:.0%} of the "
+              "shorter of the two hides" if reduces_behind else "")
+    return f"FSDP2 on CPU, {gathers}{behind}, measured"
 
 
 def _sharded_micro_batch_s(p: CommPattern, t_gather: float, t_root_gather: float, t_reduce: float,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from cputrain.config import Config, checkpointed_blocks
 from cputrain.errors import ConfigError
-from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT
+from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, overlaps_reduction
 from cputrain.plan.model_shape import ModelShape
 from cputrain.plan.time.comm_volume import KINDS, comm_pattern
 from cputrain.plan.time.link import Link, LinkTimer
@@ -39,6 +39,7 @@ class StepSettings:
     reduce_dtype: str | None = None  # fsdp: parallel.reduce_dtype, decided (None: fp32)
     reduce_scatter: str = "auto"  # fsdp and zero3: parallel.reduce_scatter (auto: the all-to-all, as on gloo)
     prefetch: bool = False  # fsdp: parallel.prefetch, each block's gather issued one block ahead
+    overlap_reduction: bool = False  # fsdp: parallel.overlap_reduction (where the layout allows it: overlaps_reduction)
     extra_forwards: int = 0  # no-grad forwards of the blocks beyond the step's own (KTO's KL sequences: 1)
     rollout_positions: int = 0  # online RL: positions a rank's rollout computes a step (its rows × data.seq_len)
 
@@ -56,6 +57,7 @@ class StepSettings:
                    cfg.train.global_batch_size, cfg.model.activation_checkpointing,
                    layout=p.layout if fsdp else DEFAULT_LAYOUT, reduce_dtype=p.reduce_dtype if fsdp else None,
                    reduce_scatter=reduce_scatter_in_use(p.reduce_scatter, p.backend), prefetch=fsdp and p.prefetch,
+                   overlap_reduction=fsdp and p.overlap_reduction,
                    extra_forwards=objective_class(cfg.train.objective).extra_forwards,
                    rollout_positions=_rollout_positions(cfg, cfg.launch.nproc_per_node * cfg.launch.nnodes))
 
@@ -64,7 +66,7 @@ class StepSettings:
         i = plan.inputs
         return cls(i.strategy, i.precision, i.micro_batch, i.seq_len, global_batch, i.activation_checkpointing,
                    i.persistence_threshold, i.max_reuse_distance, i.layout, i.reduce_dtype, i.reduce_scatter,
-                   i.prefetch, i.extra_forwards, i.rollout_rows * i.rollout_len)
+                   i.prefetch, i.overlap_reduction, i.extra_forwards, i.rollout_rows * i.rollout_len)
 
 
 def _rollout_positions(cfg, world_size: int) -> int:
@@ -231,20 +233,25 @@ def _timed(timer: LinkTimer) -> list[CollectiveTime]:
 
 
 def _exposed_s(s: StepSettings, timer: LinkTimer, timed: list[CollectiveTime], compute_s: float,
-               block_s: tuple[float, float]) -> float:
-    """The link's time no compute hides (cputrain.plan.time.overlap's regimes)."""
+               block_s: tuple[float, float]) -> tuple[float, str]:
+    """The link's time no compute hides (cputrain.plan.time.overlap's regimes), and its source."""
     network_s = sum(timer.seconds(c) for c in timer.pattern.collectives)
+    behind = overlaps_reduction(s.layout, s.overlap_reduction, timer.pattern.reduce_scatter)
+    source = ("given" if timer.link.overlap is not None else
+              fsdp_overlap_source(s.prefetch, behind) if s.strategy == "fsdp" else "modelled")
     if not timer.planned or network_s == 0:
-        return 0.0
+        return 0.0, source
     if timer.link.overlap is not None:
-        return (1 - timer.link.overlap) * network_s
+        return (1 - timer.link.overlap) * network_s, source
     if s.strategy == "fsdp":  # the blocks' gathers through the link: the node's own ones are CPU work
         block_gathers_s = sum(t.seconds for t in timed
                               if t.kind == "all_gather" and t.what.startswith("blocks") and t.link_bytes)
-        return fsdp_exposed_s(network_s, block_gathers_s, compute_s, s.prefetch, timer.pattern.layers)
+        reduces_s = sum(t.seconds for t in timed if t.kind == "reduce_scatter" and t.link_bytes) if behind else 0.0
+        return fsdp_exposed_s(network_s, block_gathers_s, compute_s, s.prefetch, timer.pattern.layers,
+                              reduces_s, block_s[1] * (timer.pattern.layers - 1)), source
     allreduce_s = sum(t.seconds for t in timed if t.kind == "all_reduce")
     gloo_cpu_s = sum(timer.cpu_seconds(c) for c in timer.pattern.collectives)
-    return modelled_exposed_s(timer, network_s, allreduce_s, gloo_cpu_s, block_s)
+    return modelled_exposed_s(timer, network_s, allreduce_s, gloo_cpu_s, block_s), source
 
 
 def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape: ModelShape, compute: Compute,
@@ -276,7 +283,7 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
     in_node_rank_bytes = sum(t.rank_bytes for t in timed if not t.link_bytes)
     if in_node_rank_bytes:
         source["in_node"] = timer.in_node_source(in_node_rank_bytes, in_node_s)
-    exposed = _exposed_s(s, timer, timed, compute_s, block_s)
+    exposed, overlap_source = _exposed_s(s, timer, timed, compute_s, block_s)
     hidden = 1 - exposed / network_s if network_s else 1.0
     exposed += in_node_s  # gloo's loopback work on the cores the compute uses: none of it hides
     # online RL: one forward a rollout position (the model's FLOPs are forward and backward, 3 forwards)
@@ -289,8 +296,7 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         compute_s=compute_s, comm_bytes_by_kind=pattern.rank_bytes(world_size),
         link_bytes_by_kind=pattern.link_bytes(world_size, nnodes), message_bytes_by_kind=messages,
         efficiency_by_kind=efficiencies, network_s=network_s, exposed_network_s=exposed, overlap=hidden,
-        overlap_source=("given" if link.overlap is not None else
-                        fsdp_overlap_source(s.prefetch) if s.strategy == "fsdp" else "modelled"),
+        overlap_source=overlap_source,
         step_s=step_s, tokens_per_s_per_rank=tokens / step_s, tokens_per_s=tokens * world_size / step_s,
         mfu=ft.model * tokens / (step_s * compute.peak_flops_per_s), network_share=exposed / step_s,
         link_gbit_s=link.gbit_s, peak_flops_per_s=compute.peak_flops_per_s,

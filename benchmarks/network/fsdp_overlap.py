@@ -1,0 +1,157 @@
+"""Does gather_once's reduce-scatter hide behind the last backward when it is left running?
+
+    python benchmarks/network/fsdp_overlap.py [--quick]
+
+Two network namespaces joined by a veth pair shaped by `tc` (benchmarks/network/gloo_link.py's), one
+rank in each on its own core, one thread (gloo's thread shares the core with the compute). A ~34M
+Llama, FSDP gather_once, gradients reduced in fp32, bf16 compute where the CPU has it, at link rates
+where the step's reduce-scatter is about one and two last backwards long; each rate with
+parallel.overlap_reduction=false (each block's all-to-all waited for as FSDP2 issues it) and =true
+(left running while the next blocks' backward computes, summed when the backward ends), alternated,
+median step of the steps after the first two, medians of the repetitions.
+
+The share hidden is what overlapping saved over the shorter of the two things that could overlap:
+the blocks' reduce-scatters (the plan's share of the measured network time: the step without
+overlap less one gather_once rank alone, nothing to communicate) and the backward they can run
+behind (the last micro-batch's: two thirds of one micro-batch of that rank alone, less one block's).
+The time plan takes its median (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE). Writes block
+`fsdp_overlap` of docs/benchmarks/network.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.network.gloo_link import (ADDRS, WARMUP_STEPS, _clean_env, median_step_s,  # noqa: E402
+                                          run_on_each_node, run_settings, shape_link, two_nodes)
+from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
+
+WORLD = 2
+MICRO_BATCHES = 4
+GATHER_ONCE = ["parallel.strategy=fsdp", "parallel.layout=gather_once", "parallel.reduce_dtype=fp32"]
+
+
+def _flag(overlap: bool) -> str:
+    return f"parallel.overlap_reduction={'true' if overlap else 'false'}"
+
+
+def train_two_nodes(names, settings, micro, overlap: bool, run_dir: Path) -> None:
+    port = 29800 + int(uuid.uuid4().int % 90)
+    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings, *GATHER_ONCE, _flag(overlap),
+                                          f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}",
+                                          f"output_dir={run_dir}", "launch.rdzv_timeout_s=120", "--nnodes", str(WORLD),
+                                          "--node-rank", str(node), "--nproc-per-node", "1",
+                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
+                     "2-node gather_once run", 3600)
+
+
+def alone_s(settings, micro, run_dir: Path) -> float:
+    """One gather_once rank on core 0, nothing to communicate: its compute and FSDP2's own work."""
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "cputrain", "train", *settings, *GATHER_ONCE,
+           f"train.global_batch_size={micro * MICRO_BATCHES}", "--nproc-per-node", "1", f"output_dir={run_dir}"]
+    proc = subprocess.run(cmd, env=_clean_env(in_namespace=False), cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return median_step_s(run_dir)
+
+
+def reduce_share(settings, micro, link: float) -> tuple[float, int]:
+    """The planned share of the network time that is the blocks' reduce-scatter, and the blocks."""
+    from cputrain.commands.plan import load_run_config
+    from cputrain.hardware import detect
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time
+    from cputrain.training.choices import decide_for_plan
+
+    vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
+    cfg = load_run_config(None, [*settings, *GATHER_ONCE, _flag(False),
+                                 f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"])
+    cfg = decide_for_plan(cfg, WORLD, vocab_size=vocab).config
+    shape = make_plan(cfg, WORLD, nproc_per_node=1, vocab_size=vocab).shape
+    hw = detect()
+    plan = plan_step_time(StepSettings.of_config(cfg), WORLD, 1, shape,
+                          Compute(hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, 0.5),
+                          Link(link, gloo_cpu_capped=True))
+    reduces = sum(c.seconds for c in plan.collectives if c.kind == "reduce_scatter")
+    return (reduces / plan.network_s if plan.network_s else 0.0), shape.layers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one repetition: checks the script")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rates", default="0.25,0.5", help="link rates in Gbit/s")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    model, seq_len, micro, steps = (MODEL_TINY, 32, 2, 4) if args.quick else (MODEL_34M, 512, 2, 6)
+    rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
+    reps = 1 if args.quick else args.reps
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cputrain-overlap-") as tmp, two_nodes() as names:
+        tmp = Path(tmp)
+        settings = run_settings(model, seq_len, micro, steps, tmp / "cache")
+        compute_s = alone_s(settings, micro, tmp / "alone")
+        for rate in rates:
+            shape_link(names, rate)
+            times = {False: [], True: []}
+            for rep in range(reps):
+                for overlap in (False, True):
+                    run_dir = tmp / f"{rate:g}-{overlap}-{rep}"
+                    train_two_nodes(names, settings, micro, overlap, run_dir)
+                    times[overlap].append(median_step_s(run_dir))
+            off, on = statistics.median(times[False]), statistics.median(times[True])
+            share, layers = reduce_share(settings, micro, rate)
+            reduces_s = max(0.0, off - compute_s) * share
+            # the last micro-batch's backward (2/3 of a micro-batch), less its last block's: nothing
+            # is left to run behind the first block's and the root's reductions
+            window_s = compute_s / MICRO_BATCHES * 2 / 3 * (layers - 1) / layers
+            shorter = min(reduces_s, window_s)
+            rows.append({"rate": rate, "off": off, "on": on, "compute": compute_s, "reduces": reduces_s,
+                         "window": window_s, "hidden_share": (off - on) / shorter if shorter > 0 else 0.0})
+            print(rows[-1], flush=True)
+        shape_link(names, None)
+    markdown = block_markdown(rows, compute_s, reps, args.quick, micro, seq_len)
+    print(markdown)
+    if not args.no_write:
+        from benchmarks.runner.blocks import write_block
+
+        write_block("fsdp_overlap", markdown)
+
+
+def block_markdown(rows: list[dict], compute_s: float, reps: int, quick: bool, micro: int, seq_len: int) -> str:
+    from benchmarks.runner.machine import machine_line
+
+    median_share = statistics.median(r["hidden_share"] for r in rows)
+    lines = [machine_line(), "",
+             f"`python benchmarks/network/fsdp_overlap.py`: 2 network namespaces, one rank each on its own core, one "
+             f"thread, {'a tiny smoke model' if quick else 'a ~34M Llama'}, FSDP gather_once, gradients reduced "
+             f"in fp32, precision auto, {MICRO_BATCHES} micro-batches of {micro} × {seq_len} per rank per step, over a "
+             f"veth link shaped by `tc`; median step of the steps after the {WARMUP_STEPS} first, median of {reps} "
+             f"alternated runs. Alone: one gather_once rank on one core, nothing to communicate, {compute_s:.2f} s a "
+             "step. The blocks' reduce-scatters: the measured network time (the step without overlap less the rank "
+             "alone) times the plan's share of it that is the reduce-scatter. The window: the last micro-batch's "
+             "backward (2/3 of a micro-batch alone) less one block's.", "",
+             "| link | step, each reduce-scatter waited for | step, left running | saved | reduce-scatters | window | "
+             "share of the shorter hidden |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['rate']:g} Gbit/s | {r['off']:.2f} s | {r['on']:.2f} s | {r['off'] - r['on']:.2f} s "
+                     f"({r['off'] / r['on']:.2f}×) | {r['reduces']:.2f} s | {r['window']:.2f} s | "
+                     f"{r['hidden_share']:.0%} |")
+    lines += ["", f"Median share hidden: {median_share:.0%}; the time plan hides {min(1.0, median_share):.0%} of the "
+              "shorter (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE: never more than the window or the transfer). "
+              "No core is left to gloo here (2 cores, one rank each): gloo's copies share the core with the backward."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
