@@ -12,6 +12,8 @@ the same allocator, and rank 0's step peak. Writes block `two_ranks` of docs/ben
     python benchmarks/network/two_ranks.py --sizes 100m --precisions bf16 --rounds 2
     python benchmarks/network/two_ranks.py --sizes 100m --no-glibc   # tcmalloc's rows alone (the image's allocator)
     python benchmarks/network/two_ranks.py --sizes 34m --no-glibc --block two_ranks_34m
+    python benchmarks/network/two_ranks.py --sizes 100m --no-glibc --block two_ranks_overlap \
+        --cases "ddp,fsdp gather_once (waited),fsdp gather_once"
     python benchmarks/network/two_ranks.py --quick         # tiny model, 3 steps: checks the script only
 """
 
@@ -34,16 +36,20 @@ from benchmarks.runner.machine import machine_line  # noqa: E402
 
 # gather_once: each block gathered once a step and its gradients kept unsharded through the step's
 # micro-batches (DDP's traffic and memory for parameters and gradients; the optimizer state sharded)
+# (gather_once leaves its reduce-scatter running behind the backward, parallel.overlap_reduction;
+# "waited" is each block's reduce-scatter waited for, as FSDP2 runs it: --cases picks it)
 CASES = [("ddp", ["parallel.strategy=ddp"]), ("fsdp full_shard", FULL_SHARD), ("fsdp gather_once", GATHER_ONCE),
-         ("zero3", ZERO3)]
+         ("zero3", ZERO3), ("fsdp gather_once (waited)", [*GATHER_ONCE, "parallel.overlap_reduction=false"])]
+DEFAULT_CASES = "ddp,fsdp full_shard,fsdp gather_once,zero3"
 # what auto gives each strategy without tcmalloc, then tcmalloc
-GLIBC = {"ddp": "glibc-tuned", "fsdp full_shard": "system", "fsdp gather_once": "system", "zero3": "system"}
+GLIBC = {"ddp": "glibc-tuned", "fsdp full_shard": "system", "fsdp gather_once": "system", "zero3": "system",
+         "fsdp gather_once (waited)": "system"}
 
 
 def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tmp: Path, tcmalloc: str | None,
-            glibc: bool = True) -> list[dict]:
+            glibc: bool = True, labels: str = DEFAULT_CASES) -> list[dict]:
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    cases = [(label, o) for label, o in CASES if have_deepspeed or o is not ZERO3]
+    cases = [(label, o) for label, o in CASES if (have_deepspeed or o is not ZERO3) and label in labels.split(",")]
     allocators = (["glibc"] if glibc or not tcmalloc else []) + (["tcmalloc"] if tcmalloc else [])
     results = []
     for size in sizes:
@@ -90,12 +96,15 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
 def main() -> None:
     parser = size_args(__doc__, "34m,100m")
     parser.add_argument("--no-glibc", action="store_true", help="tcmalloc's rows alone (what the training image runs)")
-    parser.add_argument("--block", default="two_ranks", choices=("two_ranks", "two_ranks_34m"),
-                        help="the block written (two_ranks_34m: ~34M's rows, kept beside ~100M's)")
+    parser.add_argument("--block", default="two_ranks", choices=("two_ranks", "two_ranks_34m", "two_ranks_overlap"),
+                        help="the block written (two_ranks_34m: ~34M's rows, kept beside ~100M's; two_ranks_overlap: "
+                             "gather_once's reduce-scatter left running against waited for)")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="the cases run, by label, comma-separated (ddp first)")
     args = parser.parse_args()
     sizes, precisions, rounds, steps = sizes_of(args)
     with tempfile.TemporaryDirectory(prefix="two-ranks-") as tmp:
-        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, glibc=not args.no_glibc)
+        results = measure(sizes, precisions, rounds, steps, Path(tmp), args.tcmalloc, glibc=not args.no_glibc,
+                          labels=args.cases)
     write(results, rounds, steps, args.quick, args.tcmalloc, command_as_run(), args.block)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def command_as_run() -> str:
     benchmarks/…/script.py` and its arguments."""
     script = Path(sys.argv[0]).resolve()
     shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
-    return " ".join(["python", str(shown), *sys.argv[1:]])
+    return shlex.join(["python", str(shown), *sys.argv[1:]])  # quoted where an argument has spaces
 
 
 def block_parser(page: str, runs: int, quick: str = "tiny model, one run: checks the script only"
