@@ -20,20 +20,18 @@ The time plan takes its median (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.gloo_link import (ADDRS, WARMUP_STEPS, _clean_env, median_step_s,  # noqa: E402
-                                          run_on_each_node, run_settings, shape_link, two_nodes)
-from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
+from benchmarks.network.gloo_link import (WARMUP_STEPS, off_and_on_args, off_and_on_steps, _clean_env, median_step_s,  # noqa: E402
+                                          plan_at_half_peak, run_settings, shape_link, train_one_rank_per_node,
+                                          two_nodes)
 
 WORLD = 2
 MICRO_BATCHES = 4
@@ -45,13 +43,9 @@ def _flag(overlap: bool) -> str:
 
 
 def train_two_nodes(names, settings, micro, overlap: bool, run_dir: Path) -> None:
-    port = 29800 + int(uuid.uuid4().int % 90)
-    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings, *GATHER_ONCE, _flag(overlap),
-                                          f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}",
-                                          f"output_dir={run_dir}", "launch.rdzv_timeout_s=120", "--nnodes", str(WORLD),
-                                          "--node-rank", str(node), "--nproc-per-node", "1",
-                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
-                     "2-node gather_once run", 3600)
+    train_one_rank_per_node(names, [*settings, *GATHER_ONCE, _flag(overlap),
+                                    f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"],
+                            run_dir, "2-node gather_once run")
 
 
 def alone_s(settings, micro, run_dir: Path) -> float:
@@ -66,49 +60,23 @@ def alone_s(settings, micro, run_dir: Path) -> float:
 
 def reduce_share(settings, micro, link: float) -> tuple[float, int]:
     """The planned share of the network time that is the blocks' reduce-scatter, and the blocks."""
-    from cputrain.commands.plan import load_run_config
-    from cputrain.hardware import detect
-    from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time
-    from cputrain.training.choices import decide_for_plan
-
-    vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
-    cfg = load_run_config(None, [*settings, *GATHER_ONCE, _flag(False),
-                                 f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"])
-    cfg = decide_for_plan(cfg, WORLD, vocab_size=vocab).config
-    shape = make_plan(cfg, WORLD, nproc_per_node=1, vocab_size=vocab).shape
-    hw = detect()
-    plan = plan_step_time(StepSettings.of_config(cfg), WORLD, 1, shape,
-                          Compute(hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, 0.5),
-                          Link(link, gloo_cpu_capped=True))
+    plan, shape = plan_at_half_peak([*settings, *GATHER_ONCE, _flag(False),
+                                     f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"], WORLD, link)
     reduces = sum(c.seconds for c in plan.collectives if c.kind == "reduce_scatter")
     return (reduces / plan.network_s if plan.network_s else 0.0), shape.layers
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one repetition: checks the script")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--rates", default="0.25,0.5", help="link rates in Gbit/s")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    model, seq_len, micro, steps = (MODEL_TINY, 32, 2, 4) if args.quick else (MODEL_34M, 512, 2, 6)
-    rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
-    reps = 1 if args.quick else args.reps
+    args = off_and_on_args(__doc__, "0.25,0.5")
+    seq_len, micro, reps = args.seq_len, args.micro, args.reps
     rows = []
     with tempfile.TemporaryDirectory(prefix="cputrain-overlap-") as tmp, two_nodes() as names:
         tmp = Path(tmp)
-        settings = run_settings(model, seq_len, micro, steps, tmp / "cache")
+        settings = run_settings(args.model, seq_len, micro, args.steps, tmp / "cache")
         compute_s = alone_s(settings, micro, tmp / "alone")
-        for rate in rates:
-            shape_link(names, rate)
-            times = {False: [], True: []}
-            for rep in range(reps):
-                for overlap in (False, True):
-                    run_dir = tmp / f"{rate:g}-{overlap}-{rep}"
-                    train_two_nodes(names, settings, micro, overlap, run_dir)
-                    times[overlap].append(median_step_s(run_dir))
-            off, on = statistics.median(times[False]), statistics.median(times[True])
+        for rate in args.rate_list:
+            off, on = off_and_on_steps(names, rate, reps, tmp, lambda overlap, run_dir: train_two_nodes(
+                names, settings, micro, overlap, run_dir))
             share, layers = reduce_share(settings, micro, rate)
             reduces_s = max(0.0, off - compute_s) * share
             # the last micro-batch's backward (2/3 of a micro-batch), less its last block's: nothing
@@ -147,7 +115,7 @@ def block_markdown(rows: list[dict], compute_s: float, reps: int, quick: bool, m
         lines.append(f"| {r['rate']:g} Gbit/s | {r['off']:.2f} s | {r['on']:.2f} s | {r['off'] - r['on']:.2f} s "
                      f"({r['off'] / r['on']:.2f}×) | {r['reduces']:.2f} s | {r['window']:.2f} s | "
                      f"{r['hidden_share']:.0%} |")
-    lines += ["", f"Median share hidden: {median_share:.0%}; the time plan hides {min(1.0, median_share):.0%} of the "
+    lines += ["", f"Median share hidden: {median_share:.0%}; the time plan hides {max(0.0, min(1.0, median_share)):.0%} of the "
               "shorter (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE: never more than the window or the transfer). "
               "No core is left to gloo here (2 cores, one rank each): gloo's copies share the core with the backward."]
     return "\n".join(lines)

@@ -19,19 +19,16 @@ docs/benchmarks/network.md.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.network.gloo_link import (ADDRS, WARMUP_STEPS, median_step_s,  # noqa: E402
-                                          run_on_each_node, run_settings, shape_link, two_nodes)
-from benchmarks.network.model_sizes import MODEL_34M, MODEL_TINY  # noqa: E402
+from benchmarks.network.gloo_link import (WARMUP_STEPS, off_and_on_args, off_and_on_steps, median_step_s, plan_at_half_peak,  # noqa: E402
+                                          run_settings, shape_link, train_one_rank_per_node, two_nodes)
 
 WORLD = 2
 MICRO_BATCHES = 4
@@ -39,70 +36,40 @@ FSDP = ["parallel.strategy=fsdp", "parallel.layout=full_shard", "parallel.reduce
 
 
 def train_two_nodes(names, settings, micro, prefetch: bool, run_dir: Path) -> None:
-    port = 29900 + int(uuid.uuid4().int % 90)
-    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings, *FSDP,
-                                          f"parallel.prefetch={'true' if prefetch else 'false'}",
-                                          f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}",
-                                          f"output_dir={run_dir}", "launch.rdzv_timeout_s=120", "--nnodes", str(WORLD),
-                                          "--node-rank", str(node), "--nproc-per-node", "1",
-                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
-                     "2-node fsdp run", 3600)
+    train_one_rank_per_node(names, [*settings, *FSDP, f"parallel.prefetch={'true' if prefetch else 'false'}",
+                                    f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"],
+                            run_dir, "2-node fsdp run")
 
 
 def alone_s(settings, micro, tmp: Path) -> float:
+    """One rank of the single strategy alone on one core, the same micro-batches."""
     from benchmarks.network.fsdp_layouts import train_alone
 
     run_dir = tmp / "alone"
-    train_alone(settings, micro, run_dir)
+    train_alone(settings, micro, "single", run_dir)
     return median_step_s(run_dir)
 
 
 def gather_share(settings, micro, link: float) -> float:
     """The planned share of the network time that is the blocks' gathers (the rest: the root's
     gather and the reduce-scatters, which prefetching cannot hide)."""
-    from cputrain.commands.plan import load_run_config
-    from cputrain.hardware import detect
-    from cputrain.plan.memory.build import make_plan
-    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time
-    from cputrain.training.choices import decide_for_plan
-
-    vocab = int(next(s for s in settings if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
-    cfg = load_run_config(None, [*settings, *FSDP, "parallel.prefetch=false",
-                                 f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"])
-    cfg = decide_for_plan(cfg, WORLD, vocab_size=vocab).config
-    shape = make_plan(cfg, WORLD, nproc_per_node=1, vocab_size=vocab).shape
-    hw = detect()
-    plan = plan_step_time(StepSettings.of_config(cfg), WORLD, 1, shape,
-                          Compute(hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, 0.5),
-                          Link(link, gloo_cpu_capped=True))
+    plan, shape = plan_at_half_peak([*settings, *FSDP, "parallel.prefetch=false",
+                                     f"train.global_batch_size={micro * MICRO_BATCHES * WORLD}"], WORLD, link)
     gathers = sum(c.seconds for c in plan.collectives if c.kind == "all_gather" and c.what.startswith("blocks"))
     return gathers / plan.network_s * (shape.layers - 1) / shape.layers if plan.network_s else 0.0
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one repetition: checks the script")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--rates", default="0.25,0.5,1", help="link rates in Gbit/s")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    model, seq_len, micro, steps = (MODEL_TINY, 32, 2, 4) if args.quick else (MODEL_34M, 512, 2, 6)
-    rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
-    reps = 1 if args.quick else args.reps
+    args = off_and_on_args(__doc__, "0.25,0.5,1")
+    seq_len, micro, reps = args.seq_len, args.micro, args.reps
     rows = []
     with tempfile.TemporaryDirectory(prefix="cputrain-prefetch-") as tmp, two_nodes() as names:
         tmp = Path(tmp)
-        settings = run_settings(model, seq_len, micro, steps, tmp / "cache")
+        settings = run_settings(args.model, seq_len, micro, args.steps, tmp / "cache")
         compute_s = alone_s(settings, micro, tmp)
-        for rate in rates:
-            shape_link(names, rate)
-            times = {False: [], True: []}
-            for rep in range(reps):
-                for prefetch in (False, True):
-                    run_dir = tmp / f"{rate:g}-{prefetch}-{rep}"
-                    train_two_nodes(names, settings, micro, prefetch, run_dir)
-                    times[prefetch].append(median_step_s(run_dir))
-            off, on = statistics.median(times[False]), statistics.median(times[True])
+        for rate in args.rate_list:
+            off, on = off_and_on_steps(names, rate, reps, tmp, lambda prefetch, run_dir: train_two_nodes(
+                names, settings, micro, prefetch, run_dir))
             gathers_s = max(0.0, off - compute_s) * gather_share(settings, micro, rate)
             shorter = min(gathers_s, compute_s)
             rows.append({"rate": rate, "off": off, "on": on, "compute": compute_s, "gathers": gathers_s,

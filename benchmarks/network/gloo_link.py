@@ -236,15 +236,67 @@ def train_alone(settings: list[str], micro: int, strategy: str, run_dir: Path) -
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
 
 
-def train_two_nodes(names: list[str], settings: list[str], micro: int, strategy: str, run_dir: Path) -> None:
-    """Node i in namespace i on core i, one rank each, rendezvous over the shaped link."""
+def train_one_rank_per_node(names: list[str], overrides: list[str], run_dir: Path, what: str) -> None:
+    """`cputrain train` with `overrides`: node i in namespace i on core i, one rank each, rendezvous
+    over the shaped link."""
     port = 29900 + int(uuid.uuid4().int % 90)
-    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *settings,
-                                          f"train.global_batch_size={micro * WORLD}", *strategy_settings(strategy),
-                                          f"output_dir={run_dir}", "launch.rdzv_timeout_s=120", "--nnodes", str(WORLD),
+    run_on_each_node(names, lambda node: ["-m", "cputrain", "train", *overrides, f"output_dir={run_dir}",
+                                          "launch.rdzv_timeout_s=120", "--nnodes", str(len(names)),
                                           "--node-rank", str(node), "--nproc-per-node", "1",
-                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"],
-                     f"2-node {strategy} run", 3600)
+                                          "--rdzv-endpoint", f"{ADDRS[0]}:{port}"], what, 3600)
+
+
+def train_two_nodes(names: list[str], settings: list[str], micro: int, strategy: str, run_dir: Path) -> None:
+    train_one_rank_per_node(names, [*settings, f"train.global_batch_size={micro * WORLD}",
+                                    *strategy_settings(strategy)], run_dir, f"2-node {strategy} run")
+
+
+def off_and_on_args(doc: str, rates: str) -> argparse.Namespace:
+    """The arguments of a benchmark that runs one setting off and on over the shaped link."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one rate, one repetition: checks the script")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rates", default=rates, help="link rates in Gbit/s")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    # the run's shape (a ~34M Llama, or a tiny one that checks the script), its rates and repetitions
+    args.model, args.seq_len, args.micro, args.steps = (MODEL_TINY, 32, 2, 4) if args.quick else (MODEL_34M, 512, 2, 6)
+    args.rate_list = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
+    args.reps = 1 if args.quick else args.reps
+    return args
+
+
+def off_and_on_steps(names: list[str], rate: float, reps: int, tmp: Path,
+                     train: Callable[[bool, Path], None]) -> tuple[float, float]:
+    """The link shaped to `rate`, `train(on, run_dir)` off then on, `reps` times alternated: the
+    median step of each setting's runs (the median of their steps after the warm-up)."""
+    shape_link(names, rate)
+    times = {False: [], True: []}
+    for rep in range(reps):
+        for on in (False, True):
+            run_dir = tmp / f"{rate:g}-{on}-{rep}"
+            train(on, run_dir)
+            times[on].append(median_step_s(run_dir))
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def plan_at_half_peak(overrides: list[str], world: int, link_gbit_s: float):
+    """cputrain's time plan of `overrides` on `world` nodes of one rank, each at half its core's
+    peak (only the shares of the network time are read from it), and the model's shape."""
+    from cputrain.commands.plan import load_run_config
+    from cputrain.hardware import detect
+    from cputrain.plan.memory.build import make_plan
+    from cputrain.plan.time import Compute, Link, StepSettings, plan_step_time
+    from cputrain.training.choices import decide_for_plan
+
+    vocab = int(next(s for s in overrides if s.startswith("model.tokenizer_vocab_size=")).split("=")[1])
+    cfg = decide_for_plan(load_run_config(None, overrides), world, vocab_size=vocab).config
+    shape = make_plan(cfg, world, nproc_per_node=1, vocab_size=vocab).shape
+    hw = detect()
+    plan = plan_step_time(StepSettings.of_config(cfg), world, 1, shape,
+                          Compute(hw.peak_flops[cfg.hardware.precision] / hw.physical_cores, 0.5),
+                          Link(link_gbit_s, gloo_cpu_capped=True))
+    return plan, shape
 
 
 def step_plan(settings: list[str], strategy: str, world: int, link_gbit_s: float | None, mfu: float):

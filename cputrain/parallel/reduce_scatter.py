@@ -40,16 +40,22 @@ class AllToAllReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
-        world = group.size()
-        if input_tensor.numel() != output_tensor.numel() * world:
-            raise ValueError(f"reduce-scatter input of {input_tensor.numel()} elements is not {world} slices of "
-                             f"{output_tensor.numel()}")
+        world = _slices_of(input_tensor, output_tensor, group)
         mean = _is_mean(op)
         received = torch.empty_like(input_tensor)
         # synchronous, as FSDP2 calls it on CPU (no side stream to overlap with)
         dist.all_to_all_single(received, input_tensor, group=group)
         _sum_slices(received, world, mean, output_tensor)
         return None
+
+
+def _slices_of(input_tensor: torch.Tensor, output_tensor: torch.Tensor, group: dist.ProcessGroup) -> int:
+    """The group's size, where `input_tensor` is that many slices of `output_tensor`'s size."""
+    world = group.size()
+    if input_tensor.numel() != output_tensor.numel() * world:
+        raise ValueError(f"reduce-scatter input of {input_tensor.numel()} elements is not {world} slices of "
+                         f"{output_tensor.numel()}")
+    return world
 
 
 def _sum_slices(received: torch.Tensor, world: int, mean: bool, output_tensor: torch.Tensor) -> None:
@@ -103,10 +109,7 @@ class OverlappedReduceScatter(AllToAllReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
-        world = group.size()
-        if input_tensor.numel() != output_tensor.numel() * world:
-            raise ValueError(f"reduce-scatter input of {input_tensor.numel()} elements is not {world} slices of "
-                             f"{output_tensor.numel()}")
+        world = _slices_of(input_tensor, output_tensor, group)
         received = torch.empty_like(input_tensor)
         work = dist.all_to_all_single(received, input_tensor, group=group, async_op=True)
         self._issued.append(_InFlight(work, input_tensor, received, output_tensor, world, _is_mean(op)))
