@@ -14,7 +14,8 @@ The share hidden is what overlapping saved over the shorter of the two things th
 the blocks' reduce-scatters (the plan's share of the measured network time: the step without
 overlap less one gather_once rank alone, nothing to communicate) and the backward they can run
 behind (the last micro-batch's: two thirds of one micro-batch of that rank alone, less one block's).
-The time plan takes its median (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE). Writes block
+The time plan hides that share of the shorter, at most all of it (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE:
+never more than the window or the transfer). Writes block
 `fsdp_overlap` of docs/benchmarks/network.md.
 """
 

@@ -71,11 +71,6 @@ class Layout:
             model.set_requires_all_reduce(last)
 
 
-# gather_once's reduce-scatters left running behind the backward: a block's gradients cross the
-# network while the next two blocks' backward computes (and two blocks' slices are held meanwhile)
-REDUCTIONS_IN_FLIGHT = 2
-
-
 def shard_of_rows(param) -> tuple[int, int]:
     """(index, count) of this rank's piece of a DTensor's rows: the mesh dimension it is Shard(0)
     along (the whole mesh for FSDP, the in-node dimension for hybrid)."""
@@ -165,7 +160,9 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         # FSDP2 views a new gradient into the reduce-scatter's output, but adds to one already held:
         # a sum filled in later is right only in the first case (set_to_none after every step)
-        self.reduce_scatter.in_flight = REDUCTIONS_IN_FLIGHT if all(
+        from cputrain.parallel.reduce_scatter import IN_FLIGHT
+
+        self.reduce_scatter.in_flight = IN_FLIGHT if all(
             p.grad is None for p in model.parameters()) else 0
         return self._reduced_by_the_end()
 

@@ -65,6 +65,11 @@ def _sum_slices(received: torch.Tensor, world: int, mean: bool, output_tensor: t
     output_tensor.copy_(total.view_as(output_tensor))
 
 
+# A block's gradients cross the network while the next two blocks' backward computes (and two
+# blocks' slices are held meanwhile)
+IN_FLIGHT = 2
+
+
 @dataclass
 class _InFlight:
     """One issued all-to-all: its buffers stay referenced until it is summed into `output`."""
@@ -92,7 +97,7 @@ class OverlappedReduceScatter(AllToAllReduceScatter):
     reduction still sends bf16 (FSDP2's input) and its sum is no longer rounded to bf16 at the end.
     FSDP2 allocates each reduce-scatter's input, then its output (1/`world` of it): told apart by size."""
 
-    def __init__(self, world: int, in_flight: int = 2, output_dtype: torch.dtype = torch.float32):
+    def __init__(self, world: int, in_flight: int = IN_FLIGHT, output_dtype: torch.dtype = torch.float32):
         self.world = world
         self.in_flight = in_flight  # 0: every call summed before it returns (a step that must not defer)
         self.output_dtype = output_dtype

@@ -326,7 +326,7 @@ def test_gather_once_hides_its_reduce_scatter_behind_the_last_backward_where_it_
         off = step(peak, layout="gather_once", reduce_scatter="all_to_all")
         on = step(peak, layout="gather_once", reduce_scatter="all_to_all", overlap_reduction=True)
         reduces = sum(c.seconds for c in on.collectives if c.kind == "reduce_scatter")
-        backward_s = _last_backward_s(on, layers)
+        backward_s = _last_backward_s(on, base.seq_len, layers)
         hidden = REDUCE_HIDDEN_SHARE * min(reduces * (layers - 1) / layers, backward_s)
         assert hidden > 0 and off.exposed_network_s == pytest.approx(off.network_s)
         assert on.exposed_network_s == pytest.approx(on.network_s - hidden)
@@ -336,11 +336,11 @@ def test_gather_once_hides_its_reduce_scatter_behind_the_last_backward_where_it_
             assert unchanged.exposed_network_s == pytest.approx(unchanged.network_s)
 
 
-def _last_backward_s(plan, layers: int) -> float:
+def _last_backward_s(plan, seq_len: int, layers: int) -> float:
     """One micro-batch's backward of the blocks after the first to be reduced, as the plan counts it."""
     from cputrain.plan.time import token_flops
 
-    ft = token_flops(tiny_shape(), plan.tokens_per_rank // plan.micro_batches, False)
+    ft = token_flops(tiny_shape(), seq_len, False)
     rate = plan.model_flops_per_rank / plan.compute_s if plan.compute_s else 0.0
     return ft.block_backward * plan.tokens_per_rank / plan.micro_batches / rate * (layers - 1)
 
