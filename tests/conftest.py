@@ -22,8 +22,11 @@ import tempfile
 # thread count) belongs to the session, not to the home folder: a session's time and figures do
 # not depend on what an earlier one left there, as on CI's fresh machines. Set where pytest starts
 # (xdist's controller), its workers inherit it: each peak is timed once a session.
-os.environ.setdefault("CPUTRAIN_CACHE_HOME", os.path.join(tempfile.gettempdir(), f"cputrain-tests-{os.getpid()}",
-                                                          "machine-cache"))
+# The session that sets it removes it at its end.
+_MACHINE_CACHE_RUN_DIR = None
+if "CPUTRAIN_CACHE_HOME" not in os.environ:
+    _MACHINE_CACHE_RUN_DIR = os.path.join(tempfile.gettempdir(), f"cputrain-tests-{os.getpid()}")
+    os.environ["CPUTRAIN_CACHE_HOME"] = os.path.join(_MACHINE_CACHE_RUN_DIR, "machine-cache")
 
 import shutil
 import subprocess
@@ -37,6 +40,7 @@ from harness.alone_lock import alone_or_shared
 from harness.chat_data import write_chat_file
 from harness.repo import SHARED
 from harness.run_cli import run_cli
+from harness.shared_builds import built_once, remove_shared_root, shared_root
 from harness.tiny_model import make_tiny_model, shape_key
 from harness.tiny_run import tiny_overrides
 from harness.warm_client import close_warm
@@ -73,6 +77,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     close_warm()
+    remove_shared_root(session.config)
+    if _MACHINE_CACHE_RUN_DIR is not None:  # set by this process: the session that started the workers
+        shutil.rmtree(_MACHINE_CACHE_RUN_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -83,50 +90,55 @@ def _tier_of_this_test(request):
 
 
 @pytest.fixture(autouse=True)
-def _alone_or_shared(request):
-    with alone_or_shared(request.node.get_closest_marker("alone") is not None):
+def _alone_or_shared(request, tmp_path_factory):
+    with alone_or_shared(request.node.get_closest_marker("alone") is not None, shared_root(tmp_path_factory)):
         yield
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One data/tokenizer cache for the whole session: tokenizers are trained once."""
-    return tmp_path_factory.mktemp("cache")
+    """One data/tokenizer cache for the whole run, shared by the xdist workers: each tokenizer and
+    token cache is built once, by the first run that needs it, under cputrain's own cache locks
+    (the ones a node's ranks share it by)."""
+    folder = shared_root(tmp_path_factory) / "cache"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, cache_dir):
     """`trained_run(dest, **overrides)` puts at `dest` a copy of the tiny run with these overrides
-    (on top of tiny_overrides; `nproc_per_node=N` starts N ranks), trained once per session and
-    returns the CompletedProcess of that training. Reference runs that several tests compare
-    against are trained once, not once per file."""
-    trained: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
+    (on top of tiny_overrides; `nproc_per_node=N` starts N ranks), trained once per run of the
+    suite (harness.shared_builds) and returns the CompletedProcess of that training. Reference
+    runs that several tests compare against are trained once, not once per file or worker."""
+    root = shared_root(tmp_path_factory)
 
     def copy_of(dest: Path, nproc_per_node: int = 1, **overrides) -> subprocess.CompletedProcess:
-        key = (nproc_per_node, tuple(sorted((k, str(v)) for k, v in overrides.items())))
-        if key not in trained:
-            out = tmp_path_factory.mktemp("trained") / "run"
+        key = ["trained-run", nproc_per_node, sorted((k, str(v)) for k, v in overrides.items())]
+
+        def train(folder: Path) -> None:
             flags = ["--nproc-per-node", str(nproc_per_node)] if nproc_per_node > 1 else []
-            proc = run_cli("train", *tiny_overrides(out, cache_dir, **overrides), *flags, check=True)
-            trained[key] = (out, proc)
-        src, proc = trained[key]
-        shutil.copytree(src, dest)
-        return proc
+            proc = run_cli("train", *tiny_overrides(folder / "run", cache_dir, **overrides), *flags, check=True)
+            (folder / "stdout").write_text(proc.stdout)
+            (folder / "stderr").write_text(proc.stderr)
+
+        src = built_once(root, "trained-run", key, train)
+        shutil.copytree(src / "run", dest)
+        return subprocess.CompletedProcess(["cputrain", "train"], 0, (src / "stdout").read_text(),
+                                           (src / "stderr").read_text())
 
     return copy_of
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """`tiny_model(**shape)`: the folder of make_tiny_model(…, **shape), built once per session and
-    shape. Shared: copy it before changing a file in it."""
-    built: dict[tuple, Path] = {}
+    """`tiny_model(**shape)`: the folder of make_tiny_model(…, **shape), built once per run of the
+    suite and shape (harness.shared_builds). Shared: copy it before changing a file in it."""
+    root = shared_root(tmp_path_factory)
 
     def folder_of(**shape) -> Path:
-        key = shape_key(**shape)
-        if key not in built:
-            built[key] = make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model", **shape)
-        return built[key]
+        return built_once(root, "tiny-model", shape_key(**shape), lambda f: make_tiny_model(f / "model", **shape)) \
+            / "model"
 
     return folder_of
 

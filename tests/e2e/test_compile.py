@@ -1,11 +1,14 @@
 """model.compile=true: each decoder block compiled in place trains like eager, keeps eager
-parameter names in the export, and leaves its kernels in the cache folder for the next run; under
+parameter names in the export, and leaves its kernels in the cache folder for the next run; with
+selective activation checkpointing (torch.compile traces the policy into each block's graph,
+inductor's partitioner keeps what it names) it still trains like eager without checkpointing; under
 a shared prompt's 4D attention mask it gives eager's log-probabilities and gradients."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from harness.run_cli import run_cli
@@ -21,9 +24,11 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-# One rank, fp32: compiled against eager to 1e-4. Compiled blocks under fsdp (bf16, the case users
-# run) are trained by tests/e2e/test_bf16_parity.py::test_bf16_follows_fp32[fsdp-2] against fp32;
-# a second inductor compile of the same blocks here cost ~25 s of suite time.
+# One rank, fp32: compiled with selective checkpointing against eager without it, to 1e-4. One
+# compile checks both (a compile of its own for selective cost ~30 s of suite time). Compiled blocks
+# under fsdp (bf16, the case users run) are trained by
+# tests/e2e/test_bf16_parity.py::test_bf16_follows_fp32[fsdp-2] against fp32; a second inductor
+# compile of the same blocks here cost ~25 s of suite time.
 @pytest.mark.parametrize("strategy,ranks", [("single", 1)])
 def test_compiled_blocks_train_like_eager(tmp_path, cache_dir, strategy, ranks):
     launch = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
@@ -31,8 +36,11 @@ def test_compiled_blocks_train_like_eager(tmp_path, cache_dir, strategy, ranks):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     kernels = cache_dir / "inductor-test"
     run_cli("train", *tiny_overrides(eager, cache_dir, **settings), *launch, check=True)
-    run_cli("train", *tiny_overrides(compiled, cache_dir, **settings, **{"model.compile": "true",
-            "model.compile_cache_dir": kernels}), *launch, check=True)
+    run_cli("train", *tiny_overrides(compiled, cache_dir, **settings, **{
+        "model.compile": "true", "model.compile_cache_dir": kernels, "model.activation_checkpointing": "selective"}),
+        *launch, check=True)
+    resolved = yaml.safe_load((compiled / "config.yaml").read_text())["model"]
+    assert resolved["compile"] is True and resolved["activation_checkpointing"] == "selective", resolved
     ref, got = losses(eager), losses(compiled)
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
     worst = max(_rel(got[s], ref[s]) for s in ref)

@@ -6,7 +6,6 @@ Who waits on which file is read from /proc/locks, not guessed from sleeps."""
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -31,31 +30,27 @@ def _until(predicate, within_s: float = 30) -> None:
         time.sleep(0.01)
 
 
-def test_an_alone_test_waits_for_the_shared_one_and_the_next_shared_one_waits_for_it(monkeypatch):
+def test_an_alone_test_waits_for_the_shared_one_and_the_next_shared_one_waits_for_it(monkeypatch, tmp_path):
     run_id = uuid.uuid4().hex
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run_id)
-    lock, turnstile = (Path(tempfile.gettempdir()) / f"cputrain-tests-{run_id}.{kind}" for kind in ("lock", "turnstile"))
+    lock, turnstile = (tmp_path / f"cputrain-tests-{run_id}.{kind}" for kind in ("lock", "turnstile"))
     ran: list[str] = []
 
     def a_test(name: str, alone: bool) -> threading.Thread:
         def run():
-            with alone_or_shared(alone):
+            with alone_or_shared(alone, tmp_path):
                 ran.append(name)
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         return thread
 
-    try:
-        with alone_or_shared(False):  # a shared test runs
-            alone = a_test("alone", True)
-            _until(lambda: _waiting_on(lock) == 1)  # it waits for the machine, holding the turnstile
-            shared = a_test("next shared", False)
-            _until(lambda: _waiting_on(turnstile) == 1)  # it waits behind the alone test
-            assert ran == []
-        alone.join(30)
-        shared.join(30)
-        assert ran == ["alone", "next shared"]
-    finally:
-        lock.unlink(missing_ok=True)
-        turnstile.unlink(missing_ok=True)
+    with alone_or_shared(False, tmp_path):  # a shared test runs
+        alone = a_test("alone", True)
+        _until(lambda: _waiting_on(lock) == 1)  # it waits for the machine, holding the turnstile
+        shared = a_test("next shared", False)
+        _until(lambda: _waiting_on(turnstile) == 1)  # it waits behind the alone test
+        assert ran == []
+    alone.join(30)
+    shared.join(30)
+    assert ran == ["alone", "next shared"]

@@ -144,25 +144,9 @@ def test_the_plan_counts_what_selective_keeps(monkeypatch, lora, bf16, attention
     assert planned + block_input < 0.6 * one_block
 
 
-@pytest.mark.slow  # inductor compiles a block: ~30 s on 2 cores
-def test_compiled_blocks_keep_the_step(tmp_path, monkeypatch):
-    """model.compile=true with selective: torch.compile traces the policy into each block's graph
-    (inductor's partitioner keeps what it names); loss and gradients as eager without checkpointing."""
-    import torch
-
-    from cputrain import model as models
-
-    ref_loss, ref_grads, _ = _step(_tiny_llama(), False)
-    model = _tiny_llama()
-    models.enable_activation_checkpointing(model, "selective")
-    # compile_blocks sets the process's inductor cache variables: put them back after the test
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    models.compile_blocks(model, str(tmp_path / "inductor"))
-    loss, grads, _ = _step(model, False)  # already checkpointed: False adds nothing
-    assert loss == pytest.approx(ref_loss, abs=1e-5)
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+# model.compile=true with selective (torch.compile traces the policy into each block's graph) is
+# trained against eager without checkpointing in tests/e2e/test_compile.py, on the compile that
+# test makes anyway.
 
 
 def test_cputrain_plan_shows_selective_with_no_matmul_recomputed():
