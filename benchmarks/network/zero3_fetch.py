@@ -16,6 +16,11 @@ docs/benchmarks/network.md.
     python benchmarks/network/zero3_fetch.py --sizes 34m --ranks 1 --rounds 3
     python benchmarks/network/zero3_fetch.py --tcmalloc /path/to/libtcmalloc_minimal.so.4
     python benchmarks/network/zero3_fetch.py --quick           # tiny model, 4 steps: checks the script only
+
+`--persistence 100000,1000000000` adds a case per threshold: the blocks fetched whole, and every
+parameter of at most that many elements kept whole on every rank (DeepSpeed's
+`stage3_param_persistence_threshold`; cputrain's generated file sets 10 × hidden, the Hugging Face
+Trainer's value). Those rounds write block `zero3_persistence`.
 """
 
 from __future__ import annotations
@@ -31,13 +36,24 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.network.sharded_rank import (SIZES, TOKENS_PER_STEP, ZERO3, common, median_step_s, preloaded,  # noqa: E402
                                              size_args, sizes_of)
-from benchmarks.runner.blocks import print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 
-def cases(ranks: int, per_module_file: Path) -> list[tuple[str, list[str]]]:
+def cases(ranks: int, per_module_file: Path, persistence: dict[int, Path]) -> list[tuple[str, list[str]]]:
     peer = ("single", ["parallel.strategy=single"]) if ranks == 1 else ("ddp", ["parallel.strategy=ddp"])
+    if persistence:  # the blocks as the strategy runs them, against each threshold
+        return [peer, ("zero3 blocks", ZERO3), *((f"zero3 blocks, persist ≤ {n:,}", [*ZERO3, f"parallel.deepspeed_config={f}"])
+                                                 for n, f in persistence.items())]
     return [peer, ("zero3 modules", [*ZERO3, f"parallel.deepspeed_config={per_module_file}"]), ("zero3 blocks", ZERO3)]
+
+
+def persistence_files(thresholds: list[int], tmp: Path) -> dict[int, Path]:
+    files = {}
+    for n in thresholds:
+        files[n] = tmp / f"persist-{n}.json"
+        files[n].write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": n}}))
+    return files
 
 
 def losses(rows: list[dict]) -> dict[int, float]:
@@ -45,7 +61,8 @@ def losses(rows: list[dict]) -> dict[int, float]:
 
 
 def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], ranks_list: list[int], rounds: int,
-            steps: int, tmp: Path, tcmalloc: str | None) -> list[dict]:
+            steps: int, tmp: Path, tcmalloc: str | None, thresholds: list[int]) -> list[dict]:
+    persistence = persistence_files(thresholds, tmp)
     per_module = tmp / "per-module.json"
     per_module.write_text(json.dumps({"zero_optimization": {"stage": 3, "leaf_module": {}}}))
     allocator = "tcmalloc" if tcmalloc else "system"
@@ -58,7 +75,7 @@ def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], 
                 times: dict[str, list[float]] = {}
                 peaks, first_losses = {}, {}
                 for _ in range(rounds):  # alternated: drift in the machine hits every case alike
-                    for label, overrides in cases(ranks, per_module):
+                    for label, overrides in cases(ranks, per_module, persistence):
                         alloc = "glibc-tuned" if label in ("single", "ddp") and not tcmalloc else allocator
                         with preloaded(alloc, tcmalloc) as chosen:
                             run = train_measured([*base, *overrides, *chosen], what=f"{size} {precision} {label}")
@@ -66,10 +83,11 @@ def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], 
                         peaks[label] = run.step_peak["rss_gib"]
                         first_losses.setdefault(label, losses(run.metrics_rows))
                         print(f"{ranks} rank(s) {size} {precision} {label}: {times[label][-1]:.3f} s", flush=True)
-                peer_s = statistics.median(times[cases(ranks, per_module)[0][0]])
-                drift = max(abs(first_losses["zero3 blocks"][s] - first_losses["zero3 modules"][s])
-                            for s in first_losses["zero3 modules"])
-                for label, _ in cases(ranks, per_module):
+                labels = [label for label, _ in cases(ranks, per_module, persistence)]
+                peer_s = statistics.median(times[labels[0]])
+                other = labels[2]  # modules, or the first threshold: against the blocks as run
+                drift = max(abs(first_losses["zero3 blocks"][s] - first_losses[other][s]) for s in first_losses[other])
+                for label in labels:
                     step_s = statistics.median(times[label])
                     results.append({"ranks": ranks, "size": size, "precision": precision, "case": label,
                                     "step_s": step_s, "vs_peer": peer_s / step_s if ranks > 1 else step_s / peer_s,
@@ -78,15 +96,17 @@ def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], 
     return results
 
 
-def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None) -> None:
+def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: str | None, command: str,
+          block: str) -> None:
     lines = [machine_line(), "",
-             f"`python benchmarks/network/zero3_fetch.py`{' --quick' if quick else ''}: seq 512, global batch 8 in "
+             f"`{command}`: seq 512, global batch 8 in "
              f"micro-batches of 2, {steps} steps, median step of the steps after the first two, median of {rounds} "
              "alternated round(s); attention sdpa, every other `auto` cputrain's; "
              + (f"tcmalloc preloaded ({Path(tcmalloc).name})" if tcmalloc else "glibc as `auto` gives each case")
              + ". One rank: ÷ single is the step over the single strategy's (lower is better); two ranks (1 thread "
                "each, one node): × ddp is tokens/s over DDP's (higher is better). |Δ loss| is the largest "
-               "difference between the modules and blocks runs' losses over the steps.", "",
+               "difference between the blocks run's losses and the other zero3 case's over the steps (modules, or "
+               "the first persistence threshold).", "",
              "| ranks | size | precision | case | step s | tokens/s | vs peer | step peak GiB | \\|Δ loss\\| |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
@@ -94,7 +114,7 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
         drift = "" if r["loss_drift"] is None else f"{r['loss_drift']:.1e}"
         lines.append(f"| {r['ranks']} | {r['size']} | {r['precision']} | {r['case']} | {r['step_s']:.3f} | "
                      f"{r['tokens_s']:.0f} | {vs} | {r['step_peak_gib']:.2f} | {drift} |")
-    print_and_write_block("zero3_fetch", "\n".join(lines), None, quick)
+    print_and_write_block(block, "\n".join(lines), None, quick)
 
 
 def main() -> None:
@@ -102,13 +122,16 @@ def main() -> None:
     parser.set_defaults(precisions="bf16")
     parser.add_argument("--ranks", default="1,2", help="1: one rank against single; 2: two ranks against ddp")
     parser.add_argument("--two-rank-sizes", default="100m", help="the sizes two ranks run at")
+    parser.add_argument("--persistence", default="", help="thresholds (elements) to run against the blocks as run")
     args = parser.parse_args()
+    thresholds = [int(n) for n in args.persistence.split(",") if n]
     sizes, precisions, rounds, steps = sizes_of(args)
     two_rank_sizes = sizes if args.quick else args.two_rank_sizes.split(",")
     with tempfile.TemporaryDirectory(prefix="zero3-fetch-") as tmp:
         results = measure(sizes, two_rank_sizes, precisions, [int(n) for n in args.ranks.split(",")], rounds, steps,
-                          Path(tmp), args.tcmalloc)
-    write(results, rounds, steps, args.quick, args.tcmalloc)
+                          Path(tmp), args.tcmalloc, thresholds)
+    write(results, rounds, steps, args.quick, args.tcmalloc, command_as_run(),
+          "zero3_persistence" if thresholds else "zero3_fetch")
 
 
 if __name__ == "__main__":
