@@ -29,7 +29,6 @@ if "CPUTRAIN_CACHE_HOME" not in os.environ:
     os.environ["CPUTRAIN_CACHE_HOME"] = os.path.join(_MACHINE_CACHE_RUN_DIR, "machine-cache")
 
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -109,23 +108,16 @@ def cache_dir(tmp_path_factory) -> Path:
 def trained_run(tmp_path_factory, cache_dir):
     """`trained_run(dest, **overrides)` puts at `dest` a copy of the tiny run with these overrides
     (on top of tiny_overrides; `nproc_per_node=N` starts N ranks), trained once per run of the
-    suite (harness.shared_builds) and returns the CompletedProcess of that training. Reference
-    runs that several tests compare against are trained once, not once per file or worker."""
+    suite (harness.shared_builds). Reference runs that several tests compare against are trained
+    once, not once per file or worker."""
     root = shared_root(tmp_path_factory)
 
-    def copy_of(dest: Path, nproc_per_node: int = 1, **overrides) -> subprocess.CompletedProcess:
+    def copy_of(dest: Path, nproc_per_node: int = 1, **overrides) -> None:
         key = ["trained-run", nproc_per_node, sorted((k, str(v)) for k, v in overrides.items())]
-
-        def train(folder: Path) -> None:
-            flags = ["--nproc-per-node", str(nproc_per_node)] if nproc_per_node > 1 else []
-            proc = run_cli("train", *tiny_overrides(folder / "run", cache_dir, **overrides), *flags, check=True)
-            (folder / "stdout").write_text(proc.stdout)
-            (folder / "stderr").write_text(proc.stderr)
-
-        src = built_once(root, "trained-run", key, train)
+        flags = ["--nproc-per-node", str(nproc_per_node)] if nproc_per_node > 1 else []
+        src = built_once(root, "trained-run", key, lambda folder: run_cli(
+            "train", *tiny_overrides(folder / "run", cache_dir, **overrides), *flags, check=True))
         shutil.copytree(src / "run", dest)
-        return subprocess.CompletedProcess(["cputrain", "train"], 0, (src / "stdout").read_text(),
-                                           (src / "stderr").read_text())
 
     return copy_of
 

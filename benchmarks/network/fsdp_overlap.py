@@ -116,7 +116,9 @@ def block_markdown(rows: list[dict], compute_s: float, reps: int, quick: bool, m
         lines.append(f"| {r['rate']:g} Gbit/s | {r['off']:.2f} s | {r['on']:.2f} s | {r['off'] - r['on']:.2f} s "
                      f"({r['off'] / r['on']:.2f}×) | {r['reduces']:.2f} s | {r['window']:.2f} s | "
                      f"{r['hidden_share']:.0%} |")
-    lines += ["", f"Median share hidden: {median_share:.0%}; the time plan hides {max(0.0, min(1.0, median_share)):.0%} of the "
+    from cputrain.plan.time import REDUCE_HIDDEN_SHARE
+
+    lines += ["", f"Median share hidden: {median_share:.0%}; the time plan hides {REDUCE_HIDDEN_SHARE:.0%} of the "
               "shorter (cputrain.plan.time.overlap.REDUCE_HIDDEN_SHARE: never more than the window or the transfer). "
               "No core is left to gloo here (2 cores, one rank each): gloo's copies share the core with the backward."]
     return "\n".join(lines)

@@ -85,7 +85,8 @@ def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], 
                         print(f"{ranks} rank(s) {size} {precision} {label}: {times[label][-1]:.3f} s", flush=True)
                 labels = [label for label, _ in cases(ranks, per_module, persistence)]
                 peer_s = statistics.median(times[labels[0]])
-                other = labels[2]  # modules, or the first threshold: against the blocks as run
+                # modules, or the first threshold: against the blocks as run
+                other = next(label for label in labels[1:] if label != "zero3 blocks")
                 drift = max(abs(first_losses["zero3 blocks"][s] - first_losses[other][s]) for s in first_losses[other])
                 for label in labels:
                     step_s = statistics.median(times[label])

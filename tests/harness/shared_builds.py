@@ -53,6 +53,8 @@ def remove_shared_root(config) -> None:
     """At the end of the session that started the workers (or of a one-process session)."""
     if hasattr(config, "workerinput"):
         return
-    factory = getattr(config, "_tmp_path_factory", None)
-    if factory is not None and factory._basetemp is not None:
-        shutil.rmtree(factory._basetemp / SHARED_FOLDER, ignore_errors=True)
+    # pytest keeps the factory and its base folder under private names: where a version renames
+    # them, the folder stays (pytest removes base folders older than its last three)
+    base = getattr(getattr(config, "_tmp_path_factory", None), "_basetemp", None)
+    if base is not None:
+        shutil.rmtree(base / SHARED_FOLDER, ignore_errors=True)

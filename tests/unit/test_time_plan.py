@@ -313,7 +313,7 @@ def test_gather_once_hides_its_reduce_scatter_behind_the_last_backward_where_it_
     micro-batch onto a gradient held), nor with gloo's own reduce-scatter."""
     from dataclasses import replace
 
-    from cputrain.plan.time.overlap import REDUCE_HIDDEN_SHARE
+    from cputrain.plan.time import REDUCE_HIDDEN_SHARE
 
     base = settings("fsdp", global_batch=4 * W)
     layers = tiny_shape().layers

@@ -24,7 +24,7 @@ from cputrain.plan.time.link import Link, node_link_gbit_s
 from cputrain.plan.time.link_efficiency import EfficiencyTable, load_table, parse_table
 from cputrain.plan.time.measured_mfu import cpu_kind, measured_mfu
 from cputrain.plan.time.on_instance import ASSUMED_CLOCK_GHZ, RUN_NETWORK, Network, rank_peak_flops, step_on_instance
-from cputrain.plan.time.overlap import PREFETCH_HIDDEN_SHARE
+from cputrain.plan.time.overlap import PREFETCH_HIDDEN_SHARE, REDUCE_HIDDEN_SHARE
 from cputrain.plan.time.sharded_compute import (IMAGE_ALLOCATOR, ShardedCompute, measured_compute, running_allocator,
                                                sharded_factor)
 from cputrain.plan.time.report import summary_line, time_document, time_lines, time_plan
