@@ -21,6 +21,11 @@ docs/benchmarks/network.md.
 parameter of at most that many elements kept whole on every rank (DeepSpeed's
 `stage3_param_persistence_threshold`; cputrain's generated file sets 10 × hidden, the Hugging Face
 Trainer's value). Those rounds write block `zero3_persistence`.
+
+`--reduce-bucket` adds a case of the blocks fetched whole with DeepSpeed's reduce bucket at h²
+elements (the Hugging Face Trainer's value, which cputrain's generated file had), against the
+bucket as generated now: one decoder block's gradients. Those rounds write block
+`zero3_reduce_bucket`.
 """
 
 from __future__ import annotations
@@ -40,19 +45,29 @@ from benchmarks.runner.blocks import command_as_run, print_and_write_block  # no
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 
-def cases(ranks: int, per_module_file: Path, persistence: dict[int, Path]) -> list[tuple[str, list[str]]]:
+def cases(ranks: int, per_module_file: Path, variants: dict[str, Path]) -> list[tuple[str, list[str]]]:
     peer = ("single", ["parallel.strategy=single"]) if ranks == 1 else ("ddp", ["parallel.strategy=ddp"])
-    if persistence:  # the blocks as the strategy runs them, against each threshold
-        return [peer, ("zero3 blocks", ZERO3), *((f"zero3 blocks, persist ≤ {n:,}", [*ZERO3, f"parallel.deepspeed_config={f}"])
-                                                 for n, f in persistence.items())]
+    if variants:  # the blocks as the strategy runs them, against each DeepSpeed file
+        return [peer, ("zero3 blocks", ZERO3), *((label, [*ZERO3, f"parallel.deepspeed_config={f}"])
+                                                 for label, f in variants.items())]
     return [peer, ("zero3 modules", [*ZERO3, f"parallel.deepspeed_config={per_module_file}"]), ("zero3 blocks", ZERO3)]
 
 
-def persistence_files(thresholds: list[int], tmp: Path) -> dict[int, Path]:
-    files = {}
-    for n in thresholds:
-        files[n] = tmp / f"persist-{n}.json"
-        files[n].write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": n}}))
+def deepspeed_file(tmp: Path, name: str, zero: dict) -> Path:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    return path
+
+
+def variant_files(thresholds: list[int], reduce_bucket: bool, size: str, tmp: Path) -> dict[str, Path]:
+    """The DeepSpeed files the blocks as run are weighed against: one per persistence threshold, or
+    the reduce bucket at h² of this size's hidden width."""
+    files = {f"zero3 blocks, persist ≤ {n:,}": deepspeed_file(tmp, f"persist-{n}", {"stage3_param_persistence_threshold": n})
+             for n in thresholds}
+    if reduce_bucket:
+        hidden = next((int(o.split("=")[1]) for o in SIZES[size] if o.startswith("model.arch.hidden_size=")), 256)
+        files[f"zero3 blocks, reduce bucket {hidden}²"] = deepspeed_file(
+            tmp, f"bucket-{size}", {"reduce_bucket_size": hidden * hidden})
     return files
 
 
@@ -61,21 +76,21 @@ def losses(rows: list[dict]) -> dict[int, float]:
 
 
 def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], ranks_list: list[int], rounds: int,
-            steps: int, tmp: Path, tcmalloc: str | None, thresholds: list[int]) -> list[dict]:
-    persistence = persistence_files(thresholds, tmp)
+            steps: int, tmp: Path, tcmalloc: str | None, thresholds: list[int], reduce_bucket: bool) -> list[dict]:
     per_module = tmp / "per-module.json"
     per_module.write_text(json.dumps({"zero_optimization": {"stage": 3, "leaf_module": {}}}))
     allocator = "tcmalloc" if tcmalloc else "system"
     results = []
     for ranks in ranks_list:
         for size in (sizes if ranks == 1 else two_rank_sizes):
+            variants = variant_files(thresholds, reduce_bucket, size, tmp)
             for precision in precisions:
                 base = [*SIZES[size], *common(steps, tmp / "cache"), f"hardware.precision={precision}",
                         *(["--nproc-per-node", str(ranks)] if ranks > 1 else [])]
                 times: dict[str, list[float]] = {}
                 peaks, first_losses = {}, {}
                 for _ in range(rounds):  # alternated: drift in the machine hits every case alike
-                    for label, overrides in cases(ranks, per_module, persistence):
+                    for label, overrides in cases(ranks, per_module, variants):
                         alloc = "glibc-tuned" if label in ("single", "ddp") and not tcmalloc else allocator
                         with preloaded(alloc, tcmalloc) as chosen:
                             run = train_measured([*base, *overrides, *chosen], what=f"{size} {precision} {label}")
@@ -83,9 +98,9 @@ def measure(sizes: list[str], two_rank_sizes: list[str], precisions: list[str], 
                         peaks[label] = run.step_peak["rss_gib"]
                         first_losses.setdefault(label, losses(run.metrics_rows))
                         print(f"{ranks} rank(s) {size} {precision} {label}: {times[label][-1]:.3f} s", flush=True)
-                labels = [label for label, _ in cases(ranks, per_module, persistence)]
+                labels = [label for label, _ in cases(ranks, per_module, variants)]
                 peer_s = statistics.median(times[labels[0]])
-                # modules, or the first threshold: against the blocks as run
+                # modules, or the first variant: against the blocks as run
                 other = next(label for label in labels[1:] if label != "zero3 blocks")
                 drift = max(abs(first_losses["zero3 blocks"][s] - first_losses[other][s]) for s in first_losses[other])
                 for label in labels:
@@ -107,7 +122,7 @@ def write(results: list[dict], rounds: int, steps: int, quick: bool, tcmalloc: s
              + ". One rank: ÷ single is the step over the single strategy's (lower is better); two ranks (1 thread "
                "each, one node): × ddp is tokens/s over DDP's (higher is better). |Δ loss| is the largest "
                "difference between the blocks run's losses and the other zero3 case's over the steps (modules, or "
-               "the first persistence threshold).", "",
+               "the first DeepSpeed file weighed against them).", "",
              "| ranks | size | precision | case | step s | tokens/s | vs peer | step peak GiB | \\|Δ loss\\| |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
@@ -124,15 +139,17 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2", help="1: one rank against single; 2: two ranks against ddp")
     parser.add_argument("--two-rank-sizes", default="100m", help="the sizes two ranks run at")
     parser.add_argument("--persistence", default="", help="thresholds (elements) to run against the blocks as run")
+    parser.add_argument("--reduce-bucket", action="store_true",
+                        help="the reduce bucket at h² (the Trainer's) against one block's (as generated)")
     args = parser.parse_args()
     thresholds = [int(n) for n in args.persistence.split(",") if n]
     sizes, precisions, rounds, steps = sizes_of(args)
     two_rank_sizes = sizes if args.quick else args.two_rank_sizes.split(",")
     with tempfile.TemporaryDirectory(prefix="zero3-fetch-") as tmp:
         results = measure(sizes, two_rank_sizes, precisions, [int(n) for n in args.ranks.split(",")], rounds, steps,
-                          Path(tmp), args.tcmalloc, thresholds)
-    write(results, rounds, steps, args.quick, args.tcmalloc, command_as_run(),
-          "zero3_persistence" if thresholds else "zero3_fetch")
+                          Path(tmp), args.tcmalloc, thresholds, args.reduce_bucket)
+    block = "zero3_persistence" if thresholds else "zero3_reduce_bucket" if args.reduce_bucket else "zero3_fetch"
+    write(results, rounds, steps, args.quick, args.tcmalloc, command_as_run(), block)
 
 
 if __name__ == "__main__":

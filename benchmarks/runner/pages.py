@@ -57,6 +57,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("two_ranks_overlap", "network.md", "## gather_once's reduce-scatter left running behind the backward"),
     ("zero3_fetch", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_persistence", "network.md", "## A sharded rank against the single strategy"),
+    ("zero3_reduce_bucket", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
     ("sft", "sft-and-dpo.md", "## SFT against TRL"),

@@ -80,6 +80,12 @@ class Zero3Strategy(Strategy):
         super().__init__(ctx)
         # DeepSpeed gathers and frees whole modules every step: keep glibc from holding on to them.
         pin_mmap_threshold()
+        # DeepSpeed's CPU accelerator counts its "devices" on every gradient bucket it reduces (to
+        # find the nodes for ZeRO++'s quantized all-to-all, which cputrain does not use) by running
+        # `numactl --hardware` unless LOCAL_SIZE is set: 0.95 ms a call where numactl is installed
+        # (the training image has it), 0.4 ms of a failed spawn where not, on a 2-core EPYC. The
+        # count it wants is the ranks on this node.
+        os.environ.setdefault("LOCAL_SIZE", str(ctx.ranks_per_node))
         cfg = ctx.cfg
         self.plan = plan_for(cfg, ctx.world_size, grad_accum_steps(cfg, ctx.world_size))
         self.engine = None
@@ -103,9 +109,10 @@ class Zero3Strategy(Strategy):
         self._ensure_process_group()
         self._plug_reduce_scatter()
         hf_config = skeleton.config
-        # Bucket sizes follow the hidden size; the plan is final (and reported) before any weight.
+        # Bucket sizes follow the hidden size and the block; the plan is final (and reported) before any weight.
+        block_numel = max(sum(p.numel() for p in block.parameters()) for block in decoder_blocks(skeleton))
         self.plan = plan_for(self.ctx.cfg, self.ctx.world_size, grad_accum_steps(self.ctx.cfg, self.ctx.world_size),
-                             getattr(hf_config, "hidden_size", None))
+                             getattr(hf_config, "hidden_size", None), block_numel)
         if self.ctx.rank == 0:
             for note in self.plan.notes:
                 log.warning("warning: %s", note)
