@@ -22,10 +22,10 @@ parameter of at most that many elements kept whole on every rank (DeepSpeed's
 `stage3_param_persistence_threshold`; cputrain's generated file sets 10 × hidden, the Hugging Face
 Trainer's value). Those rounds write block `zero3_persistence`.
 
-`--reduce-bucket` adds a case of the blocks fetched whole with DeepSpeed's reduce bucket at h²
-elements (the Hugging Face Trainer's value, which cputrain's generated file had), against the
-bucket as generated now: one decoder block's gradients. Those rounds write block
-`zero3_reduce_bucket`.
+`--reduce-bucket` adds a case of the blocks fetched whole with DeepSpeed's reduce bucket at one
+decoder block's parameters (so a block's gradients are reduced in one collective), against the
+bucket as generated: h² elements, the Hugging Face Trainer's value (~1/12 of a Llama block). Those
+rounds write block `zero3_reduce_bucket`.
 """
 
 from __future__ import annotations
@@ -61,13 +61,18 @@ def deepspeed_file(tmp: Path, name: str, zero: dict) -> Path:
 
 def variant_files(thresholds: list[int], reduce_bucket: bool, size: str, tmp: Path) -> dict[str, Path]:
     """The DeepSpeed files the blocks as run are weighed against: one per persistence threshold, or
-    the reduce bucket at h² of this size's hidden width."""
+    the reduce bucket at one decoder block of this size (the sizes here have as many key-value heads
+    as heads: 4 h² of attention, 3 h·intermediate of MLP, two norms)."""
     files = {f"zero3 blocks, persist ≤ {n:,}": deepspeed_file(tmp, f"persist-{n}", {"stage3_param_persistence_threshold": n})
              for n in thresholds}
     if reduce_bucket:
-        hidden = next((int(o.split("=")[1]) for o in SIZES[size] if o.startswith("model.arch.hidden_size=")), 256)
-        files[f"zero3 blocks, reduce bucket {hidden}²"] = deepspeed_file(
-            tmp, f"bucket-{size}", {"reduce_bucket_size": hidden * hidden})
+        arch = {"hidden_size": 256, "intermediate_size": 688}  # the demo's (configs/demo.yaml)
+        arch.update({o.split("=")[0].rsplit(".", 1)[1]: int(o.split("=")[1]) for o in SIZES[size]
+                     if o.split("=")[0].rsplit(".", 1)[1] in arch})
+        h, inter = arch["hidden_size"], arch["intermediate_size"]
+        block = 4 * h * h + 3 * h * inter + 2 * h
+        files[f"zero3 blocks, reduce bucket a block ({block:,})"] = deepspeed_file(
+            tmp, f"bucket-{size}", {"reduce_bucket_size": block})
     return files
 
 
@@ -140,7 +145,7 @@ def main() -> None:
     parser.add_argument("--two-rank-sizes", default="100m", help="the sizes two ranks run at")
     parser.add_argument("--persistence", default="", help="thresholds (elements) to run against the blocks as run")
     parser.add_argument("--reduce-bucket", action="store_true",
-                        help="the reduce bucket at h² (the Trainer's) against one block's (as generated)")
+                        help="the reduce bucket at one block against h² (as generated, the Trainer's)")
     args = parser.parse_args()
     thresholds = [int(n) for n in args.persistence.split(",") if n]
     sizes, precisions, rounds, steps = sizes_of(args)

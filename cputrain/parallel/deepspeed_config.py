@@ -114,10 +114,8 @@ def _same(a, b) -> bool:
 
 
 def build(cfg: Config, world_size: int, grad_accum_steps: int, hidden_size: int | None = None,
-          user: dict | None = None, source: str = "parallel.deepspeed_config",
-          block_numel: int | None = None) -> DeepSpeedPlan:
-    """The DeepSpeed config for this run. `user` is the user's file, already read; None generates one.
-    `block_numel`: the largest decoder block's parameters (the reduce bucket's size; None: unknown)."""
+          user: dict | None = None, source: str = "parallel.deepspeed_config") -> DeepSpeedPlan:
+    """The DeepSpeed config for this run. `user` is the user's file, already read; None generates one."""
     ds = copy.deepcopy(user) if user is not None else {}
     notes: list[str] = []
 
@@ -175,15 +173,10 @@ def build(cfg: Config, world_size: int, grad_accum_steps: int, hidden_size: int 
         if isinstance(zero.get(key), dict) and zero[key].get("pin_memory") == "auto":
             zero[key]["pin_memory"] = False  # pinned host memory only matters with an accelerator
 
-    # Bucket sizes scale with the hidden size, as the Hugging Face Trainer fills them, but for the
-    # reduce bucket: one decoder block's gradients. The strategy fetches a block whole and its
-    # gradients become ready together, so one bucket reduces them in one collective; the Trainer's
-    # h² (1/12 of a Llama block) made DeepSpeed reduce a block in ~12 calls of ~1 ms of Python and
-    # copies each per micro-batch: 1.51× → 1.26× the single strategy's step at the demo's size
-    # (block zero3_reduce_bucket of docs/benchmarks/network.md). The memory plan counts the bucket.
+    # Bucket sizes scale with the hidden size, as the Hugging Face Trainer fills them.
     h = hidden_size or 1024
     defaults = {
-        "reduce_bucket_size": block_numel or h * h,
+        "reduce_bucket_size": h * h,
         "stage3_prefetch_bucket_size": int(0.9 * h * h),
         "stage3_param_persistence_threshold": 10 * h,
     }
@@ -212,10 +205,9 @@ def _auto_keys(node, prefix: str = ""):
         yield prefix.rstrip(".")
 
 
-def plan_for(cfg: Config, world_size: int, grad_accum_steps: int, hidden_size: int | None = None,
-             block_numel: int | None = None) -> DeepSpeedPlan:
+def plan_for(cfg: Config, world_size: int, grad_accum_steps: int, hidden_size: int | None = None) -> DeepSpeedPlan:
     """The plan for this run: from parallel.deepspeed_config when set, else generated."""
     path = cfg.parallel.deepspeed_config
     user = read_user_config(path) if path else None
     return build(cfg, world_size, grad_accum_steps, hidden_size, user,
-                 source=f"DeepSpeed config '{path}'" if path else "generated DeepSpeed config", block_numel=block_numel)
+                 source=f"DeepSpeed config '{path}'" if path else "generated DeepSpeed config")

@@ -109,10 +109,9 @@ class Zero3Strategy(Strategy):
         self._ensure_process_group()
         self._plug_reduce_scatter()
         hf_config = skeleton.config
-        # Bucket sizes follow the hidden size and the block; the plan is final (and reported) before any weight.
-        block_numel = max(sum(p.numel() for p in block.parameters()) for block in decoder_blocks(skeleton))
+        # Bucket sizes follow the hidden size; the plan is final (and reported) before any weight.
         self.plan = plan_for(self.ctx.cfg, self.ctx.world_size, grad_accum_steps(self.ctx.cfg, self.ctx.world_size),
-                             getattr(hf_config, "hidden_size", None), block_numel)
+                             getattr(hf_config, "hidden_size", None))
         if self.ctx.rank == 0:
             for note in self.plan.notes:
                 log.warning("warning: %s", note)

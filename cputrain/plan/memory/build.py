@@ -45,12 +45,9 @@ def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
         return {}
     from cputrain.parallel.deepspeed_config import plan_for
 
-    blocks = [n for unit, n in shape.unit_params().items() if unit != "root"]
-    zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden,
-                    max(blocks, default=None)).config["zero_optimization"]
+    zero = plan_for(cfg, world_size, grad_accum_steps(cfg, world_size), shape.hidden).config["zero_optimization"]
     return {"persistence_threshold": int(zero["stage3_param_persistence_threshold"]),
-            "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", 10**9)),
-            "reduce_bucket_numel": int(zero["reduce_bucket_size"])}
+            "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", 10**9))}
 
 
 def make_plan(cfg: Config, world_size: int, *, nproc_per_node: int | None = None,

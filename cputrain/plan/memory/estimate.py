@@ -53,7 +53,6 @@ class PlanInputs:
     from_scratch: bool = True  # random init from model.arch; False: weights from a model folder
     persistence_threshold: int = 0  # zero3: DeepSpeed's stage3_param_persistence_threshold
     max_reuse_distance: int = 10**9  # zero3: DeepSpeed's stage3_max_reuse_distance (its default)
-    reduce_bucket_numel: int = 0  # zero3: DeepSpeed's reduce_bucket_size
     lora_dropout: float = 0.0  # model.lora.dropout: each adapter then saves its own dropped-out input
     chunked_loss: bool = False  # model.chunked_loss as resolved (resolve.chunked_loss_choice)
     eager_attention: bool = False  # model.attn_implementation=eager: each block keeps its attention matrix
@@ -154,12 +153,9 @@ def _comm_buffer_bytes(m: ModelShape, inp: PlanInputs, local_params: int) -> int
                                  BF16_BYTES if inp.reduce_dtype == "bf16" else FP32_BYTES,
                                  inp.reduce_scatter == "all_to_all", inp.accumulation)
     if inp.strategy == "zero3":
-        # Gathered parameters (see zero3_gathered_numel), one block's full gradients before they
-        # are reduced into the partitions, and the reduce bucket they are copied into: its buffer,
-        # and at each flush its flattened copy and, on several ranks, the all-to-all's receive buffer.
-        bucket = min(inp.reduce_bucket_numel, max(blocks)) * gathered_bytes
-        return (zero3_gathered_numel(m, inp.max_reuse_distance) * gathered_bytes + max(blocks) * gathered_bytes
-                + bucket * (3 if inp.world_size > 1 else 2))
+        # Gathered parameters (see zero3_gathered_numel) and one block's full gradients before
+        # they are reduced into the partitions.
+        return zero3_gathered_numel(m, inp.max_reuse_distance) * gathered_bytes + max(blocks) * gathered_bytes
     return 0
 
 

@@ -201,11 +201,11 @@ def comm_pattern(shape: ModelShape, strategy: str, precision: str, world_size: i
         block_numel = sum(p.numel for p in blocks) // layers
         head_numel = max((p.numel for p in root if "lm_head" in p.name), default=0)
         backward = zero3_backward_gathers(layers, block_numel, head_numel, max_reuse_distance)
-        # DeepSpeed fetches module by module, coalesced up to stage3_prefetch_bucket_size elements
-        # (0.9·h²), and reduces in buckets of reduce_bucket_size elements (one block: deepspeed_config)
+        # DeepSpeed fetches module by module, coalesced up to stage3_prefetch_bucket_size elements,
+        # and reduces in buckets of reduce_bucket_size elements (0.9·h² and h², deepspeed_config)
         h = shape.hidden
         gather_message = min(block_gather, int(0.9 * h * h) * (2 if precision == "bf16" else 4))
-        reduce_message = block_reduce
+        reduce_message = min(block_reduce, h * h * grad_bytes)
         collectives = (
             Collective("all_gather", "parameters, forward and backward",
                        m * ((layers + backward) * block_gather + root_gather), gather_message),
