@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--persistence", default="", help="thresholds (elements) to run against the blocks as run")
     parser.add_argument("--reduce-bucket", action="store_true",
                         help="the reduce bucket at one block against h² (as generated, the Trainer's)")
+    parser.add_argument("--block", default="", help="the block written (default: by the cases run)")
     args = parser.parse_args()
     thresholds = [int(n) for n in args.persistence.split(",") if n]
     sizes, precisions, rounds, steps = sizes_of(args)
@@ -153,7 +154,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="zero3-fetch-") as tmp:
         results = measure(sizes, two_rank_sizes, precisions, [int(n) for n in args.ranks.split(",")], rounds, steps,
                           Path(tmp), args.tcmalloc, thresholds, args.reduce_bucket)
-    block = "zero3_persistence" if thresholds else "zero3_reduce_bucket" if args.reduce_bucket else "zero3_fetch"
+    block = args.block or ("zero3_persistence" if thresholds else "zero3_reduce_bucket" if args.reduce_bucket
+                           else "zero3_fetch")
     write(results, rounds, steps, args.quick, args.tcmalloc, command_as_run(), block)
 
 

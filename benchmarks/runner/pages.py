@@ -58,6 +58,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("zero3_fetch", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_persistence", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_reduce_bucket", "network.md", "## A sharded rank against the single strategy"),
+    ("zero3_reduce_bucket_fp32", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
     ("sft", "sft-and-dpo.md", "## SFT against TRL"),

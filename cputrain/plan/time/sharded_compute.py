@@ -53,8 +53,8 @@ ROWS = [
     # tcmalloc: single 8.28 s a step; full_shard 9.05, gather_once 8.73
     ShardedCompute("fsdp", "full_shard", "tcmalloc", 1.09, _SOURCE),
     ShardedCompute("fsdp", "gather_once", "tcmalloc", 1.05, _SOURCE),
-    # zero3 fetching each decoder block whole (the strategy's default): single 8.65 s, zero3 8.90
-    ShardedCompute("zero3", None, "tcmalloc", 1.03, _source("zero3_fetch")),
+    # zero3, blocks fetched whole, no numactl per gradient bucket: single 8.98 s, zero3 8.71 (0.97; another run 1.02)
+    ShardedCompute("zero3", None, "tcmalloc", 1.00, _source("zero3_reduce_bucket")),
     # glibc: single (tuned) 8.65 s a step; full_shard (as is, pinned) 13.96, zero3 17.63 (fetched module by module:
     # an upper bound now). gather_once takes full_shard's (not measured at ~100M; 1.41× against 1.50× at ~34M)
     ShardedCompute("fsdp", "full_shard", "glibc", 1.61, _SOURCE),
@@ -64,8 +64,8 @@ ROWS = [
                    "fetched whole"),
     # fp32, tcmalloc, zero3 fetching blocks whole: single 15.65 s a step; full_shard 15.95, gather_once 15.51
     # (below single: planned at 1.00), zero3 16.58. FSDP2's are smaller than bf16's: in fp32 it casts
-    # nothing, and the matmuls take a larger share of the step. zero3's is not (1.06 against 1.03 in bf16,
-    # measured a day apart in two blocks). fp32 on glibc is not measured: bf16's glibc rows stand for it.
+    # nothing, and the matmuls take a larger share of the step. zero3's is not (1.06, measured before
+    # DeepSpeed's numactl call per bucket was removed). fp32 on glibc is not measured: bf16's glibc rows stand for it.
     ShardedCompute("fsdp", "full_shard", "tcmalloc", 1.02, _SOURCE_FP32, "fp32"),
     ShardedCompute("fsdp", "gather_once", "tcmalloc", 0.99, _SOURCE_FP32, "fp32"),
     ShardedCompute("zero3", None, "tcmalloc", 1.06, _SOURCE_FP32, "fp32"),
