@@ -113,7 +113,7 @@ def trained_run(tmp_path_factory, cache_dir):
     root = shared_root(tmp_path_factory)
 
     def copy_of(dest: Path, nproc_per_node: int = 1, **overrides) -> None:
-        key = ["trained-run", nproc_per_node, sorted((k, str(v)) for k, v in overrides.items())]
+        key = [nproc_per_node, sorted((k, str(v)) for k, v in overrides.items())]
         flags = ["--nproc-per-node", str(nproc_per_node)] if nproc_per_node > 1 else []
         src = built_once(root, "trained-run", key, lambda folder: run_cli(
             "train", *tiny_overrides(folder / "run", cache_dir, **overrides), *flags, check=True))

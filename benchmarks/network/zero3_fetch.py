@@ -61,16 +61,15 @@ def deepspeed_file(tmp: Path, name: str, zero: dict) -> Path:
 
 def variant_files(thresholds: list[int], reduce_bucket: bool, size: str, tmp: Path) -> dict[str, Path]:
     """The DeepSpeed files the blocks as run are weighed against: one per persistence threshold, or
-    the reduce bucket at one decoder block of this size (the sizes here have as many key-value heads
-    as heads: 4 h² of attention, 3 h·intermediate of MLP, two norms)."""
+    the reduce bucket at one decoder block of this size (its parameters as the memory plan counts them)."""
     files = {f"zero3 blocks, persist ≤ {n:,}": deepspeed_file(tmp, f"persist-{n}", {"stage3_param_persistence_threshold": n})
              for n in thresholds}
     if reduce_bucket:
-        arch = {"hidden_size": 256, "intermediate_size": 688}  # the demo's (configs/demo.yaml)
-        arch.update({o.split("=")[0].rsplit(".", 1)[1]: int(o.split("=")[1]) for o in SIZES[size]
-                     if o.split("=")[0].rsplit(".", 1)[1] in arch})
-        h, inter = arch["hidden_size"], arch["intermediate_size"]
-        block = 4 * h * h + 3 * h * inter + 2 * h
+        from cputrain.config.file import load_config
+        from cputrain.plan.model_shape import model_shape
+
+        units = model_shape(load_config(None, SIZES[size]).model).unit_params()
+        block = max(n for unit, n in units.items() if unit != "root")
         files[f"zero3 blocks, reduce bucket a block ({block:,})"] = deepspeed_file(
             tmp, f"bucket-{size}", {"reduce_bucket_size": block})
     return files

@@ -41,11 +41,12 @@ class AllToAllReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
         world = _slices_of(input_tensor, output_tensor, group)
-        if world == 1:  # one rank: its slice is the sum and the mean; DeepSpeed passes the input itself
+        mean = _is_mean(op)
+        if world == 1:  # the slice is its own sum and mean; reached from DeepSpeed only (FSDP2 copies a
+            # one-rank gradient itself), which hands the input itself as the output
             if output_tensor.data_ptr() != input_tensor.data_ptr():
                 output_tensor.copy_(input_tensor.view_as(output_tensor))
             return None
-        mean = _is_mean(op)
         received = torch.empty_like(input_tensor)
         # synchronous, as FSDP2 calls it on CPU (no side stream to overlap with)
         dist.all_to_all_single(received, input_tensor, group=group)

@@ -1,7 +1,7 @@
 """The all-to-all reduce-scatter on one rank: the slice is its own sum and mean, so nothing is
-sent and nothing summed (a one-rank fsdp or zero3 run paid a collective and an fp32 sum per
-gradient bucket). The reductions on several ranks are checked on real gloo ranks
-(tests/distributed/test_fsdp_collectives.py)."""
+sent and nothing summed (a one-rank zero3 run paid a collective and an fp32 sum per gradient
+bucket; FSDP2 copies a one-rank gradient without calling it). The reductions on several ranks are
+checked on real gloo ranks (tests/distributed/test_fsdp_collectives.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def test_one_rank_given_its_own_input_leaves_it():
     before = grads.clone()
     AllToAllReduceScatter()(grads, grads, OneRank(), dist.ReduceOp.SUM)
     assert torch.equal(grads, before)
+
+
+def test_one_rank_refuses_what_several_ranks_refuse():
+    with pytest.raises(ValueError, match="takes ReduceOp.SUM or AVG"):
+        AllToAllReduceScatter()(torch.zeros(4), torch.zeros(4), OneRank(), dist.ReduceOp.MAX)
 
 
 def test_a_slice_of_the_wrong_size_is_refused():
