@@ -6,11 +6,13 @@ positions 0…seq_len-1), chat or prompt/completion examples (cputrain.data.exam
 labels only on answers, positions restarting per example), preference pairs
 (cputrain.data.preference.rows.PairRows: as examples, with the sequence of each token) and
 unpaired feedback (cputrain.data.feedback.rows.FeedbackRows: a FeedbackBatch, each example's label
-and the batch of its KL sequences beside).
+and the batch of its KL sequences beside). Rows where sequences share a prompt (preference pairs,
+online RL's groups of completions) carry the 4D mask shared_prompt_mask builds.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,42 @@ def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
         return mask
     dtype = inner.get_input_embeddings().weight.dtype
     return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+
+
+@functools.lru_cache(maxsize=2)
+def _causal(tokens: int) -> torch.Tensor:
+    """The lower triangle of tokens² (tokens² bytes), kept: every batch of a run has one width."""
+    return torch.ones(tokens, tokens, dtype=torch.bool).tril_()
+
+
+def shared_prompt_mask(sequence_ids: torch.Tensor, visible_prompt: torch.Tensor,
+                       groups: torch.Tensor | None = None) -> torch.Tensor:
+    """[micro-batch, 1, tokens, tokens] bool (True: attend) of rows where sequences share a prompt:
+    causal; a token sees its own sequence's tokens (sequence_ids, each sequence one run of a row)
+    and, before its sequence, the tokens `visible_prompt` marks in its group (`groups`, an id per
+    token; None: its pair, sequence_ids // 2); padding (-1) sees itself only. Preference pairs
+    (cputrain.data.preference.rows): a rejected sequence sees its chosen one's prompt 0…P-2. Online
+    RL (cputrain.objectives.rollout_batch): each completion sees its row's prompt, a sequence of its
+    own. Filled block by block: a row is mostly False, its blocks a few sequences' squares."""
+    rows, tokens = sequence_ids.shape
+    groups = sequence_ids // 2 if groups is None else groups
+    mask = torch.zeros(rows, 1, tokens, tokens, dtype=torch.bool)
+    causal = _causal(tokens)
+    for i in range(rows):
+        seq = sequence_ids[i]
+        starts = [0, *(torch.nonzero(seq[1:] != seq[:-1]).flatten() + 1).tolist()]
+        for a, b, sid in zip(starts, [*starts[1:], tokens], seq[starts].tolist()):
+            if sid < 0:  # padding: each token itself
+                at = torch.arange(a, b)
+                mask[i, 0, at, at] = True
+                continue
+            mask[i, 0, a:b, a:b] = causal[: b - a, : b - a]
+            seen = visible_prompt[i, :a] & (groups[i, :a] == groups[i, a])
+            at = torch.nonzero(seen).flatten()
+            if len(at):  # the group's prompt before this sequence
+                lo, hi = int(at[0]), int(at[-1]) + 1
+                mask[i, 0, a:b, lo:hi] |= seen[lo:hi]
+    return mask
 
 
 def padded(rows: list, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ from cputrain.errors import ConfigError
 from cputrain.objectives import rl_loss
 from cputrain.objectives.contract import Objective
 from cputrain.objectives.rollout_batch import RolloutBatch, completion_logps, rollout_batch
+from cputrain.objectives.rollout_rows import row_choice
 
 log = logging.getLogger("cputrain")
 
@@ -63,6 +64,8 @@ class OnlineRlObjective(Objective):
         self.last_samples: list[dict] = []  # the last rollout's first group, for completions.jsonl
         self.iteration = 0  # steps taken on self.kept
         self.said_rollout_path = False  # the run's log says once which rollout path sampled
+        self.said_rows = False  # and once whether the training rows share each group's prompt
+        self.seq_len: int | None = None  # data.seq_len, which bounds a shared row's width (rollout_rows)
         # False where the trainer's memory plan leaves the fused decoder's copy out (an fsdp rank's whole model)
         self.fused_rollouts = True
 
@@ -144,7 +147,7 @@ class OnlineRlObjective(Objective):
                               f"{cfg.num_generations * world_size}")
 
     def prepare(self, model, rows: list, micro_batch: int, autocast, store=None) -> None:
-        self.pad_id = rows[0].pad_id
+        self.pad_id, self.seq_len = rows[0].pad_id, rows[0].seq_len
 
     def state_dict(self) -> dict:
         """What a resumed run needs to sample the same completions (the generator's state) and,
@@ -240,8 +243,8 @@ class OnlineRlObjective(Objective):
         weights = torch.as_tensor(self.rewards.weights if self.rewards is not None else [1.0] * scores.shape[1],
                                   dtype=torch.float32)
         rewards = (scores.float() * weights).sum(dim=1)
-        batches = [rollout_batch(p, c, self.pad_id) for p, c in zip(_cut(prompt_ids, micro_batch),
-                                                                      _cut(completion_ids, micro_batch))]
+        batches = [self._rollout_batch(model, p, c) for p, c in zip(_cut(prompt_ids, micro_batch),
+                                                                     _cut(completion_ids, micro_batch))]
         kl = None
         with autocast():
             for batch in batches:
@@ -261,6 +264,14 @@ class OnlineRlObjective(Objective):
             at += n
         self.rollout_figures = self._reward_figures(scores, weights, completion_ids, stopped, batches, kl)
         return batches
+
+    def _rollout_batch(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> RolloutBatch:
+        """A micro-batch's rows, each group's prompt once where the estimate finds it cheaper (rollout_rows)."""
+        choice = row_choice(_unwrapped(model).config, prompt_ids, completion_ids, self.seq_len)
+        if not self.said_rows:  # once a run, with the figures that decided it
+            log.info("online RL: %s", choice.described())
+            self.said_rows = True
+        return rollout_batch(prompt_ids, completion_ids, self.pad_id, choice.rows)
 
     def needs_old_logps(self) -> bool:
         """Whether the old policy's log-probabilities are taken at sampling beyond num_iterations > 1."""

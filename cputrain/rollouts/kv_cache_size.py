@@ -18,7 +18,8 @@ _BYTES_PER_ELEMENT = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16"
                       "half": 2, "float64": 8, "fp64": 8}
 
 
-def _field(config, name: str, default=None):
+def config_field(config, name: str, default=None):
+    """A model config's field, from a transformers config or its dict; `default` where absent or None."""
     value = config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
     return default if value is None else value
 
@@ -35,9 +36,9 @@ def kv_cache_bytes(config, rows: int, max_len: int, dtype) -> int:
     """Keys and values of `rows` sequences of `max_len` positions (the longest prompt +
     max_new_tokens) in every layer of the model `config` describes (a transformers config or its
     dict; grouped-query attention counted by its key-value heads)."""
-    config = _field(config, "text_config", config)  # a multimodal config keeps the decoder's shape here
-    layers = int(_field(config, "num_hidden_layers"))
-    heads = int(_field(config, "num_attention_heads"))
-    kv_heads = int(_field(config, "num_key_value_heads", heads))
-    head_dim = int(_field(config, "head_dim", int(_field(config, "hidden_size")) // heads))
+    config = config_field(config, "text_config", config)  # a multimodal config keeps the decoder's shape here
+    layers = int(config_field(config, "num_hidden_layers"))
+    heads = int(config_field(config, "num_attention_heads"))
+    kv_heads = int(config_field(config, "num_key_value_heads", heads))
+    head_dim = int(config_field(config, "head_dim", int(config_field(config, "hidden_size")) // heads))
     return 2 * layers * rows * kv_heads * head_dim * max_len * bytes_per_element(dtype)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cputrain.data.batch import IGNORE_INDEX, Batch, padded
+from cputrain.data.batch import IGNORE_INDEX, Batch, padded, shared_prompt_mask
 from cputrain.data.sequences import SequenceData, SequenceRows, open_rows, pack_bounds
 from cputrain.errors import ConfigError
 
@@ -87,38 +87,6 @@ def shared_prompt_choice(setting, data_format: str) -> tuple[bool, str]:
                       "per pair); LoRA DPO pairs/s measured 1.09×, 1.28×, 1.28× at ~10, 30, 50% prompt shares "
                       "(bf16, AVX512-BF16 EPYC, benchmarks/sft_and_dpo/shared_prompt.py)")
     return False, f"{data_format}: no pairs, no prompt to share"
-
-
-@functools.lru_cache(maxsize=2)
-def _causal(tokens: int) -> torch.Tensor:
-    """The lower triangle of tokens² (tokens² bytes), kept: every batch of a run has one width."""
-    return torch.ones(tokens, tokens, dtype=torch.bool).tril_()
-
-
-def shared_prompt_mask(sequence_ids: torch.Tensor, visible_prompt: torch.Tensor) -> torch.Tensor:
-    """[micro-batch, 1, tokens, tokens] bool (True: attend) of rows in the shared-prompt layout:
-    causal, a token sees its own sequence's tokens (sequence_ids, each sequence one run of a row),
-    a rejected one (odd id) also the leading tokens `visible_prompt` marks in its pair's chosen
-    sequence (its prompt's 0…P-2); padding (-1) sees itself only. Filled block by block: a row is
-    mostly False, and its blocks are a few pairs' squares, not tokens²."""
-    rows, tokens = sequence_ids.shape
-    mask = torch.zeros(rows, 1, tokens, tokens, dtype=torch.bool)
-    causal = _causal(tokens)
-    for i in range(rows):
-        seq = sequence_ids[i]
-        starts = [0, *(torch.nonzero(seq[1:] != seq[:-1]).flatten() + 1).tolist()]
-        ends, ids = [*starts[1:], tokens], seq[starts].tolist()
-        for n, (a, b, sid) in enumerate(zip(starts, ends, ids)):
-            if sid < 0:  # padding: each token itself
-                at = torch.arange(a, b)
-                mask[i, 0, at, at] = True
-                continue
-            mask[i, 0, a:b, a:b] = causal[: b - a, : b - a]
-            if sid % 2 and n and ids[n - 1] == sid - 1:  # a rejected sequence after its chosen one
-                c0 = starts[n - 1]
-                shared = int(visible_prompt[i, c0:a].sum())
-                mask[i, 0, a:b, c0:c0 + shared] = True
-    return mask
 
 
 class PairRows(SequenceRows):

@@ -1,0 +1,113 @@
+"""Which completions of an online-RL micro-batch share a row: their prompt laid out once, each
+completion after it (cputrain.objectives.rollout_batch), where that costs fewer FLOPs.
+
+GRPO and RLOO sample num_generations completions a prompt; laid out one a row, a group's prompt is
+computed num_generations times. At the GRPO benchmark's ~100M Llama (12 layers, hidden 768, 8
+generations of ≤48 tokens after ~17-token prompts) prompts are ~23% of the positions; reasoning
+prompts of hundreds of tokens make it far more. Sharing saves each repeated prompt position's
+linear work (2 × the blocks' matmul parameters a position, forward), but a shared row is longer
+and carries a mask, so its attention grows as its width squared: torch 2.13's CPU sdpa runs its
+flash kernel with the mask (`_scaled_dot_product_flash_attention_for_cpu`: no [heads, W, W]
+scores), yet computes every query-key pair where unmasked causal rows skip the upper half; eager
+computes all pairs either way. The estimate below (forward FLOPs from the model's config, padding
+included; the backward scales each term by about the same factor) is taken for one completion a
+row and for at most 2, 3, … a row (a few long completions may pay where all of them in one row do
+not); the cheapest is kept if it holds no more positions than one a row, so the memory plan's
+activations (micro-batch × data.seq_len positions) still bound it. Its figures at that 100M shape,
+a micro-batch of one group: 116 GFLOP shared against 138 (−16%), 401 positions against 520.
+
+A shared row is at most WIDTH_CAP × data.seq_len wide (a group's completions spill into more rows,
+each with the prompt): its mask is W² bytes in the batch, and sdpa converts it to the query's dtype
+in every layer, keeping that copy for the backward (W² × 2–4 bytes a layer, measured with
+saved-tensor hooks), where one completion a row holds no W² tensor at all. At 4 × seq_len the
+quadratic part stays 16 × seq_len² a row however many completions a group has: an 8B run at
+seq_len 2,048 with 16 × 1,024-token completions builds no mask past 8k² (its estimate takes 4 a
+row, 4.6k wide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from cputrain.rollouts.kv_cache_size import config_field
+
+WIDTH_CAP = 4  # a shared row's width, at most this many data.seq_len
+
+
+@dataclass(frozen=True)
+class RowChoice:
+    rows: list[list[int]] | None  # the completions of each row; None: one a row
+    shared_flops: float  # the estimates of the micro-batch's forward: the cheapest shared layout's, one a row's
+    unshared_flops: float
+    shared_positions: int  # rows × width of each layout
+    unshared_positions: int
+    most: int  # the cheapest shared layout's completions a row, at most
+    width: int  # and its widest row
+    cap: int
+
+    def described(self) -> str:
+        saving = 1 - self.shared_flops / max(self.unshared_flops, 1.0)
+        verdict = "shared" if self.rows is not None else "not shared"
+        return (f"each group's prompt {verdict} in the training rows (first micro-batch: estimated forward "
+                f"{self.shared_flops / 1e9:.3g} GFLOP with up to {self.most} completions a row against "
+                f"{self.unshared_flops / 1e9:.3g} with one, {saving:+.1%}; {self.shared_positions} positions against "
+                f"{self.unshared_positions}; widest shared row {self.width} of at most {self.cap})")
+
+
+def layout_flops(config, rows: int, width: int, first: int, masked: bool) -> float:
+    """Forward FLOPs of `rows` rows of `width` positions, the head from position `first` on
+    (logits_to_keep): the blocks' matmuls, attention's two products over the query-key pairs
+    computed (a mask's every pair; causal sdpa without one skips the upper half), the head."""
+    config = config_field(config, "text_config", config)
+    hidden, layers = int(config_field(config, "hidden_size")), int(config_field(config, "num_hidden_layers"))
+    heads = int(config_field(config, "num_attention_heads"))
+    kv_heads = int(config_field(config, "num_key_value_heads", heads))
+    head_dim = int(config_field(config, "head_dim", hidden // heads))
+    inter = int(config_field(config, "intermediate_size", 4 * hidden))
+    block = hidden * (2 * heads + 2 * kv_heads) * head_dim + 3 * hidden * inter  # q, k, v, o; gate, up, down
+    causal_skip = not masked and config_field(config, "_attn_implementation", "sdpa") != "eager"
+    pairs = width * (width + 1) / 2 if causal_skip else width * width
+    head = (width - first) * 2 * hidden * int(config_field(config, "vocab_size"))
+    return rows * (layers * (2 * block * width + 4 * heads * head_dim * pairs) + head)
+
+
+def grouped(prompt_ids: list[list[int]], completion_ids: list[list[int]], cap: int,
+            most: int | None = None) -> list[list[int]]:
+    """Consecutive completions of one prompt (a group, or the part of it in this micro-batch) in
+    one row, at most `most` of them, spilling into another where the row would pass `cap` positions."""
+    rows: list[list[int]] = []
+    width = 0
+    for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        if (rows and prompt_ids[rows[-1][0]] == prompt and width + len(completion) <= cap
+                and len(rows[-1]) < (most or cap)):
+            rows[-1].append(i)
+            width += len(completion)
+        else:
+            rows.append([i])
+            width = len(prompt) + len(completion)
+    return rows
+
+
+def row_choice(config, prompt_ids: list[list[int]], completion_ids: list[list[int]], seq_len: int | None) -> RowChoice:
+    """The micro-batch's rows: of the shared layouts with 2, 3, … completions a row at most (a row
+    of a few long completions may pay where one of all does not), the cheapest by the estimate
+    among those holding no more positions than one a row; shared where it is cheaper than one a
+    row. `seq_len`: data.seq_len (None: the micro-batch's longest prompt + completion)."""
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    first = min(len(p) for p in prompt_ids) - 1
+    cap = WIDTH_CAP * max(seq_len or 0, *lengths)
+    positions = len(lengths) * max(lengths)
+    unshared = layout_flops(config, len(lengths), max(lengths), first, masked=False)
+    best = RowChoice(None, unshared, unshared, positions, positions, 1, max(lengths), cap)
+    for most in range(2, len(lengths) + 1):
+        rows = grouped(prompt_ids, completion_ids, cap, most)
+        if len(rows) == len(lengths):  # no two neighbours share a prompt
+            break
+        width = max(len(prompt_ids[r[0]]) + sum(len(completion_ids[i]) for i in r) for r in rows)
+        flops = layout_flops(config, len(rows), width, first, masked=True)
+        if len(rows) * width <= positions and (best.most == 1 or flops < best.shared_flops):
+            best = RowChoice(rows, flops, unshared, len(rows) * width, positions, most, width, cap)
+        if max(len(r) for r in rows) < most:  # no row reached `most`: more would lay out the same
+            break
+    return best if best.shared_flops < unshared else dataclasses.replace(best, rows=None)

@@ -1,0 +1,193 @@
+"""Online RL's shared-prompt rows (objectives.rollout_rows, rollout_batch): a group's prompt laid out
+once with its completions after it gives each completion token the log-probability and gradient of
+the one-completion-a-row layout (fp32, 1e-5), under sdpa and eager, for whole, split and several
+groups of uneven lengths; the FLOP estimate shares a long prompt's short completions and not a short
+prompt's long ones; a shared row stays under its cap; the batch survives the run state's round trip."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cputrain.objectives.rollout_batch import completion_logps, rollout_batch
+from cputrain.objectives.rollout_rows import WIDTH_CAP, grouped, row_choice
+
+VOCAB = 64
+
+
+def _model(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config._attn_implementation = attn
+    return LlamaForCausalLM(config).float()
+
+
+def _tokens(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def _micro_batches(case: str) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """(prompt ids, completion ids) of each micro-batch; a group's members adjacent."""
+    g = torch.Generator().manual_seed(len(case))
+    a, b = _tokens(g, 7), _tokens(g, 4)
+    lengths = [5, 1, 9, 3]
+    if case == "one group":
+        return [([a] * 4, [_tokens(g, n) for n in lengths])]
+    if case == "two groups":
+        return [([a] * 4 + [b] * 4, [_tokens(g, n) for n in lengths + [2, 6, 1, 4]])]
+    # "split": three groups of 4 cut into micro-batches of 6: the middle group across both
+    prompts = [a] * 4 + [b] * 4 + [_tokens(g, 11)] * 4
+    completions = [_tokens(g, n) for n in lengths * 3]
+    return [(prompts[:6], completions[:6]), (prompts[6:], completions[6:])]
+
+
+def _logps(model, prompts, completions, shared: bool):
+    rows = grouped(prompts, completions, cap=1000) if shared else None
+    batch = rollout_batch(prompts, completions, pad_id=0, rows=rows)
+    if shared:  # the layout under test: fewer rows than completions, a mask
+        assert len(batch.input_ids) < len(completions) and batch.attention_mask is not None
+    return completion_logps(model, batch, temperature=0.7), batch
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("case", ["one group", "split", "two groups"])
+def test_shared_rows_give_every_token_the_log_probability_and_gradient_of_one_completion_a_row(attn, case):
+    model = _model(attn)
+    for prompts, completions in _micro_batches(case):
+        results = []
+        for shared in (False, True):
+            model.zero_grad()
+            logps, batch = _logps(model, prompts, completions, shared)
+            weights = torch.linspace(-1, 2, logps.numel()).view_as(logps)  # every token its own weight
+            (logps * weights).sum().backward()
+            results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, batch))
+        (plain, plain_grads, unshared), (logps, grads, batch) = results
+        assert torch.equal(batch.completion_mask, unshared.completion_mask)
+        assert torch.equal(batch.completion_ids, unshared.completion_ids)
+        assert batch.trained_targets == unshared.trained_targets == batch.completion_tokens
+        torch.testing.assert_close(logps, plain, atol=1e-5, rtol=0)
+        assert (logps[batch.completion_mask > 0] < 0).all()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_completion_sees_its_prompt_and_itself_not_its_siblings():
+    model = _model("sdpa")
+    (prompts, completions), = _micro_batches("one group")
+    with torch.no_grad():
+        base, _ = _logps(model, prompts, completions, shared=True)
+        changed = [completions[0], [7] * len(completions[1]), completions[2], completions[3]]
+        after, _ = _logps(model, prompts, changed, shared=True)
+        other_prompt, _ = _logps(model, [[9] * 7] * 4, completions, shared=True)
+    keep = [0, 2, 3]
+    torch.testing.assert_close(after[keep], base[keep], atol=1e-6, rtol=0)  # a sibling changed: nothing else moves
+    assert not torch.allclose(other_prompt, base, atol=1e-3)  # the prompt is seen
+
+
+def test_the_targets_are_each_completions_own_tokens_not_the_next_position():
+    """In a shared row the position after the prompt's last holds the first completion's token
+    only: every completion's first target is its own."""
+    prompts, completions = [[5, 6, 7]] * 3, [[20, 21], [30], [40, 41, 42]]
+    batch = rollout_batch(prompts, completions, pad_id=0, rows=[[0, 1, 2]])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 30, 40, 41, 42]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5]]
+    assert batch.predicted_from.tolist() == [[2, 3, 0], [2, 0, 0], [2, 6, 7]]
+    assert batch.completion_ids.tolist() == [[20, 21, 0], [30, 0, 0], [40, 41, 42]]
+    mask = batch.attention_mask[0, 0].int().tolist()
+    assert mask[5] == [1, 1, 1, 0, 0, 1, 0, 0, 0]  # the second completion: the prompt and itself
+    assert mask[8] == [1, 1, 1, 0, 0, 0, 1, 1, 1]
+
+
+# a ~100M Llama's sizes (the GRPO benchmark's), as the estimate reads a config
+CONFIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
+          "intermediate_size": 3072, "vocab_size": 32000, "_attn_implementation": "sdpa"}
+
+
+def test_a_long_prompt_with_short_completions_is_shared():
+    prompts, completions = [list(range(300))] * 8, [[1] * 20] * 8
+    choice = row_choice(CONFIG, prompts, completions, seq_len=512)
+    assert choice.rows == [list(range(8))]
+    assert choice.shared_flops < 0.3 * choice.unshared_flops  # 7 of 8 prompts' positions not computed
+    assert "shared" in choice.described() and "not shared" not in choice.described()
+
+
+def test_long_completions_after_a_short_prompt_are_not_shared():
+    """16 generations of 1,000 tokens after a 5-token prompt: the masked attention of a shared row
+    outgrows the prompts' linear work (and a row would pass the cap anyway at seq_len 1,024)."""
+    prompts, completions = [[1] * 5] * 16, [[2] * 1000] * 16
+    choice = row_choice(CONFIG, prompts, completions, seq_len=4096)  # a cap of 16k: room for every completion
+    assert len(grouped(prompts, completions, choice.cap)) == 1
+    assert choice.rows is None and choice.shared_flops > choice.unshared_flops
+    assert "not shared" in choice.described()
+
+
+def test_a_shared_row_stays_within_its_cap():
+    prompts, completions = [[1] * 20] * 16, [[2] * 40] * 16
+    choice = row_choice(CONFIG, prompts, completions, seq_len=64)
+    assert choice.cap == WIDTH_CAP * 64 and choice.rows is not None and len(choice.rows) > 1
+    widths = [20 + 40 * len(r) for r in choice.rows]
+    assert max(widths) == choice.width <= choice.cap
+    assert sorted(i for r in choice.rows for i in r) == list(range(16))
+    # a group of 16 × 1,024 tokens after 1,024 at seq_len 2,048 is never one 17k-wide row
+    big = grouped([[1] * 1024] * 16, [[2] * 1024] * 16, WIDTH_CAP * 2048)
+    assert max(1024 + 1024 * len(r) for r in big) <= WIDTH_CAP * 2048
+
+
+def test_long_completions_may_share_a_few_to_a_row_where_all_in_one_would_not_pay():
+    """An 8B Llama's sizes, 16 × 1,024-token completions after a 500-token prompt, seq_len 2,048:
+    one row of 16 would be 16.9k wide (over the cap, and its attention outgrows the savings)."""
+    config = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "vocab_size": 128256}
+    choice = row_choice(config, [[1] * 500] * 16, [[2] * 1024] * 16, seq_len=2048)
+    assert choice.rows is not None and 1 < choice.most < 16
+    assert choice.width == 500 + 1024 * choice.most <= choice.cap == 8192
+    assert choice.shared_flops < choice.unshared_flops and choice.shared_positions < choice.unshared_positions
+
+
+def test_different_prompts_never_share_a_row():
+    prompts, completions = [[1, 2], [1, 2], [1, 3], [1, 2]], [[5], [6], [7], [8]]
+    assert grouped(prompts, completions, 100) == [[0, 1], [2], [3]]
+
+
+def test_a_shared_batch_survives_the_objectives_state_round_trip():
+    from cputrain.objectives.online_rl import GrpoObjective
+
+    model = _model("sdpa")
+    cfg = SimpleNamespace(num_generations=4, num_iterations=2, temperature=1.0, loss_type="dapo", epsilon=0.2,
+                          epsilon_high=None, rl_beta=0.0, scale_rewards="group", max_completion_length=9)
+    objective = GrpoObjective(cfg)
+    (prompts, completions), = _micro_batches("two groups")
+    scores = torch.arange(8, dtype=torch.float32).unsqueeze(1) % 3
+    import contextlib
+
+    batches = objective.batches_from_completions(model, prompts, completions, scores, 8, contextlib.nullcontext)
+    objective.kept, objective.iteration = batches, 1
+    assert batches[0].attention_mask is not None and len(batches[0].input_ids) == 2  # the two groups' rows
+    buffer = io.BytesIO()
+    torch.save(objective.state_dict(), buffer)
+    buffer.seek(0)
+    restored = GrpoObjective(cfg)
+    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    (before,), (after,) = batches, restored.kept
+    for name in ("input_ids", "position_ids", "attention_mask", "completion_mask", "predicted_from",
+                 "completion_ids", "completion_rows", "advantages", "old_logps"):
+        assert torch.equal(getattr(after, name), getattr(before, name)), name
+    with torch.no_grad():
+        torch.testing.assert_close(completion_logps(model, after, 1.0), completion_logps(model, before, 1.0))
+
+
+def test_run_state_saved_before_the_targets_were_kept_still_loads():
+    prompts, completions = [[5, 6, 7], [8, 9]], [[20, 21], [30]]
+    batch = rollout_batch(prompts, completions, pad_id=0)
+    from cputrain.objectives.rollout_batch import RolloutBatch
+
+    old = {k: v for k, v in vars(batch).items() if v is not None and k not in ("completion_ids", "completion_rows")}
+    again = RolloutBatch(**old)
+    assert torch.equal(again.completion_ids, batch.completion_ids)
+    assert torch.equal(again.completion_rows, batch.completion_rows)
