@@ -51,7 +51,7 @@ class RowChoice:
         verdict = "shared" if self.rows is not None else "not shared"
         return (f"each group's prompt {verdict} in the training rows (first micro-batch: estimated forward "
                 f"{self.shared_flops / 1e9:.3g} GFLOP with up to {self.most} completions a row against "
-                f"{self.unshared_flops / 1e9:.3g} with one, {saving:+.1%}; {self.shared_positions} positions against "
+                f"{self.unshared_flops / 1e9:.3g} with one, {saving:.1%} fewer; {self.shared_positions} positions against "
                 f"{self.unshared_positions}; widest shared row {self.width} of at most {self.cap})")
 
 
