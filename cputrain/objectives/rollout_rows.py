@@ -12,17 +12,22 @@ scores), yet computes every query-key pair where unmasked causal rows skip the u
 computes all pairs either way. The estimate below (forward FLOPs from the model's config, padding
 included; the backward scales each term by about the same factor) is taken for one completion a
 row and for at most 2, 3, … a row (a few long completions may pay where all of them in one row do
-not); the cheapest is kept if it holds no more positions than one a row, so the memory plan's
-activations (micro-batch × data.seq_len positions) still bound it. Its figures at that 100M shape,
-a micro-batch of one group: 116 GFLOP shared against 138 (−16%), 401 positions against 520.
+not); the cheapest is kept if it holds no more positions than one a row and no more query-key
+pairs than micro-batch × data.seq_len², so the memory plan's activations (micro-batch × data.seq_len
+positions, and under eager attention a matrix of that many pairs a block) still bound it. Under
+sdpa the plan counts no attention matrix, and the mask's copies (below) stay within the same
+pairs, a few bytes each, as DPO's shared-prompt rows' do. Its figures at that 100M shape
+(data.seq_len 128), a micro-batch of the step's 8 groups: 4 completions a row, 633 GFLOP against
+756 (16% fewer), 3,344 positions against 4,160 (a group in one row, 401 wide, would hold more
+query-key pairs than the plan counts, for 631 GFLOP).
 
 A shared row is at most WIDTH_CAP × data.seq_len wide (a group's completions spill into more rows,
 each with the prompt): its mask is W² bytes in the batch, and sdpa converts it to the query's dtype
 in every layer, keeping that copy for the backward (W² × 2–4 bytes a layer, measured with
 saved-tensor hooks), where one completion a row holds no W² tensor at all. At 4 × seq_len the
 quadratic part stays 16 × seq_len² a row however many completions a group has: an 8B run at
-seq_len 2,048 with 16 × 1,024-token completions builds no mask past 8k² (its estimate takes 4 a
-row, 4.6k wide).
+seq_len 2,048 with 16 × 1,024-token completions after a 500-token prompt takes 2 a row (2,548
+wide, 10% fewer FLOPs); after a 5-token prompt it shares nothing (sharing would cost 4.9% more).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class RowChoice:
         verdict = "shared" if self.rows is not None else "not shared"
         return (f"each group's prompt {verdict} in the training rows (first micro-batch: estimated forward "
                 f"{self.shared_flops / 1e9:.3g} GFLOP with up to {self.most} completions a row against "
-                f"{self.unshared_flops / 1e9:.3g} with one, {saving:.1%} fewer; {self.shared_positions} positions against "
+                f"{self.unshared_flops / 1e9:.3g} with one, {abs(saving):.1%} {'fewer' if saving >= 0 else 'more'}; {self.shared_positions} positions against "
                 f"{self.unshared_positions}; widest shared row {self.width} of at most {self.cap})")
 
 
@@ -92,12 +97,14 @@ def grouped(prompt_ids: list[list[int]], completion_ids: list[list[int]], cap: i
 def row_choice(config, prompt_ids: list[list[int]], completion_ids: list[list[int]], seq_len: int | None) -> RowChoice:
     """The micro-batch's rows: of the shared layouts with 2, 3, … completions a row at most (a row
     of a few long completions may pay where one of all does not), the cheapest by the estimate
-    among those holding no more positions than one a row; shared where it is cheaper than one a
-    row. `seq_len`: data.seq_len (None: the micro-batch's longest prompt + completion)."""
+    among those holding no more positions than one a row and no more query-key pairs than the
+    memory plan's micro-batch × data.seq_len²; shared where it is cheaper than one a row. `seq_len`: data.seq_len (None: the micro-batch's longest prompt + completion)."""
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     first = min(len(p) for p in prompt_ids) - 1
     cap = WIDTH_CAP * max(seq_len or 0, *lengths)
     positions = len(lengths) * max(lengths)
+    # the memory plan's attention matrices (eager): micro-batch × data.seq_len² a block
+    squares = len(lengths) * max(seq_len or 0, *lengths) ** 2
     unshared = layout_flops(config, len(lengths), max(lengths), first, masked=False)
     best = RowChoice(None, unshared, unshared, positions, positions, 1, max(lengths), cap)
     for most in range(2, len(lengths) + 1):
@@ -106,7 +113,8 @@ def row_choice(config, prompt_ids: list[list[int]], completion_ids: list[list[in
             break
         width = max(len(prompt_ids[r[0]]) + sum(len(completion_ids[i]) for i in r) for r in rows)
         flops = layout_flops(config, len(rows), width, first, masked=True)
-        if len(rows) * width <= positions and (best.most == 1 or flops < best.shared_flops):
+        fits = len(rows) * width <= positions and len(rows) * width**2 <= squares
+        if fits and (best.most == 1 or flops < best.shared_flops):
             best = RowChoice(rows, flops, unshared, len(rows) * width, positions, most, width, cap)
         if max(len(r) for r in rows) < most:  # no row reached `most`: more would lay out the same
             break

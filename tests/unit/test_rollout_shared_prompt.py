@@ -127,13 +127,19 @@ def test_long_completions_after_a_short_prompt_are_not_shared():
     assert "not shared" in choice.described()
 
 
-def test_a_shared_row_stays_within_its_cap():
-    prompts, completions = [[1] * 20] * 16, [[2] * 40] * 16
+def test_a_shared_row_stays_within_its_cap_and_the_plans_query_key_pairs():
+    prompts, completions = [[1] * 20] * 64, [[2] * 10] * 64
     choice = row_choice(CONFIG, prompts, completions, seq_len=64)
     assert choice.cap == WIDTH_CAP * 64 and choice.rows is not None and len(choice.rows) > 1
-    widths = [20 + 40 * len(r) for r in choice.rows]
+    widths = [20 + 10 * len(r) for r in choice.rows]
     assert max(widths) == choice.width <= choice.cap
-    assert sorted(i for r in choice.rows for i in r) == list(range(16))
+    assert len(choice.rows) * choice.width**2 <= 64 * 64**2  # the plan's eager matrices: micro-batch × seq_len²
+    assert sorted(i for r in choice.rows for i in r) == list(range(64))
+    # the GRPO benchmark's shape: a group of 8 × 48 after 17 in one row (401 wide) would hold more
+    # query-key pairs than 8 rows of data.seq_len 128; 4 a row (209 wide) do not
+    prompts, completions = [[1] * 17] * 8, [[2] * 48] * 8
+    choice = row_choice(CONFIG, prompts, completions, seq_len=128)
+    assert choice.rows is not None and choice.most == 4 and choice.width == 17 + 4 * 48
     # a group of 16 × 1,024 tokens after 1,024 at seq_len 2,048 is never one 17k-wide row
     big = grouped([[1] * 1024] * 16, [[2] * 1024] * 16, WIDTH_CAP * 2048)
     assert max(1024 + 1024 * len(r) for r in big) <= WIDTH_CAP * 2048
