@@ -43,6 +43,21 @@ import torch.distributed  # noqa: F401 (binds torch too)
 import transformers  # noqa: F401
 from transformers.models.llama import modeling_llama  # noqa: F401
 
+# …and what most of them import next: the config validator, the run folder's fsspec, the loss
+# plot (cputrain.metrics.plot selects Agg the same way), the progress bar and process tools,
+# LoRA's peft. Each forked command paid for these again (~0.5 s of CPU a tiny run, measured with
+# -X importtime); none of them reads the environment a test may change, or starts a thread.
+import fsspec  # noqa: F401
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot  # noqa: E402,F401
+import peft  # noqa: E402,F401
+import psutil  # noqa: E402,F401
+import pydantic  # noqa: E402,F401
+import tqdm  # noqa: E402,F401
+import yaml  # noqa: E402,F401
+
 
 def _become_cputrain(argv: list[str], unbuffered: bool = False) -> None:
     """Run `python -m cputrain ARGV` in this (forked) process and exit with its code."""
