@@ -9,17 +9,17 @@ linear work (2 × the blocks' matmul parameters a position, forward), but a shar
 and carries a mask, so its attention grows as its width squared: torch 2.13's CPU sdpa runs its
 flash kernel with the mask (`_scaled_dot_product_flash_attention_for_cpu`: no [heads, W, W]
 scores), yet computes every query-key pair where unmasked causal rows skip the upper half; eager
-computes all pairs either way. The estimate below (forward FLOPs from the model's config, padding
-included; the backward scales each term by about the same factor) is taken for one completion a
+computes all pairs either way. The estimate below (a training step's FLOPs by cputrain.metrics.flops,
+the run's MFU count, from the model's config, padding included) is taken for one completion a
 row and for at most 2, 3, … a row (a few long completions may pay where all of them in one row do
 not); the cheapest is kept if it holds no more positions than one a row and no more query-key
 pairs than micro-batch × data.seq_len², so the memory plan's activations (micro-batch × data.seq_len
 positions, and under eager attention a matrix of that many pairs a block) still bound it. Under
 sdpa the plan counts no attention matrix, and the mask's copies (below) stay within the same
 pairs, a few bytes each, as DPO's shared-prompt rows' do. Its figures at that 100M shape
-(data.seq_len 128), a micro-batch of the step's 8 groups: 4 completions a row, 633 GFLOP against
-756 (16% fewer), 3,344 positions against 4,160 (a group in one row, 401 wide, would hold more
-query-key pairs than the plan counts, for 631 GFLOP).
+(data.seq_len 128), a micro-batch of the step's 8 groups: 4 completions a row, 1.90 TFLOP against
+2.27 (16% fewer), 3,344 positions against 4,160 (a group in one row, 401 wide, would hold more
+query-key pairs than the plan counts, for 1.89 TFLOP).
 
 A shared row is at most WIDTH_CAP × data.seq_len wide (a group's completions spill into more rows,
 each with the prompt): its mask is W² bytes in the batch, and sdpa converts it to the query's dtype
@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cputrain.rollouts.kv_cache_size import config_field
+from cputrain.metrics.flops import flops_per_token
+from cputrain.rollouts.decoder_sizes import config_field, decoder_sizes
 
 WIDTH_CAP = 4  # a shared row's width, at most this many data.seq_len
 
@@ -43,7 +44,7 @@ WIDTH_CAP = 4  # a shared row's width, at most this many data.seq_len
 @dataclass(frozen=True)
 class RowChoice:
     rows: list[list[int]] | None  # the completions of each row; None: one a row
-    shared_flops: float  # the estimates of the micro-batch's forward: the cheapest shared layout's, one a row's
+    shared_flops: float  # the estimated training FLOPs of the micro-batch: the cheapest shared layout's, one a row's
     unshared_flops: float
     shared_positions: int  # rows × width of each layout
     unshared_positions: int
@@ -54,27 +55,23 @@ class RowChoice:
     def described(self) -> str:
         saving = 1 - self.shared_flops / max(self.unshared_flops, 1.0)
         verdict = "shared" if self.rows is not None else "not shared"
-        return (f"each group's prompt {verdict} in the training rows (first micro-batch: estimated forward "
-                f"{self.shared_flops / 1e9:.3g} GFLOP with up to {self.most} completions a row against "
-                f"{self.unshared_flops / 1e9:.3g} with one, {abs(saving):.1%} {'fewer' if saving >= 0 else 'more'}; {self.shared_positions} positions against "
+        return (f"each group's prompt {verdict} in the training rows (first micro-batch: an estimated "
+                f"{self.shared_flops / 1e12:.3g} TFLOP forward and backward with up to {self.most} completions a row against "
+                f"{self.unshared_flops / 1e12:.3g} with one, {abs(saving):.1%} {'fewer' if saving >= 0 else 'more'}; {self.shared_positions} positions against "
                 f"{self.unshared_positions}; widest shared row {self.width} of at most {self.cap})")
 
 
 def layout_flops(config, rows: int, width: int, first: int, masked: bool) -> float:
-    """Forward FLOPs of `rows` rows of `width` positions, the head from position `first` on
-    (logits_to_keep): the blocks' matmuls, attention's two products over the query-key pairs
-    computed (a mask's every pair; causal sdpa without one skips the upper half), the head."""
-    config = config_field(config, "text_config", config)
-    hidden, layers = int(config_field(config, "hidden_size")), int(config_field(config, "num_hidden_layers"))
-    heads = int(config_field(config, "num_attention_heads"))
-    kv_heads = int(config_field(config, "num_key_value_heads", heads))
-    head_dim = int(config_field(config, "head_dim", hidden // heads))
-    inter = int(config_field(config, "intermediate_size", 4 * hidden))
-    block = hidden * (2 * heads + 2 * kv_heads) * head_dim + 3 * hidden * inter  # q, k, v, o; gate, up, down
+    """A training step's FLOPs (forward and backward, cputrain.metrics.flops) over `rows` rows of
+    `width` positions, the head from position `first` on (logits_to_keep): the blocks' matmuls,
+    attention over the query-key pairs computed (a mask's every pair; causal sdpa without one skips
+    the upper half), the head."""
+    s = decoder_sizes(config)
     causal_skip = not masked and config_field(config, "_attn_implementation", "sdpa") != "eager"
     pairs = width * (width + 1) / 2 if causal_skip else width * width
-    head = (width - first) * 2 * hidden * int(config_field(config, "vocab_size"))
-    return rows * (layers * (2 * block * width + 4 * heads * head_dim * pairs) + head)
+    blocks = flops_per_token(s.layers * s.block_matmul_params, s.layers, s.hidden, pairs / width)
+    head = flops_per_token(s.hidden * s.vocab, 0, s.hidden, 0)
+    return rows * (width * blocks + (width - first) * head)
 
 
 def grouped(prompt_ids: list[list[int]], completion_ids: list[list[int]], cap: int,

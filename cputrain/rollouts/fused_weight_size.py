@@ -13,26 +13,21 @@ again, so the copy is the whole model in the compute dtype, the embedding table 
 
 from __future__ import annotations
 
-from cputrain.rollouts.kv_cache_size import config_field, bytes_per_element
+from cputrain.rollouts.decoder_sizes import decoder_sizes
+from cputrain.rollouts.kv_cache_size import bytes_per_element
 
 
 def fused_weight_bytes(config, compute_dtype, weights_dtype, lora: bool = False, gathered: bool = False) -> int:
     """For the model `config` describes (a transformers config or its dict), products computed in
     `compute_dtype` over weights held in `weights_dtype`, with or without LoRA adapters; `gathered`:
     sharded by FSDP2, every tensor a copy."""
-    config = config_field(config, "text_config", config)
-    hidden = int(config_field(config, "hidden_size"))
-    inter = int(config_field(config, "intermediate_size"))
-    heads = int(config_field(config, "num_attention_heads"))
-    kv_heads = int(config_field(config, "num_key_value_heads", heads))
-    head_dim = int(config_field(config, "head_dim", hidden // heads))
-    q, kv = heads * head_dim, kv_heads * head_dim
+    s = decoder_sizes(config)
+    hidden, inter, vocab, layers = s.hidden, s.intermediate, s.vocab, s.layers
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     cast = gathered or bytes_per_element(compute_dtype) != bytes_per_element(weights_dtype)
     always = hidden * (q + 2 * kv) + 2 * hidden * inter  # qkv, gate_up
     remade = q * hidden + inter * hidden if cast or lora else 0  # out, down
-    vocab = int(config_field(config, "vocab_size"))
     head = vocab * hidden if cast else 0
     embed = vocab * hidden if gathered else 0  # gathered in the dtype FSDP2 computes in
-    layers = int(config_field(config, "num_hidden_layers"))
     norms = (2 * layers + 1) * hidden * 4 if gathered else 0  # copied in fp32
     return (layers * (always + remade) + head + embed) * bytes_per_element(compute_dtype) + norms
