@@ -281,3 +281,49 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
     assert cfg.data.shared_prompt is False and "written before data.shared_prompt existed" in reasons["data.shared_prompt"][1]
     check_compatible(run, cfg)  # …and the folder's check lets it resume, without the override
 
+
+
+def _mask_sized_saved(model, inputs: dict, width: int) -> tuple[int, torch.Tensor]:
+    """(distinct storages of width² elements the forward keeps for the backward, the summed logits)."""
+    storages = set()
+
+    def pack(t):
+        if t.numel() >= width * width and t.shape[-2:] == (width, width):
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**inputs).logits
+    return len(storages), logits
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_sdpa_keeps_one_mask_for_every_layer_with_the_bool_masks_results(autocast):
+    """A bool mask is converted by sdpa in every layer, and each layer keeps its copy for the
+    backward; the additive one attention_mask_for gives (in the dtype the queries compute in) is
+    the same tensor in every layer, and gives the bool mask's logits and gradients exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.data.batch import attention_mask_for
+
+    torch.manual_seed(0)
+    layers, width = 4, 48
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                         attn_implementation="sdpa"))
+    ids = torch.randint(0, 64, (2, width))
+    sequence_ids = torch.tensor([[0] * 16 + [1] * 12 + [2] * 12 + [3] * 8, [0] * 20 + [1] * 28])
+    mask = shared_prompt_mask(sequence_ids, sequence_ids == 0, torch.zeros_like(sequence_ids))
+    results = {}
+    for kind in ("bool", "additive"):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            given = mask if kind == "bool" else attention_mask_for(mask, model)
+            kept, logits = _mask_sized_saved(model, {"input_ids": ids, "attention_mask": given}, width)
+        logits.float().sum().backward()
+        results[kind] = (kept, given.dtype, logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert results["bool"][0] >= layers, results["bool"][0]  # sdpa's conversion, kept once per layer
+    assert results["additive"][0] == 1, results["additive"][0]
+    assert results["additive"][1] == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(results["bool"][2], results["additive"][2])
+    assert torch.equal(results["bool"][3], results["additive"][3])
