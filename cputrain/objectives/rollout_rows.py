@@ -14,17 +14,17 @@ the run's MFU count, from the model's config, padding included) is taken for one
 row and for at most 2, 3, … a row (a few long completions may pay where all of them in one row do
 not); the cheapest is kept if it holds no more positions than one a row and no more query-key
 pairs than micro-batch × data.seq_len², so the memory plan's activations (micro-batch × data.seq_len
-positions, and under eager attention a matrix of that many pairs a block) still bound it. Under
-sdpa the plan counts no attention matrix, and the mask's copies (below) stay within the same
-pairs, a few bytes each, as DPO's shared-prompt rows' do. Its figures at that 100M shape
+positions, and under eager attention a matrix of that many pairs a block) still bound it, and
+the one mask it plans for rows that carry one (cputrain.plan.memory.activations.attention_mask_bytes,
+as for DPO's shared-prompt rows) bounds the shared rows' masks. Its figures at that 100M shape
 (data.seq_len 128), a micro-batch of the step's 8 groups: 4 completions a row, 1.90 TFLOP against
 2.27 (16% fewer), 3,344 positions against 4,160 (a group in one row, 401 wide, would hold more
 query-key pairs than the plan counts, for 1.89 TFLOP).
 
 A shared row is at most WIDTH_CAP × data.seq_len wide (a group's completions spill into more rows,
-each with the prompt): its mask is W² bytes in the batch, and sdpa converts it to the query's dtype
-in every layer, keeping that copy for the backward (W² × 2–4 bytes a layer, measured with
-saved-tensor hooks), where one completion a row holds no W² tensor at all. At 4 × seq_len the
+each with the prompt): its mask is W² bytes in the batch, and W² × 2–4 more as the additive mask
+every layer reads and keeps the one copy of (cputrain.data.batch.attention_mask_for), where one
+completion a row holds no W² tensor at all. At 4 × seq_len the
 quadratic part stays 16 × seq_len² a row however many completions a group has: an 8B run at
 seq_len 2,048 with 16 × 1,024-token completions after a 500-token prompt takes 2 a row (2,548
 wide, 10% fewer FLOPs); after a 5-token prompt it shares nothing (sharing would cost 4.9% more).

@@ -132,6 +132,23 @@ def test_activation_checkpointing_and_sequence_length_move_activations():
     assert longer > 1.9 * a and ckpt < a
 
 
+def test_a_4d_mask_is_planned_where_rows_carry_one():
+    """Pairs sharing a prompt keep a micro-batch × seq_len² mask through the backward (bool, and the
+    additive one every layer reads: cputrain.data.batch.attention_mask_for); pairs laid out apart
+    and text keep none."""
+    from cputrain.plan.memory.activations import attention_mask_bytes
+
+    def activations(*overrides):
+        cfg = load_config(None, ["data.seq_len=512", "train.micro_batch_size=2", "hardware.precision=bf16",
+                                 *overrides])
+        return make_plan(_decided(cfg), 1, shape=model_shape(cfg.model, vocab_size=4096)).peak_rank.activation_bytes
+
+    apart = activations("data.format=preference", "train.objective=dpo", "data.shared_prompt=false")
+    shared = activations("data.format=preference", "train.objective=dpo", "data.shared_prompt=auto")
+    assert shared - apart == attention_mask_bytes(2, 512, "bf16") == 2 * 512 * 512 * 7
+    assert activations() == apart  # text: transformers' own causal mask, no 4D one
+
+
 def test_builtin_instance_table():
     table = {i.name: i for i in builtin_instances()}
     assert len(table) == 12

@@ -146,6 +146,14 @@ def eager_attention_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_
     return micro_batch * m.heads * seq_len * seq_len * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
 
 
+def attention_mask_bytes(micro_batch: int, seq_len: int, precision: str) -> int:
+    """A micro-batch's 4D mask where rows share a prompt (cputrain.data.batch.attention_mask_for), kept
+    through its backward: the bool mask (1 byte an element) and the additive one every layer reads,
+    bounded by fp32 (4) plus, under bf16, the cast FSDP2's root makes of it (2). micro-batch × seq_len²
+    elements: online RL's wider shared rows hold no more (cputrain.objectives.rollout_rows)."""
+    return micro_batch * seq_len * seq_len * (1 + 4 + (2 if precision == "bf16" else 0))
+
+
 def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool | int | str,
                      local_weight_params: int, lora_dropout: float = 0.0, chunked_loss: bool = False,
                      eager_attention: bool = False) -> ActivationBytes:

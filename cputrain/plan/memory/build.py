@@ -39,6 +39,18 @@ def rollout_inputs(cfg, world_size: int) -> dict:
         return {}
     return {"rollout_rows": cfg.train.global_batch_size // world_size, "rollout_len": cfg.data.seq_len}
 
+def carries_attention_mask(cfg) -> bool:
+    """Whether the rows carry a 4D mask: preference pairs laid out after one prompt
+    (data.shared_prompt), or online RL's rows, where a group's completions may share its prompt."""
+    if objective_class(cfg.train.objective).batches_from_rollouts:
+        return True
+    if cfg.data.format != "preference" or cfg.data.shared_prompt is False:
+        return False
+    from cputrain.data.preference.rows import shared_prompt_choice
+
+    return shared_prompt_choice(cfg.data.shared_prompt, cfg.data.format)[0]
+
+
 def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:
     """From the DeepSpeed config the zero3 strategy will run with (generated or the user's file)."""
     if cfg.parallel.strategy != "zero3":
@@ -111,6 +123,7 @@ def _plan(cfg: PlannedConfig, world_size: int, shape: ModelShape, nproc_per_node
         overlap_reduction=fsdp and parallel.overlap_reduction,
         ranks_per_node=ranks_per_node, accumulation=grad_accum_steps(cfg, world_size),
         extra_forwards=objective_class(cfg.train.objective).extra_forwards,
+        attention_mask=carries_attention_mask(cfg),
         **rollout_inputs(cfg, world_size),
         **zero3,
     )

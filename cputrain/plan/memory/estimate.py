@@ -10,7 +10,7 @@ from cputrain.lora.adapters import is_adapter_parameter
 from cputrain.plan.memory.accounting import BF16_BYTES, FP32_BYTES, SHARDED, local_numel, state_bytes
 from cputrain.parallel.fsdp_layouts import DEFAULT_LAYOUT, PLANNED_PER_NODE, SPECS
 from cputrain.plan.memory.fsdp_buffers import fsdp_buffer_bytes
-from cputrain.plan.memory.activations import activation_bytes
+from cputrain.plan.memory.activations import activation_bytes, attention_mask_bytes
 from cputrain.plan.model_shape import ModelShape
 
 GIB = 2**30
@@ -66,6 +66,7 @@ class PlanInputs:
     extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (the objective's extra_forwards)
     rollout_rows: int = 0  # online RL: completions this rank samples a step (0: no rollout)
     rollout_len: int = 0  # online RL: the positions a rollout's row holds (prompt + completion ≤ data.seq_len)
+    attention_mask: bool = False  # the rows carry a 4D mask: pairs sharing a prompt, online RL's shared rows
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         param_bytes=state.param_bytes,
         grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes,
-        activation_bytes=act.saved_bytes + act.weight_copy_bytes,
+        activation_bytes=act.saved_bytes + act.weight_copy_bytes
+        + (attention_mask_bytes(inp.micro_batch, inp.seq_len, inp.precision) if inp.attention_mask else 0),
         optimizer_step_bytes=step_tmp,
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
         process_overhead_bytes=PROCESS_OVERHEAD_BYTES + SCIPY_IMPORT_BYTES
