@@ -31,6 +31,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("sharded_load", "memory.md", "## Loading a model on several ranks"),
     ("allocator-*", "memory.md", "## Which malloc"),
     ("heap_retention", "memory.md", "## What the heap keeps after a step"),
+    ("shared_mask", "memory.md", "## A row's own mask"),
     # lora.py writes block lora holding one inner block per part; the parts measured later sit
     # in sections of their own.
     ("lora", "lora.md", "## LoRA against full fine-tuning and peft"),
