@@ -61,7 +61,33 @@ class Batch:
             inputs["position_ids"] = self.position_ids
         if self.attention_mask is not None:
             inputs["attention_mask"] = attention_mask_for(self.attention_mask, model)
+        elif self.position_ids is not None and kernel_of(model) == "sdpa":
+            # Packed examples: transformers would build this mask from the positions as bool, and
+            # sdpa would convert it in every layer (attention_mask_for); built here, it is one tensor.
+            mask = packed_mask(self.position_ids)
+            if mask is not None:
+                inputs["attention_mask"] = attention_mask_for(mask, model)
         return inputs
+
+
+def kernel_of(model) -> str | None:
+    """The attention kernel of `model` (wrapped or not: DDP's and ZeRO-3's `.module`); None without one."""
+    inner = getattr(model, "module", model)
+    return None if inner is None else getattr(inner.config, "_attn_implementation", "sdpa")
+
+
+def packed_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 1, tokens, tokens] bool (True: attend) of rows packed with several sequences: a token
+    sees the earlier tokens of its own sequence, a sequence starting wherever the positions do not
+    go up by one (transformers' rule for packed position ids: masking_utils.find_packed_sequence_indices,
+    the padding after a row's last example a sequence of its own). None where every row is one
+    sequence: the kernel's own causal path, which computes half the pairs, stays."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    starts = step != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    sequence = starts.cumsum(-1)
+    return ((sequence[:, :, None] == sequence[:, None, :]) & _causal(position_ids.shape[1]))[:, None]
 
 
 def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
@@ -78,11 +104,11 @@ def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
       104). Given this one, every layer reads and keeps the same tensor. (Under FSDP2 the weights
       are the fp32 shards outside the forward, and its root casts the mask to bf16 once, with
       the other floating inputs.)"""
-    inner = getattr(model, "module", model)
-    if inner is None:
+    kernel = kernel_of(model)
+    if kernel is None:
         return mask
-    weights_dtype = inner.get_input_embeddings().weight.dtype
-    if getattr(inner.config, "_attn_implementation", "sdpa") == "eager":
+    weights_dtype = getattr(model, "module", model).get_input_embeddings().weight.dtype
+    if kernel == "eager":
         return torch.where(mask, torch.zeros((), dtype=weights_dtype), torch.finfo(weights_dtype).min)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weights_dtype
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))

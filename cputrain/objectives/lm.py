@@ -40,7 +40,7 @@ class LmObjective(Objective):
         return batch.trained_targets
 
     def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, None]:
-        return model(**batch.model_inputs(), num_items_in_batch=divisor).loss, None
+        return model(**batch.model_inputs(model), num_items_in_batch=divisor).loss, None
 
     @torch.no_grad()
     def summed(self, model, rows, indices, micro_batch: int, autocast) -> tuple[np.ndarray, int]:

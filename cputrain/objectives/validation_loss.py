@@ -32,7 +32,7 @@ def summed_loss(model, rows, indices, micro_batch: int, autocast=contextlib.null
         batch = rows.batch(indices[start : start + micro_batch])
         with autocast():
             # num_items_in_batch=1: the loss comes back as a sum over the targets, not a mean
-            total += float(model(**batch.model_inputs(), num_items_in_batch=1).loss)
+            total += float(model(**batch.model_inputs(model), num_items_in_batch=1).loss)
         targets += batch.trained_targets
     return total, targets
 

@@ -133,9 +133,9 @@ def test_activation_checkpointing_and_sequence_length_move_activations():
 
 
 def test_a_4d_mask_is_planned_where_rows_carry_one():
-    """Pairs sharing a prompt keep a micro-batch × seq_len² mask through the backward (bool, and the
-    additive one every layer reads: cputrain.data.batch.attention_mask_for); pairs laid out apart
-    and text keep none."""
+    """Rows of several sequences (packed examples, preference pairs, shared or not) keep one
+    micro-batch × seq_len² mask through the backward (bool, and the additive one every layer reads:
+    cputrain.data.batch.attention_mask_for); text and one example a row keep none."""
     from cputrain.plan.memory.activations import attention_mask_bytes
 
     def activations(*overrides):
@@ -143,10 +143,13 @@ def test_a_4d_mask_is_planned_where_rows_carry_one():
                                  *overrides])
         return make_plan(_decided(cfg), 1, shape=model_shape(cfg.model, vocab_size=4096)).peak_rank.activation_bytes
 
-    apart = activations("data.format=preference", "train.objective=dpo", "data.shared_prompt=false")
-    shared = activations("data.format=preference", "train.objective=dpo", "data.shared_prompt=auto")
-    assert shared - apart == attention_mask_bytes(2, 512, "bf16") == 2 * 512 * 512 * 7
-    assert activations() == apart  # text: transformers' own causal mask, no 4D one
+    none = activations("data.format=chat", "data.packing=false")
+    assert activations() == none  # text: the kernel's own causal mask, no 4D one
+    mask = attention_mask_bytes(2, 512, "bf16", "single")
+    assert mask == 2 * 512 * 512 * 3  # bf16 under autocast, and the bool
+    assert activations("data.format=chat") - none == mask
+    for shared in ("true", "false"):
+        assert activations("data.format=preference", "train.objective=dpo", f"data.shared_prompt={shared}") - none == mask
 
 
 def test_builtin_instance_table():

@@ -327,3 +327,38 @@ def test_sdpa_keeps_one_mask_for_every_layer_with_the_bool_masks_results(autocas
     assert results["additive"][1] == (torch.bfloat16 if autocast else torch.float32)
     assert torch.equal(results["bool"][2], results["additive"][2])
     assert torch.equal(results["bool"][3], results["additive"][3])
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_packed_examples_keep_one_mask_with_transformers_results(autocast):
+    """Packed examples (positions restarting at each example, the padding after them its own run):
+    transformers builds their mask from the positions as bool, which sdpa converts in every layer;
+    Batch.model_inputs builds it once (packed_mask), additive, with transformers' logits and
+    gradients exactly. A row of one sequence keeps the kernel's causal path (no mask)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cputrain.data.batch import Batch, packed_mask
+
+    torch.manual_seed(0)
+    layers, width = 4, 40
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                         attn_implementation="sdpa"))
+    ids = torch.randint(0, 64, (2, width))
+    positions = torch.stack([torch.cat([torch.arange(12), torch.arange(20), torch.arange(8)]),
+                             torch.cat([torch.arange(30), torch.arange(10)])])
+    batch = Batch(ids, ids.clone(), positions)
+    results = {}
+    for kind in ("transformers", "ours"):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            inputs = batch.model_inputs(model if kind == "ours" else None)
+            del inputs["labels"]
+            kept, logits = _mask_sized_saved(model, inputs, width)
+        logits.float().sum().backward()
+        results[kind] = (kept, logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert results["transformers"][0] >= layers, results["transformers"][0]
+    assert results["ours"][0] == 1, results["ours"][0]
+    assert torch.equal(results["transformers"][1], results["ours"][1])
+    assert torch.equal(results["transformers"][2], results["ours"][2])
+    assert packed_mask(torch.arange(width)[None].repeat(2, 1)) is None

@@ -146,12 +146,15 @@ def eager_attention_bytes(m: ModelShape, micro_batch: int, seq_len: int, matmul_
     return micro_batch * m.heads * seq_len * seq_len * (4 + (matmul_bytes if matmul_bytes != 4 else 0))
 
 
-def attention_mask_bytes(micro_batch: int, seq_len: int, precision: str) -> int:
-    """A micro-batch's 4D mask where rows share a prompt (cputrain.data.batch.attention_mask_for), kept
-    through its backward: the bool mask (1 byte an element) and the additive one every layer reads,
-    bounded by fp32 (4) plus, under bf16, the cast FSDP2's root makes of it (2). micro-batch × seq_len²
-    elements: online RL's wider shared rows hold no more (cputrain.objectives.rollout_rows)."""
-    return micro_batch * seq_len * seq_len * (1 + 4 + (2 if precision == "bf16" else 0))
+def attention_mask_bytes(micro_batch: int, seq_len: int, precision: str, strategy: str) -> int:
+    """A micro-batch's 4D mask where rows hold several sequences (cputrain.data.batch.attention_mask_for),
+    kept through its backward: the additive one every layer reads, in the dtype the queries compute
+    in (bf16 under autocast and ZeRO-3's bf16 weights; under fsdp built in fp32 from the shards' dtype,
+    and cast to bf16 by FSDP2's root), and the bool mask a shared prompt's batch holds (1 byte).
+    micro-batch × seq_len² elements: online RL's wider shared rows hold no more
+    (cputrain.objectives.rollout_rows)."""
+    additive = 4 if precision != "bf16" else 4 + 2 if strategy == "fsdp" else 2
+    return micro_batch * seq_len * seq_len * (1 + additive)
 
 
 def activation_bytes(m: ModelShape, micro_batch: int, seq_len: int, precision: str, checkpointing: bool | int | str,

@@ -39,16 +39,20 @@ def rollout_inputs(cfg, world_size: int) -> dict:
         return {}
     return {"rollout_rows": cfg.train.global_batch_size // world_size, "rollout_len": cfg.data.seq_len}
 
+# data.format values whose rows, packed, hold several examples at restarting positions
+PACKED_EXAMPLE_FORMATS = ("chat", "prompt_completion", "alpaca")
+# and those whose rows always do: a pair (data.preference.rows), or a sequence and its padding (data.feedback.rows)
+SEQUENCES_A_ROW_FORMATS = ("preference", "feedback")
+
+
 def carries_attention_mask(cfg) -> bool:
-    """Whether the rows carry a 4D mask: preference pairs laid out after one prompt
-    (data.shared_prompt), or online RL's rows, where a group's completions may share its prompt."""
+    """Whether a micro-batch carries a 4D mask: rows of several sequences (from their positions,
+    cputrain.data.batch.packed_mask, or a shared prompt's, data.preference.rows), or online RL's
+    rows, where a group's completions may share its prompt."""
     if objective_class(cfg.train.objective).batches_from_rollouts:
         return True
-    if cfg.data.format != "preference" or cfg.data.shared_prompt is False:
-        return False
-    from cputrain.data.preference.rows import shared_prompt_choice
-
-    return shared_prompt_choice(cfg.data.shared_prompt, cfg.data.format)[0]
+    return cfg.data.format in SEQUENCES_A_ROW_FORMATS or (cfg.data.format in PACKED_EXAMPLE_FORMATS
+                                                           and cfg.data.packing)
 
 
 def _zero3_settings(cfg: Config, world_size: int, shape: ModelShape) -> dict:

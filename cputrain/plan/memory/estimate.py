@@ -243,7 +243,7 @@ def plan_rank(m: ModelShape, inp: PlanInputs, rank: int = 0) -> RankPlan:
         grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes,
         activation_bytes=act.saved_bytes + act.weight_copy_bytes
-        + (attention_mask_bytes(inp.micro_batch, inp.seq_len, inp.precision) if inp.attention_mask else 0),
+        + (attention_mask_bytes(inp.micro_batch, inp.seq_len, inp.precision, inp.strategy) if inp.attention_mask else 0),
         optimizer_step_bytes=step_tmp,
         comm_buffer_bytes=_comm_buffer_bytes(m, inp, state.local_params),
         process_overhead_bytes=PROCESS_OVERHEAD_BYTES + SCIPY_IMPORT_BYTES
