@@ -32,7 +32,7 @@ class Batch:
     # before training (full weights: cputrain.objectives); None: computed live, or not wanted.
     reference_logps: torch.Tensor | None = None
     # [micro-batch, 1, tokens, tokens] bool, True: attend; pairs with a shared prompt
-    # (cputrain.data.preference.rows) carry it. None: transformers builds the causal mask from the positions.
+    # (cputrain.data.preference.rows) carry it. None: model_inputs builds packed rows' from their positions (packed_mask).
     attention_mask: torch.Tensor | None = None
     # Preference pairs with a margin each (data.margin_field): the reward model's loss subtracts it.
     margins: torch.Tensor | None = None

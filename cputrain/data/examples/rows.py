@@ -4,8 +4,8 @@ An entry is a sequence kind's (cputrain.data.sequences: the streams, how they ar
 sequence an example. Packing (data.packing) puts whole examples into rows of data.seq_len in
 corpus order: the next example goes into the current row if it fits, else it opens a new row
 (next-fit), so a row is one contiguous run of the ids and no example is ever split. Position ids
-restart at each example; transformers builds a block-diagonal causal mask from them, so no token
-attends to another example. The tail of a row is padding: never a target, positions of its own.
+restart at each example; a block-diagonal causal mask is built from them (cputrain.data.batch.packed_mask
+under sdpa, transformers under eager), so no token attends to another example. The tail of a row is padding: never a target, positions of its own.
 Without packing a row is one example, and a micro-batch is padded to its longest example (right
 padding under a causal mask changes nothing before it).
 """

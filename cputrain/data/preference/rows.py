@@ -10,8 +10,8 @@ from which the objective sums each sequence's log-probabilities. Without packing
 Two layouts of a pair in a row:
 
 - unshared (data.shared_prompt=false): the two sequences one after the other, positions
-  restarting at each; transformers builds the block-diagonal causal mask from the position ids,
-  so no token attends to another sequence. The prompt is computed twice.
+  restarting at each; the block-diagonal causal mask is built from the position ids
+  (cputrain.data.batch.packed_mask), so no token attends to another sequence. The prompt is computed twice.
 - shared prompt (data.shared_prompt=true, preference data's auto): the chosen sequence whole
   (prompt + chosen answer), then `p_last` + the rejected answer, where p_last is a copy of the
   prompt's last shared token (index P-1) at its position P-1. The copy's hidden state is the
@@ -165,7 +165,7 @@ class PairRows(SequenceRows):
             reference = torch.cat([self.reference_logps[2 * self.bounds[int(r)]: 2 * self.bounds[int(r) + 1]]
                                    for r in indices])
         # Positions are always given: a row holds two sequences at least, whose positions restart.
-        # Unshared, transformers builds the mask from them; shared, the batch carries it.
+        # Unshared, the mask is built from them (Batch.model_inputs); shared, the batch carries it.
         mask = shared_prompt_mask(sequence_ids, visible) if self.shared_prompt else None
         margins = None
         if self.margins is not None:
