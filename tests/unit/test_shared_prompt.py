@@ -283,82 +283,81 @@ def test_auto_resumes_a_dpo_folder_with_the_layout_it_recorded(tmp_path):
 
 
 
-def _mask_sized_saved(model, inputs: dict, width: int) -> tuple[int, torch.Tensor]:
-    """(distinct storages of width² elements the forward keeps for the backward, the summed logits)."""
+LAYERS = 4  # of the masks' tiny sdpa Llama
+
+
+@pytest.fixture(scope="module")
+def sdpa_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                        attn_implementation="sdpa"))
+
+
+def _forward_backward(model, inputs: dict, width: int, autocast: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(distinct storages of width² elements the forward keeps for the backward, the logits, one
+    weight's gradient) of a forward and backward of `inputs`, under bf16 autocast or not."""
     storages = set()
 
     def pack(t):
-        if t.numel() >= width * width and t.shape[-2:] == (width, width):
+        if t.shape[-2:] == (width, width):
             storages.add(t.untyped_storage().data_ptr())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(**inputs).logits
-    return len(storages), logits
+    logits.float().sum().backward()
+    return len(storages), logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_sdpa_keeps_one_mask_for_every_layer_with_the_bool_masks_results(autocast):
+def test_sdpa_keeps_one_mask_for_every_layer_with_the_bool_masks_results(sdpa_llama, autocast):
     """A bool mask is converted by sdpa in every layer, and each layer keeps its copy for the
     backward; the additive one attention_mask_for gives (in the dtype the queries compute in) is
     the same tensor in every layer, and gives the bool mask's logits and gradients exactly."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from cputrain.data.batch import attention_mask_for
 
-    torch.manual_seed(0)
-    layers, width = 4, 48
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                         attn_implementation="sdpa"))
-    ids = torch.randint(0, 64, (2, width))
+    width = 48
+    ids = torch.randint(0, 64, (2, width), generator=torch.Generator().manual_seed(1))
     sequence_ids = torch.tensor([[0] * 16 + [1] * 12 + [2] * 12 + [3] * 8, [0] * 20 + [1] * 28])
     mask = shared_prompt_mask(sequence_ids, sequence_ids == 0, torch.zeros_like(sequence_ids))
-    results = {}
-    for kind in ("bool", "additive"):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            given = mask if kind == "bool" else attention_mask_for(mask, model)
-            kept, logits = _mask_sized_saved(model, {"input_ids": ids, "attention_mask": given}, width)
-        logits.float().sum().backward()
-        results[kind] = (kept, given.dtype, logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
-    assert results["bool"][0] >= layers, results["bool"][0]  # sdpa's conversion, kept once per layer
-    assert results["additive"][0] == 1, results["additive"][0]
-    assert results["additive"][1] == (torch.bfloat16 if autocast else torch.float32)
-    assert torch.equal(results["bool"][2], results["additive"][2])
-    assert torch.equal(results["bool"][3], results["additive"][3])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        additive = attention_mask_for(mask, sdpa_llama)
+    assert additive.dtype == (torch.bfloat16 if autocast else torch.float32)
+    kept_bool, *of_bool = _forward_backward(sdpa_llama, {"input_ids": ids, "attention_mask": mask}, width, autocast)
+    kept, *of_additive = _forward_backward(sdpa_llama, {"input_ids": ids, "attention_mask": additive}, width, autocast)
+    assert kept_bool >= LAYERS, kept_bool  # sdpa's conversion, kept once per layer
+    assert kept == 1, kept
+    assert all(torch.equal(a, b) for a, b in zip(of_bool, of_additive))
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_packed_examples_keep_one_mask_with_transformers_results(autocast):
+def test_packed_examples_keep_one_mask_with_transformers_results(sdpa_llama, autocast):
     """Packed examples (positions restarting at each example, the padding after them its own run):
     transformers builds their mask from the positions as bool, which sdpa converts in every layer;
     Batch.model_inputs builds it once (packed_mask), additive, with transformers' logits and
     gradients exactly. A row of one sequence keeps the kernel's causal path (no mask)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from cputrain.data.batch import Batch, packed_mask
 
-    torch.manual_seed(0)
-    layers, width = 4, 40
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                         attn_implementation="sdpa"))
-    ids = torch.randint(0, 64, (2, width))
+    width = 40
+    ids = torch.randint(0, 64, (2, width), generator=torch.Generator().manual_seed(1))
     positions = torch.stack([torch.cat([torch.arange(12), torch.arange(20), torch.arange(8)]),
                              torch.cat([torch.arange(30), torch.arange(10)])])
     batch = Batch(ids, ids.clone(), positions)
-    results = {}
-    for kind in ("transformers", "ours"):
-        model.zero_grad()
+
+    def inputs(model):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            inputs = batch.model_inputs(model if kind == "ours" else None)
-            del inputs["labels"]
-            kept, logits = _mask_sized_saved(model, inputs, width)
-        logits.float().sum().backward()
-        results[kind] = (kept, logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
-    assert results["transformers"][0] >= layers, results["transformers"][0]
-    assert results["ours"][0] == 1, results["ours"][0]
-    assert torch.equal(results["transformers"][1], results["ours"][1])
-    assert torch.equal(results["transformers"][2], results["ours"][2])
+            given = batch.model_inputs(model)
+        del given["labels"]
+        return given
+
+    kept_transformers, *of_transformers = _forward_backward(sdpa_llama, inputs(None), width, autocast)
+    kept, *ours = _forward_backward(sdpa_llama, inputs(sdpa_llama), width, autocast)
+    assert kept_transformers >= LAYERS, kept_transformers
+    assert kept == 1, kept
+    assert all(torch.equal(a, b) for a, b in zip(of_transformers, ours))
     assert packed_mask(torch.arange(width)[None].repeat(2, 1)) is None
