@@ -308,11 +308,25 @@ class Zero3Strategy(Strategy):
     def close(self) -> None:
         super().close()
         self.engine = None
+        release_shared_memory_segment(self.ctx.rank)
         original = getattr(self, "_deepspeed_reduce_scatter", None)
         if original is not None:
             from deepspeed.runtime.comm import coalesced_collectives
 
             coalesced_collectives._torch_reduce_scatter_fn = original
+
+
+def release_shared_memory_segment(rank: int) -> None:
+    """DeepSpeed's CPU backend creates, where every rank is on one node, a shared-memory segment per
+    rank for its all-reduce (ops/csrc/cpu/comm/shm.cpp: /dev/shm/deepspeed_allreduce_buffer_<uid>_
+    <MASTER_ADDR>_<MASTER_PORT>_<rank>, 66 MB) and never unlinks it: /dev/shm is memory, and every
+    run left 66 MB a rank there until the machine restarted (a host that ran a few hundred zero3
+    runs held 18 GiB, and the kernel's OOM killer took a rank). At the end of the run each rank
+    unlinks its own; a peer still mapping it keeps its pages until it exits."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    with contextlib.suppress(FileNotFoundError, PermissionError):
+        (Path("/dev/shm") / name).unlink()
 
 
 class DeepSpeedState:
