@@ -109,9 +109,11 @@ def attention_mask_for(mask: torch.Tensor, model=None) -> torch.Tensor:
         return mask
     weights_dtype = getattr(model, "module", model).get_input_embeddings().weight.dtype
     if kernel == "eager":
-        return torch.where(mask, torch.zeros((), dtype=weights_dtype), torch.finfo(weights_dtype).min)
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weights_dtype
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        dtype, blocked = weights_dtype, torch.finfo(weights_dtype).min
+    else:
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weights_dtype
+        blocked = float("-inf")
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, blocked)
 
 
 @functools.lru_cache(maxsize=2)

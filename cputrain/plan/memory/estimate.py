@@ -66,7 +66,7 @@ class PlanInputs:
     extra_forwards: int = 0  # no-grad forwards a step runs beyond its own (the objective's extra_forwards)
     rollout_rows: int = 0  # online RL: completions this rank samples a step (0: no rollout)
     rollout_len: int = 0  # online RL: the positions a rollout's row holds (prompt + completion ≤ data.seq_len)
-    attention_mask: bool = False  # the rows carry a 4D mask: pairs sharing a prompt, online RL's shared rows
+    attention_mask: bool = False  # the rows carry a 4D mask: rows of several sequences (build.carries_attention_mask)
 
 
 @dataclass(frozen=True)
