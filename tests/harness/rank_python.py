@@ -4,6 +4,13 @@ fork the rank, hands it this process's stdin/stdout/stderr, forwards the agent's
 ends as it ends (its exit code, or the signal that killed it). The agent sees one process per rank
 that behaves as `python -u -m cputrain train ...` does, without ~4 s of imports per rank.
 
+It is also the `python` multiprocessing spawns with in a forked command (warm_interpreter.py sets
+it where the command was started to be waited for): `python -c PROGRAM --multiprocessing-fork`,
+with the pipes multiprocessing passed it open at their numbers. It hands those on as well (and
+closes its own copies, so the parent sees the pipes close when the child ends), and the server's
+child runs the program: the data preparation's builder and its tokenizing workers start without
+~4 s of imports each.
+
 Runs with `python -S` (the standard library only). Where the server cannot serve the rank as
 asked (no server, or a preloaded allocator that a fork cannot take), it becomes the real python.
 """
@@ -19,6 +26,28 @@ def _real_python() -> None:
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 
 
+def _open_fds(but: int) -> list[int]:
+    """stdin, stdout, stderr, then every other descriptor open here (those a spawning parent passed)."""
+    numbers = sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    found = []
+    for fd in numbers:
+        try:
+            os.fstat(fd)  # the listing's own descriptor is closed by now
+        except OSError:
+            continue
+        if fd != but and fd > 2:
+            found.append(fd)
+    return [0, 1, 2, *found]
+
+
+def _die_with_parent() -> None:
+    """SIGKILL from the kernel when the parent ends (prctl PR_SET_PDEATHSIG; Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def main() -> None:
     server = os.environ.get("CPUTRAIN_TEST_RANK_SERVER")
     if not server or os.environ.get("LD_PRELOAD"):
@@ -28,8 +57,14 @@ def main() -> None:
         conn.connect(server)
     except OSError:
         _real_python()
-    request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "stand_in": os.getpid()}
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    if "-c" in sys.argv:  # a process multiprocessing spawned: it ends with its parent, as one that asks does
+        _die_with_parent()
+    fds = _open_fds(conn.fileno())
+    request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "stand_in": os.getpid(),
+               "parent": os.getppid(), "fds": fds}
+    socket.send_fds(conn, [json.dumps(request).encode()], fds)
+    for fd in fds[3:]:  # the child holds them now: a pipe's end kept here would outlive it
+        os.close(fd)
     rank = json.loads(conn.recv(4096))["pid"]
     def forward(received, _frame):
         try:

@@ -6,7 +6,11 @@ its rank inside it.
 
 The test's own rank server forks ranks of a stand-in `cputrain` package put first on its
 PYTHONPATH: a rank that says it is ready and its pid, then waits, and reports a SIGTERM before
-ending by it. What is tested is the protocol, not a training run."""
+ending by it. What is tested is the protocol, not a training run.
+
+The stand-in is also the `python` a forked command's multiprocessing spawns with: a spawned
+process gets its pipes, its result and exit code reach its parent, it sees that parent as its
+own, and it ends when the parent is killed."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +50,35 @@ time.sleep(120)  # a test that fails leaves nothing for long
 """
 
 
+# The spawning parent: a fresh interpreter (multiprocessing only, no torch) that spawns as a command
+# forked by run_cli does (warm_interpreter._fork_spawns), its target in the stand-in package.
+SPAWNED = """\
+import os, sys, time
+
+
+def work(connection, code):
+    connection.send((os.getpid(), os.getppid()))
+    if code == "wait":
+        time.sleep(120)  # a test that fails leaves nothing for long
+    sys.exit(int(code))
+"""
+SPAWNER = """\
+import multiprocessing, os, sys
+import spawned
+
+if __name__ == "__main__":
+    multiprocessing.set_executable(os.environ["PYTHON_EXEC"])
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("spawn").Process(target=spawned.work, args=(send, sys.argv[1]))
+    child.start()
+    send.close()
+    pid, its_parent = receive.recv()
+    print(child.pid, pid, its_parent, os.getpid(), flush=True)
+    child.join()
+    print("exit", child.exitcode, flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
 def rank_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ranks")
@@ -52,6 +86,8 @@ def rank_server(tmp_path_factory):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "__main__.py").write_text(RANK_MAIN)
+    (package.parent / "spawned.py").write_text(SPAWNED)
+    (package.parent / "spawner.py").write_text(SPAWNER)
     path = os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH", "")) if p)
     with open(folder / "server.log", "w") as log:
         server = RankServer(folder, log, cli_env(PYTHONPATH=path))
@@ -162,3 +198,44 @@ def test_a_stand_in_inside_a_network_namespace_gets_its_rank_inside_it(rank_serv
         assert _gone(rank), f"rank {rank} outlived its stand-in"
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _spawner(server: RankServer, code: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / f"spawner-{uuid.uuid4().hex[:8]}.out"
+    package = server.socket.parent / "stand-in-package"
+    with open(out, "w") as stdout:
+        spawner = subprocess.Popen([sys.executable, str(package / "spawner.py"), code], cwd=package,
+                                   stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
+                                   env=cli_env(PYTHONPATH=str(package), **server.exec_env()))
+    return spawner, out
+
+
+def _spawned_line(spawner: subprocess.Popen, out: Path) -> list[int]:
+    deadline = time.monotonic() + 60
+    while not out.read_text().strip():
+        assert spawner.poll() is None, f"the spawner ended ({spawner.returncode}): {out.read_text()}"
+        assert time.monotonic() < deadline, "the spawned process sent nothing"
+        time.sleep(0.05)
+    return [int(word) for word in out.read_text().split()[:4]]
+
+
+def test_a_spawned_process_is_forked_and_answers_its_parent_as_a_spawned_one(rank_server, tmp_path):
+    spawner, out = _spawner(rank_server, "3", tmp_path)
+    assert spawner.wait(timeout=60) == 0, out.read_text()
+    stand_in, spawned, its_parent, parent = _spawned_line(spawner, out)
+    assert spawned != stand_in  # the server forked it: not a fresh interpreter in the stand-in's place
+    assert its_parent == parent  # os.getppid(): the process that spawned it, not the server
+    assert out.read_text().split()[-2:] == ["exit", "3"]  # its exit code, through the stand-in
+
+
+def test_a_spawned_process_ends_when_its_parent_is_killed(rank_server, tmp_path):
+    spawner, out = _spawner(rank_server, "wait", tmp_path)
+    try:
+        stand_in, spawned, _, _ = _spawned_line(spawner, out)
+        assert rank_server.forked_rank(stand_in) == spawned
+        spawner.kill()  # what a lost node does to a data preparation: no signal to forward
+        assert _gone(stand_in) and _gone(spawned), f"{spawned} outlived the process that spawned it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(spawned, signal.SIGKILL)
+        spawner.wait(timeout=30)

@@ -49,12 +49,15 @@ class WarmInterpreter:
                 if key in answer:
                     return answer[key]
 
-    def start(self, argv: list[str], cwd, environ: dict | None = None) -> tuple[int, Path, Path]:
+    def start(self, argv: list[str], cwd, environ: dict | None = None,
+              fork_spawns: bool = False) -> tuple[int, Path, Path]:
         """Fork `python -m cputrain ARGV` (in `environ`, where given); its pid and the files of its
-        stdout and stderr. The server forks nothing else until returncode() has answered for it."""
+        stdout and stderr. The server forks nothing else until returncode() has answered for it.
+        `fork_spawns`: the processes it spawns (multiprocessing) are forked by the rank server too,
+        where its environment names the rank server (warm_interpreter._fork_spawns)."""
         self.calls += 1
         out, err = self.folder / f"{self.calls}.out", self.folder / f"{self.calls}.err"
-        request = {"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        request = {"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err), "fork_spawns": fork_spawns}
         if environ is not None:
             request["environ"] = environ
         self.server.stdin.write(json.dumps(request) + "\n")
@@ -66,7 +69,7 @@ class WarmInterpreter:
         return self._answer("returncode", timeout_s)
 
     def run(self, argv: list[str], cwd, timeout_s: float, environ: dict | None = None) -> subprocess.CompletedProcess:
-        pid, out, err = self.start(argv, cwd, environ)
+        pid, out, err = self.start(argv, cwd, environ, fork_spawns=True)
         code = self.returncode(timeout_s)
         timed_out = code is None
         if timed_out:  # as subprocess.run does: kill it, then raise

@@ -59,18 +59,12 @@ import tqdm  # noqa: E402,F401
 import yaml  # noqa: E402,F401
 
 
-def _become_cputrain(argv: list[str], unbuffered: bool = False) -> None:
-    """Run `python -m cputrain ARGV` in this (forked) process and exit with its code."""
-    import atexit
-    import runpy
-
-    if unbuffered:  # python -u, as torchrun starts its ranks
-        sys.stdout.reconfigure(write_through=True)
-        sys.stderr.reconfigure(write_through=True)
+def _exit_as_main(run) -> None:
+    """Run `run` as an interpreter runs its main program, then exit this (forked) process with
+    the code the interpreter would: SystemExit's, or 1 and the traceback."""
     code = 0
     try:
-        sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
-        runpy.run_module("cputrain", run_name="__main__", alter_sys=True)
+        run()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
@@ -80,10 +74,25 @@ def _become_cputrain(argv: list[str], unbuffered: bool = False) -> None:
 
         traceback.print_exc()
         code = 1
+    import atexit
+
     atexit._run_exitfuncs()  # what an interpreter runs at exit (multiprocessing joins its children)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError):  # closed by the program (multiprocessing's resource tracker does)
+            stream.flush()
     os._exit(code)
+
+
+def _become_cputrain(argv: list[str], unbuffered: bool = False) -> None:
+    """Run `python -m cputrain ARGV` in this (forked) process and exit with its code."""
+    import runpy
+
+    if unbuffered:  # python -u, as torchrun starts its ranks
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    _fork_spawns()
+    sys.argv = ["-m", *argv]  # run_module puts the module's path first, as `python -m` does
+    _exit_as_main(lambda: runpy.run_module("cputrain", run_name="__main__", alter_sys=True))
 
 
 def _child(request: dict) -> None:
@@ -93,6 +102,8 @@ def _child(request: dict) -> None:
     if "environ" in request:
         os.environ.clear()
         os.environ.update(request["environ"])
+    if request.get("fork_spawns"):  # inherited by its agent's ranks too
+        os.environ["CPUTRAIN_TEST_FORK_SPAWNS"] = "1"
     os.chdir(request["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -136,14 +147,46 @@ def _join_network_namespace(stand_in: int) -> None:
         os.close(fd)
 
 
+def _fork_spawns() -> None:
+    """A command started to be waited for (run_cli) spawns its processes (the data preparation's
+    builder and its tokenizing workers) through the rank stand-in, forked here, not as fresh
+    interpreters: its environment says so (CPUTRAIN_TEST_FORK_SPAWNS) and names the stand-in.
+    A test that signals or kills a command's processes (start_cli) keeps them real processes."""
+    stand_in = os.environ.get("PYTHON_EXEC")
+    if os.environ.get("CPUTRAIN_TEST_FORK_SPAWNS") and stand_in and os.environ.get("CPUTRAIN_TEST_RANK_SERVER"):
+        import multiprocessing
+
+        multiprocessing.set_executable(stand_in)
+
+
+def _run_program(argv: list[str], parent: int) -> None:
+    """Run `python -c PROGRAM ARGS` (what multiprocessing spawns) in this process and exit with its
+    code. Its parent is the process that spawned the stand-in: what os.getppid() answers (the
+    data builder checks it is still there), and when that parent ends, the stand-in ends (its
+    parent-death signal) and this process with it."""
+    os.getppid = lambda: parent
+    program = argv.index("-c")
+    sys.argv = ["-c", *argv[program + 2:]]
+    _fork_spawns()
+    _exit_as_main(lambda: exec(compile(argv[program + 1], "<string>", "exec"), {"__name__": "__main__"}))
+
+
 def _rank(request: dict, fds: list[int]) -> None:
-    """Become the rank the agent asked for: its streams, folder, environment and `-u -m cputrain ARGS`."""
+    """Become the process the stand-in asked for: its streams and the other descriptors it was
+    started with (at their numbers), its folder and environment, then `-u -m cputrain ARGS` (a
+    rank) or `-c PROGRAM` (a process multiprocessing spawned)."""
+    import fcntl
     import signal
 
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for target, fd in enumerate(fds):
+    targets = request.get("fds", [0, 1, 2])
+    # above every target first, so that placing one never closes another still to be placed
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(high, targets):
         os.dup2(fd, target)
         os.close(fd)
     _join_network_namespace(request["stand_in"])
@@ -151,6 +194,8 @@ def _rank(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]
+    if "-m" not in argv:
+        _run_program(argv, request["parent"])
     module = argv.index("-m")
     assert argv[module + 1] == "cputrain", argv
     _become_cputrain(argv[module + 2:], unbuffered="-u" in argv[:module])
@@ -180,7 +225,7 @@ def serve_ranks(path: str) -> None:
         for conn in ready:
             if conn is listener:
                 conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
