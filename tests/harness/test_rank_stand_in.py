@@ -15,9 +15,11 @@ own, and it ends when the parent is killed."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -175,6 +177,24 @@ def test_a_killed_stand_in_takes_its_rank_with_it_and_the_server_serves_on(rank_
     assert _gone(rank), f"rank {rank} outlived its stand-in"
     next_rank, _ = start_rank("exit", "3")
     assert next_rank.wait(timeout=30) == 3  # its exit code, through the same server
+
+
+def test_a_stand_in_gone_before_its_answer_leaves_the_server_serving(rank_server, start_rank):
+    """A stand-in killed as it starts (its parent killed: a spawned process's stand-in ends with it)
+    may have sent its request and be gone before the answer: the server kills what it forked for
+    it and serves the next rank, instead of ending on the broken connection."""
+    gone = subprocess.Popen([sys.executable, "-S", "-c", "pass"])
+    gone.wait()
+    request = {"argv": ["-u", "-m", "cputrain", "wait"], "cwd": os.getcwd(), "env": cli_env(), "stand_in": gone.pid,
+               "parent": os.getpid(), "fds": [0, 1, 2]}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(str(rank_server.socket))
+    with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
+        socket.send_fds(conn, [json.dumps(request).encode()], [null_in.fileno(), null_out.fileno(), null_out.fileno()])
+    conn.close()  # before the server answers
+    next_rank, _ = start_rank("exit", "3")
+    assert next_rank.wait(timeout=30) == 3
+    assert rank_server.process.poll() is None
 
 
 def test_a_stand_in_inside_a_network_namespace_gets_its_rank_inside_it(rank_server, start_rank):

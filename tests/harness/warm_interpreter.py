@@ -134,8 +134,11 @@ def _join_network_namespace(stand_in: int) -> None:
     exec`): its rank enters that namespace before anything opens a socket, so its traffic is the
     node's, on the node's links, and the node's processes (`ip netns pids`) include it."""
     theirs = f"/proc/{stand_in}/ns/net"
-    if os.readlink(theirs) == os.readlink("/proc/self/ns/net"):
-        return
+    try:
+        if os.readlink(theirs) == os.readlink("/proc/self/ns/net"):
+            return
+    except FileNotFoundError:  # the stand-in is gone: the server kills this process as it answers it
+        os._exit(1)
     import ctypes
 
     clone_newnet = 0x40000000
@@ -234,7 +237,13 @@ def serve_ranks(path: str) -> None:
                     _rank(json.loads(message), fds)
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(json.dumps({"pid": pid}).encode())
+                try:
+                    conn.sendall(json.dumps({"pid": pid}).encode())
+                except OSError:  # its stand-in is gone already (killed as it started): so is its process
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    conn.close()
+                    continue
                 # Which process stands in for which rank, for the tests that kill ranks by name.
                 record = Path(f"{path}.ranks", str(json.loads(message)["stand_in"]))
                 record.write_text(str(pid))
