@@ -57,7 +57,8 @@ def main() -> None:
         conn.connect(server)
     except OSError:
         _real_python()
-    if "-c" in sys.argv:  # a process multiprocessing spawned: it ends with its parent, as one that asks does
+    if "-m" not in sys.argv[1:]:  # `-c PROGRAM`: a process multiprocessing spawned (the server's rule too);
+        # it ends with its parent, as one that asks (the data builder) does
         _die_with_parent()
     fds = _open_fds(conn.fileno())
     request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "stand_in": os.getpid(),

@@ -250,12 +250,15 @@ def test_a_spawned_process_is_forked_and_answers_its_parent_as_a_spawned_one(ran
 
 def test_a_spawned_process_ends_when_its_parent_is_killed(rank_server, tmp_path):
     spawner, out = _spawner(rank_server, "wait", tmp_path)
+    spawned = None
     try:
         stand_in, spawned, _, _ = _spawned_line(spawner, out)
         assert rank_server.forked_rank(stand_in) == spawned
         spawner.kill()  # what a lost node does to a data preparation: no signal to forward
         assert _gone(stand_in) and _gone(spawned), f"{spawned} outlived the process that spawned it"
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(spawned, signal.SIGKILL)
+        if spawned is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(spawned, signal.SIGKILL)
+        spawner.kill()
         spawner.wait(timeout=30)

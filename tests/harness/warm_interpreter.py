@@ -197,8 +197,8 @@ def _rank(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]
-    if "-m" not in argv:
-        _run_program(argv, request["parent"])
+    if "-m" not in argv:  # `-c PROGRAM`: a process multiprocessing spawned (rank_python.py's rule too)
+        _run_program(argv, request["parent"])  # exits
     module = argv.index("-m")
     assert argv[module + 1] == "cputrain", argv
     _become_cputrain(argv[module + 2:], unbuffered="-u" in argv[:module])
