@@ -95,7 +95,11 @@ def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, token
     preparation that was never interrupted."""
     import psutil
 
-    corpus = write_jsonl(tmp_path / "c.jsonl", 12 * 10**6)  # 12 chunks of ~1 MB: a stop, a kill and a resume
+    # 16 chunks of ~1 MB: a stop, a kill and a resume. Progress is committed every 2 s, and the kill
+    # must come after the resumed run's first commit and before its end: with 12 MB, a fast core
+    # (~12,000 records/s on 2 processes) stopped the first run at half the corpus and the resumed
+    # run finished the rest before it committed anything.
+    corpus = write_jsonl(tmp_path / "c.jsonl", 16 * 10**6)
     cache = tmp_path / "cache"
     args = ["prepare", f"data.source={corpus}", f"data.cache_dir={cache}", f"model.tokenizer={tokenizer_dir}",
             "data.seq_len=64", "data.num_proc=2"]
@@ -115,7 +119,9 @@ def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, token
     stopped_at = json.loads(next((cache / "packed").glob("*.partial/progress.json")).read_text())["rows_done"]
     assert stopped_at >= progress["rows_done"] > 0
 
-    with start_cli(*args) as proc:
+    # One tokenizing process: the resumed run takes twice as long as the stopped one did per
+    # record, so at any speed of the machine its first commit comes well before its end.
+    with start_cli(*args[:-1], "data.num_proc=1") as proc:
         progress = _wait_for_progress(proc, cache, stopped_at)
         proc.kill_tree()  # the parent and its workers, as a node loss would
     assert not any(p.suffix == "" for p in (cache / "packed").iterdir()), "a half-built cache looks complete"
