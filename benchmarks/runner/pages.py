@@ -61,6 +61,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("zero3_reduce_bucket", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_reduce_bucket_fp32", "network.md", "## A sharded rank against the single strategy"),
     ("data_prep", "data.md", "## Preparing a corpus: cputrain against run_clm"),
+    ("ranks_preparing", "data.md", "## Every rank of a node at a missing cache"),
     ("gguf_vs_transformers", "export.md", "## GGUF files against transformers"),
     ("sft", "sft-and-dpo.md", "## SFT against TRL"),
     ("dpo", "sft-and-dpo.md", "## DPO against TRL"),

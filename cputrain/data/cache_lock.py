@@ -9,13 +9,21 @@ A lock is taken over when its heartbeat is older than data.lock_stale_s, or when
 this very machine (host name, boot and pid namespace) and that process is gone: a rank restarted
 by the agent retakes at once instead of waiting out the timeout. Two pods with one host name are
 two machines: neither takes the other's live lock.
+
+A process that finds an entry missing may hand its build to a child (cputrain.data.prepare's
+spawned builder): its build() raises HandOver, and the lock stays taken, held for the child, so
+the other ranks of the node wait in their own process instead of each starting a builder of its
+own that would only wait too. The child builds that entry without taking the lock again
+(`built_for_parent`), then the entries that follow from it; the parent releases it when the child
+has ended, and the others wait for that release, not only for the entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cputrain.locks.heartbeat_lock import HeartbeatLock, LockContended
@@ -24,7 +32,34 @@ from cputrain.locks.lock_file import LocalLockFile
 log = logging.getLogger("cputrain")
 
 POLL_S = 1.0
+# A complete entry waits only for its lock's release, which the ranks of a node then pass together
+# into their first collective: look often, so none arrives a poll behind the rest.
+RELEASE_POLL_S = 0.1
 WAIT_LOG_EVERY_S = 30.0
+
+# The entries whose lock the process that started this one holds for it (see built_for_parent).
+_HELD_BY_PARENT: set[Path] = set()
+
+
+class HandOver(Exception):
+    """Raised by a build() that another process will run. build_once keeps the entry's lock taken and
+    hands it over in `.lock`: the raiser releases it once that process has ended."""
+
+    lock: WriterLock | None = None
+
+
+@contextlib.contextmanager
+def built_for_parent(lock_path: Path | None) -> Iterator[None]:
+    """In a builder process: the entry of `lock_path` is built here without taking its lock, which the
+    process that started this one took and holds (and beats) until this one ends."""
+    if lock_path is None:
+        yield
+        return
+    _HELD_BY_PARENT.add(Path(lock_path))
+    try:
+        yield
+    finally:
+        _HELD_BY_PARENT.discard(Path(lock_path))
 
 
 class WriterLock:
@@ -37,6 +72,11 @@ class WriterLock:
 
     def holder(self) -> dict | None:
         return self.lock.holder()
+
+    def held(self) -> bool:
+        """Whether someone who still counts holds the lock (not a stale or ended holder)."""
+        holder = self.lock.holder()
+        return holder is not None and self.lock.free_because(holder) is None
 
     def try_acquire(self) -> bool:
         def taking_over(holder: dict, why: str) -> None:
@@ -56,22 +96,36 @@ class WriterLock:
 def build_once(lock_path: Path, is_complete: Callable[[], bool], build: Callable[[], None], what: str,
                stale_after_s: float, progress: Callable[[], str] = lambda: "") -> bool:
     """Build an entry exactly once among everyone sharing the folder. True if this process built it."""
+    if Path(lock_path) in _HELD_BY_PARENT:
+        if is_complete():
+            return False
+        build()
+        return True
     lock = WriterLock(lock_path, stale_after_s)
     waited_since, last_log = time.monotonic(), 0.0
-    while not is_complete():
+    # A complete entry whose lock is still held is one handed over (HandOver): its holder's builder
+    # goes on to the entries that follow from it (the token cache after the tokenizer). Waiting for
+    # the release, not the entry, keeps this process from starting a builder of its own for those.
+    while not is_complete() or lock.held():
         if lock.try_acquire():
+            handed_over = False
             try:
                 if is_complete():  # finished by the previous holder between our check and the lock
                     return False
                 build()
                 return True
+            except HandOver as hand_over:
+                hand_over.lock, handed_over = lock, True
+                raise
             finally:
-                lock.release()
+                if not handed_over:
+                    lock.release()
         now = time.monotonic()
         if now - last_log >= WAIT_LOG_EVERY_S:
             info = lock.holder() or {}
-            log.info("data: waiting %.0f s for %s (pid %s) to finish %s%s", now - waited_since, info.get("host", "?"),
-                     info.get("pid", "?"), what, progress())
+            doing = f"{what}{progress()}" if not is_complete() else f"the preparation that followed {what}"
+            log.info("data: waiting %.0f s for %s (pid %s) to finish %s", now - waited_since, info.get("host", "?"),
+                     info.get("pid", "?"), doing)
             last_log = now
-        time.sleep(POLL_S)
+        time.sleep(RELEASE_POLL_S if is_complete() else POLL_S)
     return False

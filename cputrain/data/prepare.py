@@ -51,8 +51,9 @@ def _partial_progress(partial: Path) -> str:
         return ""
 
 
-class _NotBuilt(Exception):
-    """A cache entry (tokenizer or tokens) that the looking-up pass of prepare() would have to build."""
+class _NotBuilt(cache_lock.HandOver):
+    """A cache entry (tokenizer or tokens) that the looking-up pass of prepare() would have to build:
+    its lock stays taken for the spawned builder."""
 
 
 def _not_built():
@@ -84,14 +85,15 @@ class _BuilderTraceback(Exception):
     """The traceback of an unexpected error in the builder process, chained to it in this one."""
 
 
-def _build_caches(cfg, tokenizer, send, parent_pid: int) -> None:
-    """The builder process: builds what is missing, then sends None or the error that stopped it."""
+def _build_caches(cfg, tokenizer, send, parent_pid: int, held_lock: Path) -> None:
+    """The builder process: builds what is missing, then sends None or the error that stopped it.
+    `held_lock` is the lock of the first missing entry, which the parent holds for this process."""
     die_with_parent(parent_pid)
     from cputrain.log import setup_logging
 
     setup_logging(int(os.environ.get("RANK", "0")))
     try:
-        with stop_on_signal(ignore_after_first=True):
+        with stop_on_signal(ignore_after_first=True), cache_lock.built_for_parent(held_lock):
             prepare(cfg, tokenizer, isolate=False)
     except PreparationStopped as stop:  # read only if the signal reached this process alone
         send.send((PreparationStopped(stop.signal_name, _stopped_line(cfg, stop.signal_name)), ""))
@@ -132,12 +134,13 @@ def _stop_builder(builder) -> None:
     psutil.wait_procs(under, timeout=10)
 
 
-def _build_in_a_child(cfg, tokenizer) -> None:
+def _build_in_a_child(cfg, tokenizer, held_lock: Path) -> None:
     # A plain spawned Process, not a pool's: pool processes are daemons, which may not start the
     # tokenizing pool; and this one must be stopped (and waited for) when a signal comes.
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    builder = ctx.Process(target=_build_caches, args=(cfg, tokenizer, send, os.getpid()), name="cputrain-prepare")
+    builder = ctx.Process(target=_build_caches, args=(cfg, tokenizer, send, os.getpid(), held_lock),
+                          name="cputrain-prepare")
     builder.start()
     send.close()
     try:
@@ -173,12 +176,19 @@ def prepare(cfg, tokenizer=None, isolate: bool = True):
     (datasets, pyarrow) and what it allocated never stay in a training rank's memory; where the
     caches are already there (a resumed run, a second rank, a prepared job), nothing is spawned:
     starting a process that imports the data stack costs seconds and finds nothing to do.
+
+    The looking-up pass takes the first missing entry's lock and holds it while its builder runs,
+    so the node's other ranks, arriving at once, wait for it in their own process: one builder a
+    node (one a shared cache), not one a rank.
     """
     if isolate:
         try:
             return _open(cfg, tokenizer, may_build=False)
-        except _NotBuilt:
-            _build_in_a_child(cfg, tokenizer)
+        except _NotBuilt as missing:
+            try:
+                _build_in_a_child(cfg, tokenizer, missing.lock.path)
+            finally:
+                missing.lock.release()
     return _open(cfg, tokenizer, may_build=True)
 
 

@@ -3,8 +3,9 @@
 A training step is worth finishing (a checkpoint follows it); a tokenizing pass is not: its
 progress is committed every 2 s, so a signal raises PreparationStopped wherever the main
 thread is. The builder then commits what it wrote, terminates its tokenizing pool and releases
-the cache's lock (cache_lock's `finally`); the process that started it waits for that, then
-says its one line (exit code 75, as a stopped run: re-run the same command to resume).
+the locks it took (cache_lock's `finally`); the process that started it waits for that, releases
+the lock it held for the builder (cputrain.data.prepare), then says its one line (exit code 75,
+as a stopped run: re-run the same command to resume).
 
 The processes of a preparation (builder, tokenizing workers) also die with their parent
 (Linux's PR_SET_PDEATHSIG): a command killed outright (a second signal, the OOM killer, SIGKILL)

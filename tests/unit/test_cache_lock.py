@@ -111,3 +111,34 @@ def test_build_once_builds_once(tmp_path):
     assert build_once(tmp_path / "e.lock", marker.exists, build, "test", 60)
     assert not build_once(tmp_path / "e.lock", marker.exists, build, "test", 60)
     assert built == [1] and not (tmp_path / "e.lock").exists()
+
+
+def test_a_handed_over_entry_is_waited_for_until_its_lock_is_released(tmp_path, monkeypatch):
+    """A build() that raises HandOver leaves the lock taken for another process; that process builds
+    the entry without the lock (built_for_parent). Others wait for the release, not only for the
+    entry: the builder goes on to what follows from it, which they must not start building too."""
+    import threading
+
+    from cputrain.data import cache_lock
+
+    monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
+    lock_path, marker = tmp_path / "e.lock", tmp_path / "done"
+
+    def hand_over():
+        raise cache_lock.HandOver
+
+    with pytest.raises(cache_lock.HandOver) as raised:
+        build_once(lock_path, marker.exists, hand_over, "test", 60)
+    held = raised.value.lock
+    assert held.path == lock_path and not WriterLock(lock_path, 60).try_acquire()
+    with cache_lock.built_for_parent(lock_path):  # the child: builds without taking the lock
+        assert build_once(lock_path, marker.exists, lambda: marker.write_text("x"), "test", 60)
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (build_once(lock_path, marker.exists, hand_over, "test", 60),
+                                              returned.set()))
+    waiter.start()
+    time.sleep(0.5)
+    assert not returned.is_set(), "a waiter went on while the entry's lock was still held"
+    held.release()
+    waiter.join(10)
+    assert returned.is_set() and not lock_path.exists()

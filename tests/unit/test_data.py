@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
 import pytest
 
 from cputrain.config import DataConfig, ModelConfig
-from cputrain.data import cache_builder, cache_key, order, prepare, sources, tokenizer as tokenizers
+from cputrain.data import cache_builder, cache_key, cache_lock, order, prepare, sources, tokenizer as tokenizers
 from cputrain.data.rows import Rows
 from cputrain.data.text.kind import TextKind
 from cputrain.data.validation_split import validation_mask
@@ -389,9 +390,10 @@ def test_prepare_spawns_a_builder_only_when_a_cache_is_missing(tok, tmp_path, mo
                           model=ModelConfig(), seed=0)
     spawned = []
 
-    def build_here(cfg, tokenizer):  # stands for the spawned builder: builds in this process, counts the spawns
+    def build_here(cfg, tokenizer, held_lock):  # stands for the spawned builder: builds here, counts the spawns
         spawned.append(cfg.seed)
-        prepare.prepare(cfg, tokenizer, isolate=False)
+        with cache_lock.built_for_parent(held_lock):
+            prepare.prepare(cfg, tokenizer, isolate=False)
 
     monkeypatch.setattr(prepare, "_build_in_a_child", build_here)
     _, first = prepare.prepare(cfg, tok)
@@ -402,6 +404,46 @@ def test_prepare_spawns_a_builder_only_when_a_cache_is_missing(tok, tmp_path, mo
     cfg.seed = 1  # another cut of the same data: a new entry, built in a spawned process again
     prepare.prepare(cfg, tok)
     assert spawned == [0, 1]
+
+
+@pytest.mark.parametrize("tokenizer", ["given", "trained"])
+def test_ranks_arriving_at_once_start_one_builder(tok, tmp_path, monkeypatch, tokenizer):
+    """Every rank of a node finds the cache missing at the same moment. The first to look takes the
+    entry's lock and keeps it while its builder runs; the others wait in their own process, not each
+    in a builder of its own that would import the data stack only to wait. Where the tokenizer is
+    trained first, they wait for the token cache that follows it too."""
+    import multiprocessing
+    import time
+    from types import SimpleNamespace
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 9}) + "\n" for i in range(40)))
+    cfg = SimpleNamespace(data=DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), seq_len=16,
+                                          num_proc=1),
+                          model=ModelConfig(), seed=0)
+    spawns = tmp_path / "spawns"
+
+    def build_here(cfg, tokenizer, *held_lock):  # the spawned builder's stand-in, slow to start as one is
+        with spawns.open("a") as log:
+            log.write(f"{os.getpid()}\n")
+        time.sleep(0.5)
+        with cache_lock.built_for_parent(*held_lock):
+            prepare.prepare(cfg, tokenizer, isolate=False)
+
+    def rank() -> None:
+        _, data = prepare.prepare(cfg, tok if tokenizer == "given" else None)
+        os._exit(0 if len(data.train) > 0 else 1)
+
+    monkeypatch.setattr(prepare, "_build_in_a_child", build_here)
+    monkeypatch.setattr(cache_lock, "POLL_S", 0.1)  # the waiting ranks look again sooner
+    ranks = [multiprocessing.get_context("fork").Process(target=rank) for _ in range(3)]
+    for proc in ranks:
+        proc.start()
+    for proc in ranks:
+        proc.join(60)
+    assert [proc.exitcode for proc in ranks] == [0, 0, 0]
+    assert len(spawns.read_text().split()) == 1, "each rank started a builder of its own"
+    assert not list((tmp_path / "cache" / "packed").glob("*.lock")), "a lock was left taken"
 
 
 def test_auto_recognises_an_alpaca_file_and_input_may_be_missing(tok, tmp_path):
