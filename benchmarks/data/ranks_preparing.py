@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,22 +30,21 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.blocks import block_parser, command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.runner.timing import median  # noqa: E402
+from cputrain.data.tree_memory import TreeMemory  # noqa: E402
 
 GIB = 2**30
 SPAWNED = "--multiprocessing-fork"
 
 
-class TreeSampler:
-    """The peak summed PSS of a process tree and the builders seen in it, sampled every `every_s`."""
+class TreeSampler(TreeMemory):
+    """TreeMemory's peak of the tree's summed PSS, with the builders seen in it and the peak while
+    one was alive."""
 
-    def __init__(self, pid: int, every_s: float = 0.2):
-        self.root = psutil.Process(pid)
-        self.every_s, self.peak_bytes, self.preparing_peak_bytes, self.builders = every_s, 0, 0, set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __init__(self, pid: int):
+        self.preparing_peak_bytes, self.builders = 0, set()
+        super().__init__(pid)
 
-    def _sample(self) -> None:
+    def _sample(self) -> int:
         total, preparing = 0, False
         for proc in [self.root, *self.root.children(recursive=True)]:
             try:
@@ -56,22 +54,12 @@ class TreeSampler:
                     preparing = True
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
                 pass  # ended between the listing and the read
-        self.peak_bytes = max(self.peak_bytes, total)
         if preparing:
             self.preparing_peak_bytes = max(self.preparing_peak_bytes, total)
+        return total
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sample()
-            except psutil.NoSuchProcess:
-                return
-            self._stop.wait(self.every_s)
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join()
-        return {"peak_gib": self.peak_bytes / GIB, "preparing_peak_gib": self.preparing_peak_bytes / GIB,
+    def figures(self) -> dict:
+        return {"peak_gib": self.stop(), "preparing_peak_gib": self.preparing_peak_bytes / GIB,
                 "builders": len(self.builders)}
 
 
@@ -87,7 +75,7 @@ def run(tree: Path, ranks: int, work: Path) -> dict:
     sampler = TreeSampler(proc.pid)
     _, err = proc.communicate()
     wall_s = time.perf_counter() - t0
-    memory = sampler.stop()
+    memory = sampler.figures()
     subprocess.run(["rm", "-rf", cache, out])
     if proc.returncode:
         raise SystemExit(f"{ranks} ranks from {tree} failed:\n{err[-3000:]}")
