@@ -30,9 +30,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.runner.blocks import block_parser, command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
 from benchmarks.runner.timing import median  # noqa: E402
-from cputrain.data.tree_memory import TreeMemory  # noqa: E402
+from cputrain.data.tree_memory import GIB, TreeMemory  # noqa: E402
 
-GIB = 2**30
 SPAWNED = "--multiprocessing-fork"
 
 

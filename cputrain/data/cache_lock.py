@@ -49,12 +49,9 @@ class HandOver(Exception):
 
 
 @contextlib.contextmanager
-def built_for_parent(lock_path: Path | None) -> Iterator[None]:
+def built_for_parent(lock_path: Path) -> Iterator[None]:
     """In a builder process: the entry of `lock_path` is built here without taking its lock, which the
     process that started this one took and holds (and beats) until this one ends."""
-    if lock_path is None:
-        yield
-        return
     _HELD_BY_PARENT.add(Path(lock_path))
     try:
         yield
@@ -106,7 +103,10 @@ def build_once(lock_path: Path, is_complete: Callable[[], bool], build: Callable
     # A complete entry whose lock is still held is one handed over (HandOver): its holder's builder
     # goes on to the entries that follow from it (the token cache after the tokenizer). Waiting for
     # the release, not the entry, keeps this process from starting a builder of its own for those.
-    while not is_complete() or lock.held():
+    while True:
+        complete = is_complete()
+        if complete and not lock.held():
+            return False
         if lock.try_acquire():
             handed_over = False
             try:
@@ -123,9 +123,8 @@ def build_once(lock_path: Path, is_complete: Callable[[], bool], build: Callable
         now = time.monotonic()
         if now - last_log >= WAIT_LOG_EVERY_S:
             info = lock.holder() or {}
-            doing = f"{what}{progress()}" if not is_complete() else f"the preparation that followed {what}"
+            doing = f"the preparation that followed {what}" if complete else f"{what}{progress()}"
             log.info("data: waiting %.0f s for %s (pid %s) to finish %s", now - waited_since, info.get("host", "?"),
                      info.get("pid", "?"), doing)
             last_log = now
-        time.sleep(RELEASE_POLL_S if is_complete() else POLL_S)
-    return False
+        time.sleep(RELEASE_POLL_S if complete else POLL_S)

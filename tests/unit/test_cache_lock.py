@@ -113,7 +113,7 @@ def test_build_once_builds_once(tmp_path):
     assert built == [1] and not (tmp_path / "e.lock").exists()
 
 
-def test_a_handed_over_entry_is_waited_for_until_its_lock_is_released(tmp_path, monkeypatch):
+def test_a_handed_over_entry_is_waited_for_until_its_lock_is_released(tmp_path):
     """A build() that raises HandOver leaves the lock taken for another process; that process builds
     the entry without the lock (built_for_parent). Others wait for the release, not only for the
     entry: the builder goes on to what follows from it, which they must not start building too."""
@@ -121,7 +121,6 @@ def test_a_handed_over_entry_is_waited_for_until_its_lock_is_released(tmp_path, 
 
     from cputrain.data import cache_lock
 
-    monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
     lock_path, marker = tmp_path / "e.lock", tmp_path / "done"
 
     def hand_over():

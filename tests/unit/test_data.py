@@ -423,11 +423,11 @@ def test_ranks_arriving_at_once_start_one_builder(tok, tmp_path, monkeypatch, to
                           model=ModelConfig(), seed=0)
     spawns = tmp_path / "spawns"
 
-    def build_here(cfg, tokenizer, *held_lock):  # the spawned builder's stand-in, slow to start as one is
+    def build_here(cfg, tokenizer, held_lock):  # the spawned builder's stand-in, slow to start as one is
         with spawns.open("a") as log:
             log.write(f"{os.getpid()}\n")
         time.sleep(0.5)
-        with cache_lock.built_for_parent(*held_lock):
+        with cache_lock.built_for_parent(held_lock):
             prepare.prepare(cfg, tokenizer, isolate=False)
 
     def rank() -> None:
