@@ -95,11 +95,11 @@ def test_stopped_and_killed_preparation_resumes_where_it_stopped(tmp_path, token
     preparation that was never interrupted."""
     import psutil
 
-    # 16 chunks of ~1 MB: a stop, a kill and a resume. Progress is committed every 2 s, and the kill
-    # must come after the resumed run's first commit and before its end: with 12 MB, a fast core
-    # (~12,000 records/s on 2 processes) stopped the first run at half the corpus and the resumed
-    # run finished the rest before it committed anything.
-    corpus = write_jsonl(tmp_path / "c.jsonl", 16 * 10**6)
+    # 32 chunks of ~1 MB: a stop, a kill and a resume. Progress is committed every 2 s, and the kill
+    # must come after the resumed run's first commit and before its end. On a quiet core the first
+    # commit came at 23,700 to 37,920 records (12,000–17,000 records/s), and on 12 MB (47,800
+    # records) or 16 MB (63,800) the resumed run finished the rest before it committed anything.
+    corpus = write_jsonl(tmp_path / "c.jsonl", 32 * 10**6)
     cache = tmp_path / "cache"
     args = ["prepare", f"data.source={corpus}", f"data.cache_dir={cache}", f"model.tokenizer={tokenizer_dir}",
             "data.seq_len=64", "data.num_proc=2"]
