@@ -29,13 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from cputrain.rollouts.packed_weights import for_products
+
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
 @dataclass
 class BlockWeights:
     input_norm: torch.Tensor  # fp32
-    qkv: torch.Tensor  # (q + 2·kv) × hidden, compute dtype
+    qkv: torch.Tensor  # (q + 2·kv) × hidden, compute dtype (in bf16 reordered: packed_weights.py)
     qkv_bias: torch.Tensor | None
     out: torch.Tensor
     out_bias: torch.Tensor | None
@@ -88,12 +90,13 @@ def _own(tensor: torch.Tensor, dtype: torch.dtype, copy: bool) -> torch.Tensor:
 
 
 def _fused(linears: list[torch.nn.Module], dtype: torch.dtype, copy: bool):
-    """One weight (and bias, if any projection has one) for several projections of one input."""
+    """One weight (and bias, if any projection has one) for several projections of one input, the
+    weight as the decode step multiplies it fastest (packed_weights.for_products)."""
     parts = [_effective(linear) for linear in linears]
     if len(parts) == 1:  # the layer's own tensors where the dtype is theirs: no copy unless `copy`
         weight, bias = parts[0]
-        return _own(weight, dtype, copy), None if bias is None else _own(bias, dtype, copy)
-    weight = torch.cat([w.to(dtype) for w, _ in parts])
+        return for_products(_own(weight, dtype, copy)), None if bias is None else _own(bias, dtype, copy)
+    weight = for_products(torch.cat([w.to(dtype) for w, _ in parts]))
     if all(b is None for _, b in parts):
         return weight, None
     bias = torch.cat([(b if b is not None else w.new_zeros(w.shape[0])).to(dtype) for w, b in parts])

@@ -19,15 +19,22 @@ What makes it faster than `model.generate()` (each measured, docs/benchmarks/onl
 - one uniform number a row draws the token (token_draw.py), not an exponential per vocabulary entry;
 - finished rows leave the batch (their cache rows dropped), so the last long completions decode
   alone instead of dragging the whole batch along;
-- a prompt repeated in the batch (GRPO's generations of one prompt) is prefilled once, and its
-  cache rows copied for each completion;
+- a prompt repeated in the batch (GRPO's generations of one prompt) is prefilled once; on the fused
+  decoder its keys and values are then held and read once for all its rows (paged_kv_cache.py),
+  through the modules its cache rows are copied for each completion;
+- the fused decoder's bf16 weights are reordered into oneDNN's layout once a rollout, not on every
+  product (packed_weights.py);
 - a decode step's attention is two batched products (decode_attention.py), not sdpa's CPU kernel.
 
 What it does not do: compile the decode step. Measured at the demo's size (64 rows, one core), a
-compiled forward over a static cache took 15.1 ms a step against 17.6 eager (fp32; bf16 16.5 against
-18.8), and its first call 23–25 s: about 10,000 decode steps, some 200 rollouts of 48 tokens, before
-it pays, and again whenever the batch's shape changes (rows dropped, a longer prompt). At ~100M the
-step is mostly matmuls, and the few milliseconds compiling saves are a smaller share still.
+compiled forward through the modules over a static cache took 15.1 ms a step against 17.6 eager
+(fp32; bf16 16.5 against 18.8), and its first call 23–25 s: about 10,000 decode steps, some 200
+rollouts of 48 tokens, before it pays, and again whenever the batch's shape changes (rows dropped, a
+longer prompt). On the fused decoder (bf16, 64 rows, 2 threads) it was slower outright: each block's
+products and elementwise work compiled around the eager attention took 7.4 ms a step against 6.1 eager
+(inductor multiplies the dense weights, and each compiled call costs its wrapper), and the whole step
+compiled with the cache as an input 28.7 ms against 5.2 (the cache's in-place writes became copies
+of the whole cache).
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ def test_fused_weight_bytes_is_what_the_fused_decoder_holds_beside_the_model(wei
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cputrain.rollouts.decoder_weights import decoder_weights
+    from cputrain.rollouts.packed_weights import reorders
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -60,8 +61,13 @@ def test_fused_weight_bytes_is_what_the_fused_decoder_holds_beside_the_model(wei
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = decoder_weights(model, dtypes[compute])
     tensors = [held.head] + [t for b in held.blocks for t in (b.qkv, b.out, b.gate_up, b.down)]
-    new = sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in own)
-    assert new == fused_weight_bytes(config, compute, weights, lora=lora) > 0
+    new = sum(t.numel() * t.element_size() for t in tensors
+              if t.is_mkldnn or t.untyped_storage().data_ptr() not in own)  # a reordered weight is a copy
+    planned = fused_weight_bytes(config, compute, weights, lora=lora)
+    if compute == "bf16" and not reorders(torch.bfloat16):  # the plan's upper bound: the head and out/down kept
+        assert new <= planned
+        return
+    assert new == planned > 0
 
 
 def test_the_fused_weights_are_counted_from_the_dtype_the_blocks_are_held_in(plans):
