@@ -4,6 +4,8 @@ shape, no torch, so the plan can count it before any model exists.
 sample() sizes its cache once for the whole rollout: every row holds the longest prompt of its
 batch plus max_new_tokens positions, in every full-attention layer, keys and values, in the
 dtype the policy computes in: the model's dtype, or bf16 where the trainer's bf16 autocast is on.
+The fused decoder holds a prompt's part once for all the rows that complete it (paged_kv_cache.py)
+until rows leave the batch; the figure here, a copy a row, bounds it from above.
 """
 
 from __future__ import annotations

@@ -136,6 +136,44 @@ def test_a_prompt_repeated_in_the_batch_is_prefilled_once_and_completed_per_row(
     assert len({tuple(c) for c in sampled[:3]}) > 1  # the copies of one prompt draw apart
 
 
+def test_a_prompts_rows_read_its_keys_once_until_rows_leave_the_batch(monkeypatch):
+    """The fused decoder's cache holds each prompt's keys and values once for the rows that complete
+    it (GRPO's layout: a prompt's rows one after another), where each row held a copy. When rows end
+    and leave the batch, the prompt part is copied out to the rows left. Greedy equals generate
+    either way, over more than one page of generated positions, under grouped-query attention."""
+    from cputrain.rollouts import fused_decoder, sampling
+    from cputrain.rollouts.kv_cache_size import PAGE_POSITIONS
+
+    caches = []
+
+    class Kept(fused_decoder.FusedDecoder):
+        def __init__(self, *args):
+            super().__init__(*args)
+            caches.append(self.cache)
+
+    monkeypatch.setattr(sampling, "FusedDecoder", Kept)
+    model = tiny_llama()
+    kv_heads = model.config.num_key_value_heads
+    rows = [p for p in PROMPTS[:3] for _ in range(4)]
+    new = PAGE_POSITIONS + 5
+    free = sample(model, rows, SamplingSettings(max_new_tokens=new, temperature=0), _seeded())
+    assert free.completion_ids == generate_greedy(model, rows, new)
+    shared = caches[-1]
+    assert shared.rows_per_prompt == 4 and shared.prompt_keys[0].shape[0] == 3 * kv_heads
+    assert shared.keys[0][0].shape[0] == 12 * kv_heads  # generated positions: one a row
+
+    # a token the first prompt's rows write first at their third place or later: they end there
+    first = free.completion_ids[0]
+    stop = first[next(i for i, token in enumerate(first) if i >= 2 and first.index(token) == i)]
+    stopped = sample(model, rows, SamplingSettings(max_new_tokens=new, temperature=0, stop_token_ids=(stop,)),
+                     _seeded())
+    assert stopped.completion_ids == generate_greedy(model, rows, new, stop=(stop,))
+    assert stopped.stopped[:4] == [True] * 4
+    left = caches[-1]
+    assert left.rows_per_prompt == 1 and left.mask.shape[0] < len(rows)
+    assert left.prompt_keys[0].shape[0] == left.mask.shape[0] * kv_heads  # copied out, one a row left
+
+
 def test_stop_tokens_end_a_row_and_stopped_says_so(path):
     model = tiny_llama()
     free = sample(model, PROMPTS, SamplingSettings(max_new_tokens=10, temperature=0), _seeded()).completion_ids
