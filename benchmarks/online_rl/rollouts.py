@@ -111,12 +111,12 @@ def run_generate(model, rows: list[list[int]], new: int) -> dict:
 
 
 def weight_shapes(config) -> list[tuple[int, int]]:
-    """(in, out) of every product a decode step runs on its weights: each layer's seven
-    projections, then the head."""
+    """(in, out) of every product a decode step of the fused decoder runs on its weights: each
+    layer's query-key-value, output, gate-up and down products, then the head."""
     hidden, inter = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    layer = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    layer = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)]
     return layer * config.num_hidden_layers + [(hidden, config.vocab_size)]
 
 
@@ -129,15 +129,18 @@ def decode_step_flops(config, rows: int, positions: float) -> float:
 
 
 def matmul_ceiling_at_batch(config, rows: int, dtype: torch.dtype, repeats: int) -> float:
-    """FLOP/s of a decode step's weight products alone, at `rows` rows: the best of `repeats`."""
+    """FLOP/s of a decode step's weight products alone, at `rows` rows, run as the fused decoder
+    runs them (in bf16 on weights reordered once: cputrain.rollouts.packed_weights): the best of `repeats`."""
+    from cputrain.rollouts.packed_weights import for_products, linear
+
     generator = torch.Generator().manual_seed(2)
     shapes = weight_shapes(config)
-    weights = [torch.randn(b, a, generator=generator).to(dtype) for a, b in shapes]
+    weights = [for_products(torch.randn(b, a, generator=generator).to(dtype)) for a, b in shapes]
     inputs = {a: torch.randn(rows, a, generator=generator).to(dtype) for a, _ in shapes}
 
     def step():
         for (a, _), w in zip(shapes, weights):
-            torch.nn.functional.linear(inputs[a], w)
+            linear(inputs[a], w, None)
 
     step()
     best = float("inf")
@@ -173,10 +176,33 @@ def measure_cell(arch: dict, vocab: int, dtype: torch.dtype, new: int, rows: lis
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
+def _start_again_with_the_runs_allocator() -> None:
+    """Every side on the malloc a `cputrain train` run rolls out on (tcmalloc where installed,
+    preloaded: a new process): glibc as is maps and zeroes each large tensor a step allocates, and
+    a sample() step took 6.4–6.7 ms on it at the demo's size in bf16 against 5.8 on tcmalloc."""
+    import os
+
+    from cputrain.native.allocator import allocator_choice, reexec_env, tune_glibc
+
+    env = reexec_env(allocator_choice("auto", strategy="single"), dict(os.environ))
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if running_allocator() == "glibc-tuned":  # no tcmalloc installed: glibc as a one-process run tunes it
+        tune_glibc()
+
+
+def running_allocator() -> str:
+    from cputrain.native.allocator import running_allocator_choice
+
+    return running_allocator_choice("bf16", "single")[0]
+
+
 def main() -> None:
     parser = block_parser("online-rl.md", 5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the physical cores)")
     args = parser.parse_args()
+    _start_again_with_the_runs_allocator()
     from cputrain.hardware import detect
     from cputrain.metrics.measured_peak import measured_peak_flops
 
@@ -211,7 +237,8 @@ def render(cells: dict, peaks: dict, threads: int, prompts: int, generations: in
              f"{prompts} prompts × {generations} generations = {prompts * generations} rows, prompts of "
              f"{PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} tokens, plain sampling, no early stop, {threads} thread(s); "
              f"median of {runs} alternated runs per cell ({runs * DEMO_RUNS_FACTOR} at the demo's size, whose runs "
-             "last under a second) (`python benchmarks/online_rl/rollouts.py`). "
+             f"last under a second), every side on malloc {running_allocator()} (what `cputrain train` runs on here) "
+             "(`python benchmarks/online_rl/rollouts.py`). "
              "Decode: the time of one decode step of sample(); its FLOPs ÷ that time against the same weight "
              "products alone at this batch (the matmul ceiling at the batch) and against the machine's measured "
              "matmul peak (" + "; ".join(f"{name} {flops / 1e9:,.0f} GFLOP/s ({how})"
