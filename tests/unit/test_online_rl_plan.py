@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cputrain.config.file import load_config
-from cputrain.plan.time.step_time import ROLLOUT_MFU_SHARE, StepSettings
+from cputrain.plan.time.step_time import ROLLOUT_RATE_SHARE, StepSettings
 from cputrain.rollouts.fused_weight_size import fused_weight_bytes
 from cputrain.rollouts.kv_cache_size import kv_cache_bytes
 from cputrain.training.choices import decide_and_plan
@@ -37,7 +37,25 @@ def test_the_time_plan_counts_one_forward_a_rollout_position(plans):
     plan, lm = plans
     assert StepSettings.of_plan(plan, 32).rollout_positions == 32 * 256
     assert StepSettings.of_plan(lm, 32).rollout_positions == 0
-    assert 0 < ROLLOUT_MFU_SHARE < 1
+    assert all(0 < share < 1 for share in ROLLOUT_RATE_SHARE.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_rollout_is_planned_at_the_measured_share_of_the_training_rate(plans, precision):
+    """A rollout position costs one forward (a third of a trained token's model FLOPs) at the
+    precision's measured share of the rate the training runs at."""
+    from dataclasses import replace
+
+    from cputrain.plan.time import Compute
+    from cputrain.plan.time.step_time import plan_step_time, token_flops
+
+    plan, _ = plans
+    settings = replace(StepSettings.of_plan(plan, 32), precision=precision)
+    step = plan_step_time(settings, 1, 1, plan.shape, Compute(1e11, 0.5))
+    ft = token_flops(plan.shape, settings.seq_len, settings.activation_checkpointing)
+    forward_s = settings.rollout_positions * ft.model / 3 / (1e11 * 0.5)
+    assert step.rollout_s == pytest.approx(forward_s / ROLLOUT_RATE_SHARE[precision])
+    assert step.rollout_rate_share == ROLLOUT_RATE_SHARE[precision]
 
 
 @pytest.mark.parametrize("weights, compute, lora", [("fp32", "fp32", False), ("fp32", "bf16", False),

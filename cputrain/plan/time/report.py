@@ -105,10 +105,9 @@ def time_lines(tp: TimePlan) -> list[str]:
     elif "in_node" in s.source:
         lines.append(f"  in the node      {s.source['in_node']}")
     if s.rollout_s:
-        from cputrain.plan.time.step_time import ROLLOUT_MFU_SHARE
-
+        from cputrain.plan.time.step_time import ROLLOUT_RATE_SOURCE
         lines.append(f"  rollout          {_s(s.rollout_s)}   (online RL: one forward a sampled position, at "
-                     f"{ROLLOUT_MFU_SHARE:.0%} of the assumed MFU: decode's matmuls are a few rows each)")
+                     f"{s.rollout_rate_share:.0%} of the training's FLOP rate, {ROLLOUT_RATE_SOURCE})")
     lines.append(f"  step             {_s(s.step_s)}   network {s.network_share:.0%} of it; "
                  f"{s.tokens_per_s_per_rank:,.0f} tokens/s per rank, {s.tokens_per_s:,.0f} for the cluster; "
                  f"MFU {s.mfu:.1%}")

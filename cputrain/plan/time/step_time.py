@@ -76,13 +76,11 @@ def _rollout_positions(cfg, world_size: int) -> int:
     return inputs.get("rollout_rows", 0) * inputs.get("rollout_len", 0)
 
 
-# The rollout's decode as the time plan counts it: every position a rank's rollout holds (its
-# completions × data.seq_len, an upper bound: a prompt and its completion fill at most that) takes
-# one forward of the model, at this share of the step's assumed MFU. A decode step's matmuls have
-# as many rows as the rollout has unfinished completions, far fewer than a training micro-batch's
-# tokens, so they run well below the matmul ceiling; a quarter is assumed until the rollout
-# benchmark (benchmarks/online_rl/) measures it.
-ROLLOUT_MFU_SHARE = 0.25
+# Online RL: each rollout position a rank holds (completions × data.seq_len, an upper bound) takes one
+# forward at this share of the training's FLOP rate, measured at ~100M (docs/benchmarks/online-rl.md,
+# grpo_step: 3,192 positions sampled in 2.45 s, 3,344 trained in 6.19 s in bf16; 6.83, 11.49 s fp32).
+ROLLOUT_RATE_SHARE = {"bf16": 0.80, "fp32": 0.54}
+ROLLOUT_RATE_SOURCE = "measured at ~100M, 2-core AVX512-BF16 EPYC (docs/benchmarks/online-rl.md, block grpo_step)"
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,8 @@ class StepTimePlan:
     flow_cap_gbit_s: float | None = None  # what one TCP flow gets at most (None: no cap)
     in_node_s: float = 0.0  # a node's own collectives over loopback (planned where gloo_cpu_capped), never hidden
     collectives: list[CollectiveTime] = field(default_factory=list)
-    rollout_s: float = 0.0  # online RL: the rollout's prefill and decode (ROLLOUT_MFU_SHARE), in step_s
+    rollout_s: float = 0.0  # online RL: the rollout's prefill and decode, in step_s
+    rollout_rate_share: float = 0.0  # the share of the training's FLOP rate it was counted at
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "collectives"}
@@ -287,7 +286,8 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
     hidden = 1 - exposed / network_s if network_s else 1.0
     exposed += in_node_s  # gloo's loopback work on the cores the compute uses: none of it hides
     # online RL: one forward a rollout position (the model's FLOPs are forward and backward, 3 forwards)
-    rollout_s = s.rollout_positions * ft.model / 3 / (rate * ROLLOUT_MFU_SHARE)
+    rollout_share = ROLLOUT_RATE_SHARE.get(s.precision, ROLLOUT_RATE_SHARE["fp32"])
+    rollout_s = s.rollout_positions * ft.model / 3 / (rate * rollout_share)
     step_s = compute_s + exposed + rollout_s
     messages, efficiencies = _by_kind(timed, timer.fixed)
     return StepTimePlan(
@@ -302,4 +302,5 @@ def plan_step_time(s: StepSettings, world_size: int, nproc_per_node: int, shape:
         link_gbit_s=link.gbit_s, peak_flops_per_s=compute.peak_flops_per_s,
         whole_parameter_bytes=pattern.whole_parameter_bytes, source=source, layout=pattern.layout,
         reduce_dtype=pattern.reduce_dtype, reduce_scatter=pattern.reduce_scatter,
-        flow_cap_gbit_s=link.flow_cap_gbit_s, in_node_s=in_node_s, collectives=timed, rollout_s=rollout_s)
+        flow_cap_gbit_s=link.flow_cap_gbit_s, in_node_s=in_node_s, collectives=timed, rollout_s=rollout_s,
+        rollout_rate_share=rollout_share if s.rollout_positions else 0.0)
