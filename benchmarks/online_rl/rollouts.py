@@ -176,7 +176,7 @@ def measure_cell(arch: dict, vocab: int, dtype: torch.dtype, new: int, rows: lis
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _start_again_with_the_runs_allocator() -> None:
+def start_again_with_the_runs_allocator() -> None:
     """Every side on the malloc a `cputrain train` run rolls out on (tcmalloc where installed,
     preloaded: a new process): glibc as is maps and zeroes each large tensor a step allocates, and
     a sample() step took 6.4–6.7 ms on it at the demo's size in bf16 against 5.8 on tcmalloc."""
@@ -202,7 +202,7 @@ def main() -> None:
     parser = block_parser("online-rl.md", 5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the physical cores)")
     args = parser.parse_args()
-    _start_again_with_the_runs_allocator()
+    start_again_with_the_runs_allocator()
     from cputrain.hardware import detect
     from cputrain.metrics.measured_peak import measured_peak_flops
 
