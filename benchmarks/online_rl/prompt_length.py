@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.online_rl.rollouts import (  # noqa: E402
-    start_again_with_the_runs_allocator, ARCH_100M, GENERATIONS, PROMPTS, QUICK_ARCH, VOCAB_100M, build,
-    run_generate, run_sample, running_allocator)
+    ARCH_100M, GENERATIONS, PROMPTS, QUICK_ARCH, VOCAB_100M, alternated, build, run_generate, run_sample,
+    running_allocator, start_again_with_the_runs_allocator)
 from benchmarks.runner.blocks import block_parser, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
@@ -49,12 +49,9 @@ def measure(model, rows: list[list[int]], new: int, runs: int) -> dict:
     generator = torch.Generator().manual_seed(3)
     run_sample(model, rows[:2], 2, generator)  # first calls allocate; no side is timed on them
     run_generate(model, rows[:2], 2)
-    ours, theirs = [], []
-    for run in range(runs):  # alternated, the order reversed each run
-        sides = [lambda: ours.append(run_sample(model, rows, new, generator)),
-                 lambda: theirs.append(run_generate(model, rows, new))]
-        for call in sides if run % 2 == 0 else reversed(sides):
-            call()
+    results = alternated({"ours": lambda: run_sample(model, rows, new, generator),
+                          "theirs": lambda: run_generate(model, rows, new)}, runs)
+    ours, theirs = results["ours"], results["theirs"]
     return {"sample": statistics.median(r["tokens_per_s"] for r in ours),
             "generate": statistics.median(r["tokens_per_s"] for r in theirs),
             "step_ms": 1e3 * statistics.median(r["decode_step_s"] for r in ours),

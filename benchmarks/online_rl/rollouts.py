@@ -29,6 +29,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -151,19 +152,25 @@ def matmul_ceiling_at_batch(config, rows: int, dtype: torch.dtype, repeats: int)
     return rows * 2 * sum(a * b for a, b in shapes) / best
 
 
+def alternated(sides: dict[str, Callable[[], dict]], runs: int) -> dict[str, list[dict]]:
+    """Each side's results over `runs` runs, the sides in turn, their order reversed each run."""
+    results: dict[str, list[dict]] = {name: [] for name in sides}
+    for run in range(runs):
+        for name in list(sides) if run % 2 == 0 else list(reversed(sides)):
+            results[name].append(sides[name]())
+    return results
+
+
 def measure_cell(arch: dict, vocab: int, dtype: torch.dtype, new: int, rows: list[list[int]], runs: int) -> dict:
     model = build(arch, vocab, dtype)
     generator = torch.Generator().manual_seed(3)
     run_sample(model, rows[:2], 2, generator)  # first calls allocate; no side is timed on them
     run_sample(model, rows[:2], 2, generator, fused=False)
     run_generate(model, rows[:2], 2)
-    ours, modules, theirs = [], [], []
-    for run in range(runs):  # alternated, the order reversed each run
-        sides = [lambda: ours.append(run_sample(model, rows, new, generator)),
-                 lambda: modules.append(run_sample(model, rows, new, generator, fused=False)),
-                 lambda: theirs.append(run_generate(model, rows, new))]
-        for call in sides if run % 2 == 0 else reversed(sides):
-            call()
+    results = alternated({"ours": lambda: run_sample(model, rows, new, generator),
+                          "modules": lambda: run_sample(model, rows, new, generator, fused=False),
+                          "theirs": lambda: run_generate(model, rows, new)}, runs)
+    ours, modules, theirs = results["ours"], results["modules"], results["theirs"]
     step_s = statistics.median(r["decode_step_s"] for r in ours)
     width = max(len(p) for p in rows)
     flops = decode_step_flops(model.config, len(rows), width + new / 2)

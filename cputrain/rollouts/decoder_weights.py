@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cputrain.rollouts.packed_weights import for_products
+from cputrain.rollouts.packed_weights import for_products, reorders
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -95,7 +95,9 @@ def _fused(linears: list[torch.nn.Module], dtype: torch.dtype, copy: bool):
     parts = [_effective(linear) for linear in linears]
     if len(parts) == 1:  # the layer's own tensors where the dtype is theirs: no copy unless `copy`
         weight, bias = parts[0]
-        return for_products(_own(weight, dtype, copy)), None if bias is None else _own(bias, dtype, copy)
+        # reordering makes a new tensor itself: no copy first
+        weight = for_products(_own(weight, dtype, copy and not reorders(dtype)))
+        return weight, None if bias is None else _own(bias, dtype, copy)
     weight = for_products(torch.cat([w.to(dtype) for w, _ in parts]))
     if all(b is None for _, b in parts):
         return weight, None

@@ -37,8 +37,7 @@ class PagedKvCache:
         prompt_shape = (rows * kv_heads, self.width, head_dim)
         self.prompt_keys = [torch.zeros(prompt_shape, dtype=dtype) for _ in range(blocks)]
         self.prompt_values = [torch.zeros(prompt_shape, dtype=dtype) for _ in range(blocks)]
-        self.prompt_of = torch.arange(rows)  # each row's prompt: a row of prompt_keys
-        self.rows_per_prompt = 1  # > 1: each prompt's rows follow one another, this many each
+        self.rows_per_prompt = 1  # each prompt's rows follow one another, this many each (1: a copy a row)
         self.pages = -(-(capacity - self.width) // PAGE_POSITIONS)
         self.keys: list[list[torch.Tensor]] = []  # [block][page], allocated at the first decode step's rows
         self.values: list[list[torch.Tensor]] = []
@@ -136,7 +135,7 @@ class PagedKvCache:
         """Only the rows `indices` stay, in their order (repeats allowed). Where each prompt is then
         held by the same number of rows, one after another, its prompt part stays shared."""
         prompts = self.prompt_keys[0].shape[0] // self.kv_heads
-        prompt_of = self.prompt_of[indices]
+        prompt_of = torch.arange(prompts).repeat_interleave(self.rows_per_prompt)[indices]  # each kept row's prompt
         group = len(indices) // prompts if prompts and len(indices) % prompts == 0 else 0
         if group and torch.equal(prompt_of, torch.arange(prompts).repeat_interleave(group)):
             self.rows_per_prompt = group
@@ -144,8 +143,7 @@ class PagedKvCache:
             kv_rows = self._kv_rows(prompt_of)
             self.prompt_keys = [keys.index_select(0, kv_rows) for keys in self.prompt_keys]
             self.prompt_values = [values.index_select(0, kv_rows) for values in self.prompt_values]
-            self.rows_per_prompt, prompt_of = 1, torch.arange(len(indices))
-        self.prompt_of = prompt_of
+            self.rows_per_prompt = 1
         kv_rows = self._kv_rows(indices)
         self.keys = [[page.index_select(0, kv_rows) for page in pages] for pages in self.keys]
         self.values = [[page.index_select(0, kv_rows) for page in pages] for pages in self.values]
