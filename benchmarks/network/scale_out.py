@@ -3,7 +3,7 @@
 loading a pretrained model with FSDP sharded loading vs every rank loading it whole (DDP).
 
 Every run goes through the real `cputrain train` command: same model, data and global batch,
-fp32. Throughput is the median over repetitions of each run's own figure (summary.json: the
+in bf16 (where the CPU has bf16 units) and fp32. Throughput is the median over repetitions of each run's own figure (summary.json: the
 median of its logged windows after the first); the communication fraction is computed from
 the comm_time_s and step_time_s fields of metrics.jsonl over the same windows. Writes its
 tables into docs/benchmarks/ (block `scale_out` on network.md, `sharded_load` on memory.md).
@@ -76,17 +76,22 @@ def comm_fraction(run_dir: Path) -> float:
     return comm_time_s / step_time_s if step_time_s else 0.0
 
 
-def throughput(common: list[str], reps: int, tmp: Path) -> list[dict]:
+def throughput(common: list[str], reps: int, tmp: Path, precisions: list[str]) -> list[dict]:
     rows = []
-    for label, ranks, threads, strategy in CASES:
-        tps, comm = [], []
-        for rep in range(reps):
-            run_dir = tmp / f"tput-{strategy}-{rep}"
-            train([*common, f"parallel.strategy={strategy}", f"hardware.threads={threads}"], ranks, run_dir)
-            tps.append(json.loads((run_dir / "summary.json").read_text())["tokens_per_s"])
-            comm.append(comm_fraction(run_dir))
-            print(f"{label} #{rep + 1}: {tps[-1]:,.0f} tokens/s, {comm[-1]:.1%} in communication", flush=True)
-        rows.append({"label": label, "tokens_per_s": median(tps), "comm_fraction": median(comm), "runs": tps})
+    for precision in precisions:
+        tps = {label: [] for label, *_ in CASES}
+        comm = {label: [] for label, *_ in CASES}
+        for rep in range(reps):  # alternated: drift in the machine hits every case alike
+            for label, ranks, threads, strategy in CASES:
+                run_dir = tmp / f"tput-{precision}-{strategy}-{rep}"
+                train([*common, f"parallel.strategy={strategy}", f"hardware.threads={threads}",
+                       f"hardware.precision={precision}"], ranks, run_dir)
+                tps[label].append(json.loads((run_dir / "summary.json").read_text())["tokens_per_s"])
+                comm[label].append(comm_fraction(run_dir))
+                print(f"{precision} {label} #{rep + 1}: {tps[label][-1]:,.0f} tokens/s, "
+                      f"{comm[label][-1]:.1%} in communication", flush=True)
+        rows += [{"precision": precision, "label": label, "tokens_per_s": median(tps[label]),
+                  "comm_fraction": median(comm[label]), "runs": tps[label]} for label, *_ in CASES]
     return rows
 
 
@@ -136,17 +141,21 @@ def loading(shape: tuple[int, int, int], tmp: Path) -> dict:
 
 
 def throughput_markdown(rows: list[dict], setup: str, reps: int) -> str:
-    base = rows[0]["tokens_per_s"]
     lines = [machine_line(), "", setup, "",
-             f"| ranks × threads | useful tokens/s (median of {reps}) | vs 1 rank | time in communication | runs |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        runs = ", ".join(f"{t:,.0f}" for t in r["runs"])
-        lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.0%} | "
-                     f"{r['comm_fraction']:.1%} | {runs} |")
-    ddp = rows[1]["tokens_per_s"] / base
-    lines += ["", f"2-rank DDP reaches **{ddp:.0%}** of the 1-rank throughput (target: ≥ 90%): "
-              + ("met." if ddp >= 0.9 else "not met on this machine.")]
+             f"| precision | ranks × threads | useful tokens/s (median of {reps}) | vs 1 rank | time in communication "
+             "| runs |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    verdicts = []
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        of = [r for r in rows if r["precision"] == precision]
+        base = of[0]["tokens_per_s"]  # CASES[0]: one rank
+        for r in of:
+            runs = ", ".join(f"{t:,.0f}" for t in r["runs"])
+            lines.append(f"| {precision} | {r['label']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.0%} | "
+                         f"{r['comm_fraction']:.1%} | {runs} |")
+        ddp = of[1]["tokens_per_s"] / base
+        verdicts.append(f"{precision} **{ddp:.0%}** ({'met' if ddp >= 0.9 else 'not met on this machine'})")
+    lines += ["", "2-rank DDP against the 1-rank throughput (target: ≥ 90%): " + "; ".join(verdicts) + "."]
     return "\n".join(lines)
 
 
@@ -178,6 +187,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each throughput run (default: %(default)s)")
     ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/benchmarks/ alone")
+    ap.add_argument("--precisions", default="bf16,fp32", help="the precisions run, each its own rows (bf16 where "
+                    "the CPU has no bf16 units is emulated and very slow)")
     ap.add_argument("--only", choices=("throughput", "loading"), help="run one of the two measurements (each writes "
                     "its own block: scale_out, sharded_load)")
     args = ap.parse_args()
@@ -186,18 +197,20 @@ def main() -> None:
     common = [*model, f"data.seq_len={seq_len}", "data.max_documents=2000", f"train.max_steps={steps}",
               f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}",
               f"train.log_every={1 if args.quick else 5}", "train.eval_every=100000", "train.eval_batches=1",
-              "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2",
-              "hardware.precision=fp32"]
-    setup = (f"`python benchmarks/network/scale_out.py --only throughput --steps {steps} --reps {reps}`: {'tiny smoke model' if args.quick else '~34M-parameter Llama'}, "
+              "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2"]
+    precisions = ["fp32"] if args.quick else args.precisions.split(",")
+    setup = (f"`python benchmarks/network/scale_out.py --only throughput --steps {steps} --reps {reps} --precisions "
+             f"{','.join(precisions)}`: {'tiny smoke model' if args.quick else '~34M-parameter Llama'}, "
              f"seq_len {seq_len} packed (every token useful), global batch {global_batch} sequences (micro-batch "
-             f"{micro}), {steps} steps, fp32, each through `cputrain train --nproc-per-node N`; tokens/s and the "
+             f"{micro}), {steps} steps, the cases alternated repetition by repetition, every other setting (the FSDP "
+             "layout included) `auto`'s, each through `cputrain train --nproc-per-node N`; tokens/s and the "
              "communication fraction are over the logged windows after the first (warm-up left out).")
     blocks = {}
     with tempfile.TemporaryDirectory(prefix="cputrain-scale-out-") as tmp:
         tmp = Path(tmp)
         common.append(f"data.cache_dir={tmp / 'cache'}")
         if args.only in (None, "throughput"):
-            blocks["scale_out"] = throughput_markdown(throughput(common, reps, tmp), setup, reps)
+            blocks["scale_out"] = throughput_markdown(throughput(common, reps, tmp, precisions), setup, reps)
         if args.only in (None, "loading"):
             blocks["sharded_load"] = loading_markdown(loading(LOAD_MODEL_QUICK if args.quick else LOAD_MODEL, tmp))
     for name, text in blocks.items():

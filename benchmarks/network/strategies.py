@@ -3,8 +3,8 @@ ZeRO-3 without offload, with optimizer offload, and with optimizer + parameter o
 recipe's DeepSpeed file, configs/deepspeed/zero3-offload.json, unchanged).
 
 Same model (a ~34M-parameter Llama, like the reference recipe's), same data, same global batch,
-fp32, 2 ranks each (one per physical core). Writes its table into docs/benchmarks/network.md (block
-`strategies`).
+in bf16 (where the CPU has bf16 units) and fp32, 2 ranks each (one per physical core). Writes its
+table into docs/benchmarks/network.md (block `strategies`).
 
     python benchmarks/network/strategies.py            # the figures (run on a quiet machine)
     python benchmarks/network/strategies.py --quick    # tiny model, 3 steps: checks the script only
@@ -86,14 +86,16 @@ def padded_useful_share(source: str, cache_dir: Path, vocab_size: int) -> tuple[
 
 def offload_verdict(rows: list[dict]) -> str:
     """When offload pays on a CPU-only host, read off these runs' own numbers."""
-    by = {r["label"].split(" (")[0]: r for r in rows}
-    base = by["zero3"]
     parts = []
-    for label in ("zero3 + optimizer offload", "zero3 + optimizer + parameter offload"):
-        r = by[label]
-        speed = r["tokens_per_s"] / base["tokens_per_s"]
-        rss = max(r["peak_rss_gib"]) - max(base["peak_rss_gib"])
-        parts.append(f"{label}: {speed:.2f}× the tokens/s of plain zero3, peak RSS {rss:+.2f} GiB per rank")
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        by = {r["label"].split(" (")[0]: r for r in rows if r["precision"] == precision}
+        base = by["zero3"]
+        for label in ("zero3 + optimizer offload", "zero3 + optimizer + parameter offload"):
+            r = by[label]
+            speed = r["tokens_per_s"] / base["tokens_per_s"]
+            rss = max(r["peak_rss_gib"]) - max(base["peak_rss_gib"])
+            parts.append(f"{precision}, {label}: {speed:.2f}× the tokens/s of plain zero3, peak RSS {rss:+.2f} GiB "
+                         "per rank")
     return ("**When offload pays here.** On a CPU-only host the \"device\" and the offload target are the same "
             "DRAM, so offload cannot free memory for the model; it only changes who steps the optimizer "
             "(DeepSpeed's vectorised CPU Adam instead of torch AdamW) and adds copies between buffers. Measured: "
@@ -105,11 +107,13 @@ def offload_verdict(rows: list[dict]) -> str:
 def markdown(rows: list[dict], setup: str, share: float, records: int) -> str:
     best = max(rows, key=lambda r: r["tokens_per_s"])
     lines = [machine_line(), "", setup, "",
-             "| strategy (2 ranks) | useful tokens/s | MFU | peak RSS per rank (GiB) | final loss |",
-             "| --- | ---: | ---: | --- | ---: |"]
+             "| precision | strategy (2 ranks) | useful tokens/s | × ddp | MFU | peak RSS per rank (GiB) | final loss |",
+             "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         rss = " / ".join(f"{g:.2f}" for g in r["peak_rss_gib"])
-        lines.append(f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {rss} | {r['final_loss']:.4f} |")
+        ddp = next(d for d in rows if d["precision"] == r["precision"] and d["label"] == "ddp")
+        lines.append(f"| {r['precision']} | {r['label']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s'] / ddp['tokens_per_s']:.2f}× | {r['mfu']:.1%} | {rss} | {r['final_loss']:.4f} |")
     lines += ["", "Reference, the recipe as users ran it on the same machine and a 34M-parameter Llama (padded "
               f"tokens/s, records padded to {PAD_TO}; figures given with the request for this comparison, not rerun "
               f"here). Its useful tokens/s = padded tokens/s × the share of real tokens in padded records, measured "
@@ -119,7 +123,7 @@ def markdown(rows: list[dict], setup: str, share: float, records: int) -> str:
     lines += ["", offload_verdict(rows)]
     recipe_padded = REFERENCE[0][1]
     factor = best["tokens_per_s"] / (recipe_padded * share)
-    lines += ["", f"Best here: **{best['label']}**, {best['tokens_per_s']:,.0f} useful tokens/s = "
+    lines += ["", f"Best here: **{best['label']}** ({best['precision']}), {best['tokens_per_s']:,.0f} useful tokens/s = "
               f"**{factor:.0f}×** the unchanged recipe's {recipe_padded * share:,.1f} useful tokens/s (target: ≥ 50×); "
               f"{best['tokens_per_s'] / recipe_padded:.0f}× even against its {recipe_padded} padded tokens/s, "
               "counting padding as work."]
@@ -130,6 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 steps (checks the script, not the figures)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default: %(default)s)")
+    ap.add_argument("--precisions", default="bf16,fp32", help="the precisions run, each its own rows")
     ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/benchmarks/network.md alone")
     args = ap.parse_args()
     if importlib.util.find_spec("deepspeed") is None:
@@ -142,22 +147,26 @@ def main() -> None:
               f"train.max_steps={steps}",
               f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro}",
               f"train.log_every={1 if args.quick else 5}", "train.eval_every=100000", "train.eval_batches=1",
-              "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2",
-              "hardware.precision=fp32"]
-    setup = (f"`python benchmarks/network/strategies.py --steps {steps}`: "
+              "train.checkpoint_every=100000", "train.sample_tokens=0", "train.warmup_steps=2"]
+    precisions = ["fp32"] if args.quick else args.precisions.split(",")
+    setup = (f"`python benchmarks/network/strategies.py --steps {steps} --precisions {','.join(precisions)}`: "
              f"{'tiny smoke model' if args.quick else '~34M-parameter Llama'}, corpus `{Path(source).name}` "
              f"({MAX_DOCUMENTS:,} records), seq_len {seq_len} packed (every token useful), global batch {global_batch} sequences "
-             f"(micro-batch {micro} × 2 ranks × accumulation {global_batch // (2 * micro)}), {steps} steps, fp32, "
-             "1 thread per rank; tokens/s is the median of the logged windows after the first.")
+             f"(micro-batch {micro} × 2 ranks × accumulation {global_batch // (2 * micro)}), {steps} steps, "
+             "1 thread per rank, every setting not named `auto`'s (the FSDP layout included); tokens/s is the median of the logged windows after the first.")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cputrain-strategies-") as tmp:
         tmp = Path(tmp)
         vocab = int(next(o for o in model if o.startswith("model.tokenizer_vocab_size=")).split("=")[1])
         share, records = padded_useful_share(source, tmp / "cache", vocab)  # also caches the runs' tokenizer
         print(f"records padded to {PAD_TO}: {share:.1%} real tokens over {records:,} records", flush=True)
-        for i, (label, overrides) in enumerate(CASES):
-            rows.append(run(label, overrides, model, common, tmp / f"case-{i}", tmp / "cache"))
-            print(f"{label}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, peak RSS {rows[-1]['peak_rss_gib']}", flush=True)
+        for precision in precisions:
+            for i, (label, overrides) in enumerate(CASES):
+                row = run(label, [*overrides, f"hardware.precision={precision}"], model, common,
+                          tmp / f"case-{precision}-{i}", tmp / "cache")
+                rows.append({"precision": precision, **row})
+                print(f"{precision} {label}: {row['tokens_per_s']:,.0f} tokens/s, peak RSS {row['peak_rss_gib']}",
+                      flush=True)
     text = markdown(rows, setup, share, records)
     print(text)
     if not args.no_write and not args.quick:
