@@ -15,6 +15,7 @@ factors from cputrain/plan/time/sharded_compute.py, which cites this block.
     python benchmarks/network/sharded_rank.py --sizes 34m --precisions bf16 --rounds 3
     python benchmarks/network/sharded_rank.py --tcmalloc /path/to/libtcmalloc_minimal.so.4
     python benchmarks/network/sharded_rank.py --precisions fp32 --allocators tcmalloc --block sharded_rank_fp32
+    python benchmarks/network/sharded_rank.py --precisions bf16 --allocators tcmalloc --rounds 3 --block sharded_rank_bf16
     python benchmarks/network/sharded_rank.py --quick          # tiny model, 3 steps: checks the script only
 """
 
@@ -194,8 +195,10 @@ def main() -> None:
     parser = size_args(__doc__, "demo,34m,100m")
     parser.add_argument("--profile-sizes", default="demo,34m,100m", help="the sizes whose cases are profiled once more")
     parser.add_argument("--allocators", default="glibc,tcmalloc", help="the allocators the cases run on")
-    parser.add_argument("--block", default="sharded_rank", choices=("sharded_rank", "sharded_rank_fp32"),
-                        help="the block written (sharded_rank_fp32: the fp32 rows, kept beside bf16's)")
+    parser.add_argument("--block", default="sharded_rank",
+                        choices=("sharded_rank", "sharded_rank_fp32", "sharded_rank_bf16"),
+                        help="the block written (sharded_rank_fp32: the fp32 rows, kept beside bf16's; "
+                             "sharded_rank_bf16: bf16 on tcmalloc, kept beside the block with glibc's rows)")
     args = parser.parse_args()
     sizes, precisions, rounds, steps = sizes_of(args)
     profile_sizes = ["tiny"] if args.quick else args.profile_sizes.split(",")

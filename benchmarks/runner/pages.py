@@ -53,6 +53,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("fsdp_overlap", "network.md", "## gather_once's reduce-scatter left running behind the backward"),
     ("sharded_rank", "network.md", "## A sharded rank against the single strategy"),
     ("sharded_rank_fp32", "network.md", "## A sharded rank against the single strategy"),
+    ("sharded_rank_bf16", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks_34m", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks_overlap", "network.md", "## gather_once's reduce-scatter left running behind the backward"),
