@@ -3,10 +3,11 @@
 loading a pretrained model with FSDP sharded loading vs every rank loading it whole (DDP).
 
 Every run goes through the real `cputrain train` command: same model, data and global batch,
-in bf16 (where the CPU has bf16 units) and fp32. Throughput is the median over repetitions of each run's own figure (summary.json: the
-median of its logged windows after the first); the communication fraction is computed from
-the comm_time_s and step_time_s fields of metrics.jsonl over the same windows. Writes its
-tables into docs/benchmarks/ (block `scale_out` on network.md, `sharded_load` on memory.md).
+in bf16 (where the CPU has bf16 units) and fp32. Throughput is the median over repetitions of each
+run's own figure (summary.json: the median of its logged windows after the first); the
+communication fraction is computed from the comm_time_s and step_time_s fields of metrics.jsonl
+over the same windows. Writes its tables into docs/benchmarks/ (block `scale_out` on network.md,
+`sharded_load` on memory.md).
 
     python benchmarks/network/scale_out.py            # the figures (run on a quiet machine)
     python benchmarks/network/scale_out.py --quick    # tiny models, few steps: checks the script only
