@@ -121,6 +121,9 @@ class Strategy:
     # Whether step() can leave the weights untouched when the gradients are not finite, and what
     # a bad step's warning says in place of "optimizer step skipped" where it cannot.
     can_skip_step = True
+    # Whether zero_grad drops the gradients (set_to_none) or zeroes them in place: a strategy whose
+    # gradients are views of its own buffers may keep them (DDP's buckets: cputrain.parallel.ddp).
+    grads_to_none = True
     cannot_skip_words = "this strategy cannot skip it"
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
@@ -135,7 +138,7 @@ class Strategy:
         stepped = loss_finite and math.isfinite(norm)
         if stepped:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=self.grads_to_none)
         return norm, stepped
 
     def weights_finite_on_every_rank(self, model: nn.Module) -> bool:

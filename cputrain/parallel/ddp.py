@@ -34,6 +34,19 @@ def _metered_allreduce_hook(_state, bucket):
 class DDPStrategy(Strategy):
     name = "ddp"
     metered = True
+    # With gradient_as_bucket_view each .grad is a view of DDP's flat buckets. Where a step
+    # accumulates, gradients set to None after a step leave the buckets allocated, and the
+    # micro-batches under no_sync build fresh gradients beside them until the synced one copies
+    # them in: two copies of the gradients for most of the step. Zeroed in place they stay the
+    # buckets. Without accumulation None costs nothing (each fresh gradient is copied into its
+    # bucket and freed as it arrives), and zeroed views would cost a copy once: DDP rebuilds its
+    # buckets in the order gradients arrived before the second step's forward, and views of the
+    # old buckets keep them alive beside the new (measured: +0.27 GiB a rank at ~88M, seq 32).
+    _accumulates = False
+
+    @property
+    def grads_to_none(self) -> bool:
+        return not self._accumulates
 
     def wrap(self, model: nn.Module) -> nn.Module:
         materialize(model)
@@ -61,7 +74,10 @@ class DDPStrategy(Strategy):
         check_replicas_agree(model.module, source)
 
     def accumulation(self, model: nn.Module, last_micro_batch: bool):
-        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
+        if last_micro_batch:
+            return contextlib.nullcontext()
+        self._accumulates = True  # a step of several micro-batches: zero the gradients in place
+        return model.no_sync()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
