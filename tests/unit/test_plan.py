@@ -132,6 +132,20 @@ def test_activation_checkpointing_and_sequence_length_move_activations():
     assert longer > 1.9 * a and ckpt < a
 
 
+def test_ddp_that_accumulates_plans_its_bucket_rebuild_beside_the_gradients():
+    """DDP keeps accumulated gradients as views of its buckets; the one rebuild of the buckets holds
+    both for a moment: the plan counts a second copy of the gradients where it outweighs the activations."""
+    base = load_config(None, ["data.seq_len=16", "hardware.precision=fp32", "parallel.strategy=ddp",
+                              "train.micro_batch_size=1", "train.global_batch_size=2"])
+    shape = model_shape(base.model, vocab_size=4096)
+    one = make_plan(_decided(base), 2, shape=shape).peak_rank  # 1 micro-batch a rank: gradients dropped
+    two = make_plan(_decided(base.model_copy(update={"train": base.train.model_copy(
+        update={"global_batch_size": 4})})), 2, shape=shape).peak_rank
+    assert one.optimizer_step_bytes == 0 and two.optimizer_step_bytes == two.grad_bytes > 0
+    assert two.activation_bytes < two.grad_bytes  # short rows: the rebuild is this plan's working set
+    assert two.training_peak_bytes - one.training_peak_bytes == two.grad_bytes - one.activation_bytes
+
+
 def test_a_4d_mask_is_planned_where_rows_carry_one():
     """Rows of several sequences (packed examples, preference pairs, shared or not) keep one
     micro-batch × seq_len² mask through the backward (bool, and the additive one every layer reads:
