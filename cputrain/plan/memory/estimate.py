@@ -78,7 +78,9 @@ class RankPlan:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
-    optimizer_step_bytes: int  # temporaries of the optimizer step, and ddp's bucket rebuild right after it (freed before the next forward's activations)
+    # temporaries of the optimizer step, and ddp's bucket rebuild right after it (freed before the
+    # next forward's activations)
+    optimizer_step_bytes: int
     comm_buffer_bytes: int
     process_overhead_bytes: int
     load_bytes: int = 0  # held only while the weights are built or loaded, beside the parameters
