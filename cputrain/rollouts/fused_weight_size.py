@@ -10,9 +10,10 @@ head). The embedding table is looked up where it is.
 Under FSDP2 (`gathered`) nothing is the model's own: every unit is gathered, copied and sharded
 again, so the copy is the whole model in the compute dtype, the embedding table included.
 
-In bf16 every projection and the head are new too: they are reordered into oneDNN's blocked layout
-once per rollout (packed_weights.py). That holds where oneDNN runs bf16, which is every CPU cputrain
-chooses bf16 for; on another CPU the figure is an upper bound by the projections and the head.
+Every projection and the head are new too: they are reordered into oneDNN's blocked layout once
+per rollout (packed_weights.py), in fp32 and in bf16. That holds where torch has oneDNN (every x86
+build) and, for bf16, where oneDNN runs bf16, which is every CPU cputrain chooses bf16 for; elsewhere
+the figure is an upper bound by the projections and the head.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def fused_weight_bytes(config, compute_dtype, weights_dtype, lora: bool = False,
     hidden, inter, vocab, layers = s.hidden, s.intermediate, s.vocab, s.layers
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     cast = gathered or bytes_per_element(compute_dtype) != bytes_per_element(weights_dtype)
-    reordered = str(compute_dtype).removeprefix("torch.") in ("bf16", "bfloat16")
+    reordered = str(compute_dtype).removeprefix("torch.") in ("bf16", "bfloat16", "fp32", "float32")
     always = hidden * (q + 2 * kv) + 2 * hidden * inter  # qkv, gate_up
     remade = q * hidden + inter * hidden if cast or lora or reordered else 0  # out, down
     head = vocab * hidden if cast or reordered else 0

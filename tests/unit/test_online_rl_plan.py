@@ -82,15 +82,16 @@ def test_fused_weight_bytes_is_what_the_fused_decoder_holds_beside_the_model(wei
     new = sum(t.numel() * t.element_size() for t in tensors
               if t.is_mkldnn or t.untyped_storage().data_ptr() not in own)  # a reordered weight is a copy
     planned = fused_weight_bytes(config, compute, weights, lora=lora)
-    if compute == "bf16" and not reorders(torch.bfloat16):  # the plan's upper bound: the head and out/down kept
+    if not reorders(dtypes[compute]):  # the plan's upper bound: the head and out/down kept
         assert new <= planned
         return
     assert new == planned > 0
 
 
-def test_the_fused_weights_are_counted_from_the_dtype_the_blocks_are_held_in(plans):
-    """A base whose block matrices are stored in bf16 (LoRA's model.lora.base_dtype) under fp32 compute:
-    the fused decoder casts every projection and the head, which fp32 masters would not need."""
+def test_an_fp32_rollout_counts_every_projection_and_the_head_anew_whatever_the_blocks_are_held_in(plans):
+    """Under fp32 compute the fused decoder reorders every projection and the head (packed_weights.py),
+    so a base whose block matrices are stored in bf16 (LoRA's model.lora.base_dtype) and one of fp32
+    masters plan the same copy: every block's matrices and the head, in fp32."""
     from dataclasses import replace
 
     from cputrain.plan.memory.estimate import PlanInputs, rollout_bytes
@@ -102,8 +103,11 @@ def test_the_fused_weights_are_counted_from_the_dtype_the_blocks_are_held_in(pla
                                           for p in m.params))
     shape = m.config_sizes
     assert bf16_blocks.blocks_held_dtype == "bf16" and m.blocks_held_dtype == "fp32"
-    assert (rollout_bytes(bf16_blocks, inp) - rollout_bytes(m, inp)
-            == fused_weight_bytes(shape, "fp32", "bf16") - fused_weight_bytes(shape, "fp32", "fp32") > 0)
+    assert rollout_bytes(bf16_blocks, inp) == rollout_bytes(m, inp)
+    projections = sum(p.numel for p in m.params if p.unit != "root" and len(p.shape) == 2)
+    head = m.vocab * shape["hidden_size"]  # its own tensor, or the embedding's where they are tied
+    assert fused_weight_bytes(shape, "fp32", "bf16") == fused_weight_bytes(shape, "fp32", "fp32") \
+        == (projections + head) * 4
 
 
 def test_an_fsdp_rank_counts_the_whole_model_gathered_for_its_rollout(plans):
