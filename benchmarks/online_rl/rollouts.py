@@ -3,6 +3,7 @@ same batch and length, and the decode's share of its matmul ceiling. Writes bloc
 docs/benchmarks/online-rl.md.
 
     python benchmarks/online_rl/rollouts.py            # demo size and ~100M, fp32 and bf16, 48 and 128 new tokens: run it alone
+    python benchmarks/online_rl/rollouts.py --block rollouts_fp32   # a CPU without bf16 units: its fp32 rows
     python benchmarks/online_rl/rollouts.py --quick    # a tiny model, one run: prints the block only (checks the script)
     python benchmarks/online_rl/rollouts.py --quick --doc /tmp/b   # … and writes it into /tmp/b/online-rl.md
 
@@ -208,6 +209,8 @@ def running_allocator() -> str:
 def main() -> None:
     parser = block_parser("online-rl.md", 5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the physical cores)")
+    parser.add_argument("--block", default="rollouts", choices=("rollouts", "rollouts_fp32"),
+                        help="the block written: rollouts_fp32 holds a machine without bf16 units (fp32 only)")
     args = parser.parse_args()
     start_again_with_the_runs_allocator()
     from cputrain.hardware import detect
@@ -236,7 +239,7 @@ def main() -> None:
                 cells[(size, precision, new)] = cell
                 print(size, precision, new, {k: round(v, 3) for k, v in cell.items()}, flush=True)
     block = "\n".join(render(cells, peaks, threads, prompts, generations, runs))
-    print_and_write_block("rollouts", block, args.doc, args.quick)
+    print_and_write_block(args.block, block, args.doc, args.quick)
 
 
 def render(cells: dict, peaks: dict, threads: int, prompts: int, generations: int, runs: int) -> list[str]:

@@ -74,6 +74,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("revision-parity", "revision-parity.md", None),
     ("revision-parity-sharded", "revision-parity.md", None),
     ("rollouts", "online-rl.md", "## Rollouts: sample() against generate()"),
+    ("rollouts_fp32", "online-rl.md", "## Rollouts: sample() against generate()"),
     ("rollouts_prompt_length", "online-rl.md", "## Rollouts: sample() against generate()"),
     ("llama_cpp_rollout", "online-rl.md", "## llama.cpp as the rollout's decoder"),
     ("fsdp_rollout", "online-rl.md", "## Rollouts from a sharded policy"),

@@ -22,8 +22,8 @@ What makes it faster than `model.generate()` (each measured, docs/benchmarks/onl
 - a prompt repeated in the batch (GRPO's generations of one prompt) is prefilled once; on the fused
   decoder its keys and values are then held and read once for all its rows (paged_kv_cache.py),
   through the modules its cache rows are copied for each completion;
-- the fused decoder's bf16 weights are reordered into oneDNN's layout once a rollout, not on every
-  product (packed_weights.py);
+- the fused decoder's weights are reordered into oneDNN's layout once a rollout (packed_weights.py):
+  in bf16 not on every product, in fp32 oneDNN's product instead of MKL's, which is slow at a few rows;
 - a decode step's attention is two batched products (decode_attention.py), not sdpa's CPU kernel.
 
 What it does not do: compile the decode step. Measured at the demo's size (64 rows, one core), a
