@@ -3,6 +3,7 @@ the demo's size and at ~100M, on the same model, prompts, generations and length
 `grpo_step` of docs/benchmarks/online-rl.md.
 
     python benchmarks/online_rl/grpo_step.py            # needs trl (the sft-peer extra); tens of minutes on 2 cores: run it alone
+    python benchmarks/online_rl/grpo_step.py --block grpo_step_fp32   # a CPU without bf16 units: its fp32 rows
     python benchmarks/online_rl/grpo_step.py --quick    # a tiny model, 2 × 4 completions of 8 tokens, 3 steps, one run: prints the block only
     python benchmarks/online_rl/grpo_step.py --quick --doc /tmp/b   # … and writes it into /tmp/b/online-rl.md
 
@@ -41,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.runner.blocks import block_parser, print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import block_parser, command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
@@ -130,6 +131,8 @@ def main() -> None:
     parser = block_parser("online-rl.md", 3, quick="tiny model, 3 steps, one run: checks the script only")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--block", default="grpo_step", choices=("grpo_step", "grpo_step_fp32"),
+                        help="the block written: grpo_step_fp32 holds a machine without bf16 units (fp32 only)")
     args = parser.parse_args()
     from benchmarks.runner.base_model import make_base
     from cputrain.hardware import detect
@@ -161,7 +164,7 @@ def main() -> None:
                     for name, side in (("ours", ours), ("trl", theirs)) for key in side[0]}}
                 print(size, precision, cells[size, precision], flush=True)
     block = "\n".join(render(cells, threads, runs, steps, warmup, shape))
-    print_and_write_block("grpo_step", block, args.doc, args.quick)
+    print_and_write_block(args.block, block, args.doc, args.quick)
 
 
 def render(cells: dict, threads: int, runs: int, steps: int, warmup: int, shape: tuple) -> list[str]:
@@ -170,7 +173,7 @@ def render(cells: dict, threads: int, runs: int, steps: int, warmup: int, shape:
              f"{n_prompts} prompts × {generations} generations, up to {new_tokens} new tokens, full weights, "
              f"dapo, β 0, {threads} thread(s), the same precision on both sides (bf16: autocast over fp32 weights, "
              f"TRL's default bf16=True and cputrain's auto choice on bf16 units); each side's median step time over steps {warmup + 1}–{steps}, the "
-             f"median of {runs} alternated runs (`python benchmarks/online_rl/grpo_step.py`).", "",
+             f"median of {runs} alternated runs (`{command_as_run()}`).", "",
              "| model | precision | cputrain s/step | rollout share | TRL GRPOTrainer s/step | × | target | "
              "mean length (ours, TRL) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

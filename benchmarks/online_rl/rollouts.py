@@ -39,7 +39,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.runner.blocks import block_parser, print_and_write_block  # noqa: E402
+from benchmarks.runner.blocks import block_parser, command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.machine import machine_line, physical_cores  # noqa: E402
 
 PROMPTS, GENERATIONS = 8, 8
@@ -248,7 +248,7 @@ def render(cells: dict, peaks: dict, threads: int, prompts: int, generations: in
              f"{PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} tokens, plain sampling, no early stop, {threads} thread(s); "
              f"median of {runs} alternated runs per cell ({runs * DEMO_RUNS_FACTOR} at the demo's size, whose runs "
              f"last under a second), every side on malloc {running_allocator()} (what `cputrain train` runs on here) "
-             "(`python benchmarks/online_rl/rollouts.py`). "
+             f"(`{command_as_run()}`). "
              "Decode: the time of one decode step of sample(); its FLOPs ÷ that time against the same weight "
              "products alone at this batch (the matmul ceiling at the batch) and against the machine's measured "
              "matmul peak (" + "; ".join(f"{name} {flops / 1e9:,.0f} GFLOP/s ({how})"

@@ -79,6 +79,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("llama_cpp_rollout", "online-rl.md", "## llama.cpp as the rollout's decoder"),
     ("fsdp_rollout", "online-rl.md", "## Rollouts from a sharded policy"),
     ("grpo_step", "online-rl.md", "## A GRPO step against TRL's GRPOTrainer"),
+    ("grpo_step_fp32", "online-rl.md", "## A GRPO step against TRL's GRPOTrainer"),
 )
 
 FENCE = re.compile(r"^\s*(```|~~~)")
