@@ -95,13 +95,6 @@ class ModelShape:
                 "num_key_value_heads": self.kv_heads, "hidden_size": self.hidden,
                 "intermediate_size": self.intermediate, "vocab_size": self.vocab}
 
-    @property
-    def blocks_held_dtype(self) -> str:
-        """The dtype the blocks' matrices are stored in: fp32 masters, or bf16 where a LoRA base is
-        frozen so (model.lora.base_dtype)."""
-        return "bf16" if any(p.stored_bytes == 2 for p in self.params if p.unit != "root" and len(p.shape) == 2) \
-            else "fp32"
-
     def adapter_inputs(self) -> list[ParamInfo]:
         """Each adapted linear's lora_A (r × in): one per targeted layer, in model order."""
         return [p for p in self.params if ".lora_A." in p.name]

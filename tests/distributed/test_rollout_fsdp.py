@@ -95,7 +95,7 @@ def _rank(rank: int, port: int, results) -> None:
             tensors = [held.embed, held.head, held.final_norm] + [
                 t for b in held.blocks for t in (b.input_norm, b.qkv, b.out, b.post_norm, b.gate_up, b.down)]
             found[("bytes", name)] = (sum(t.numel() * t.element_size() for t in tensors),
-                                      fused_weight_bytes(policy.config, name, "fp32", gathered=True), str(held.dtype))
+                                      fused_weight_bytes(policy.config, name, gathered=True), str(held.dtype))
         results[rank] = found
     finally:
         dist.destroy_process_group()

@@ -29,7 +29,7 @@ def test_the_memory_plan_counts_the_rollouts_kv_cache_and_logits(plans):
     m = plan.shape
     shape = m.config_sizes
     assert rank.rollout_bytes == (kv_cache_bytes(shape, 32, 256, "fp32") + 2 * 32 * m.vocab * 4
-                                  + fused_weight_bytes(shape, "fp32", "fp32"))
+                                  + fused_weight_bytes(shape, "fp32"))
     assert lm.peak_rank.rollout_bytes == 0
 
 
@@ -81,7 +81,7 @@ def test_fused_weight_bytes_is_what_the_fused_decoder_holds_beside_the_model(wei
     tensors = [held.head] + [t for b in held.blocks for t in (b.qkv, b.out, b.gate_up, b.down)]
     new = sum(t.numel() * t.element_size() for t in tensors
               if t.is_mkldnn or t.untyped_storage().data_ptr() not in own)  # a reordered weight is a copy
-    planned = fused_weight_bytes(config, compute, weights, lora=lora)
+    planned = fused_weight_bytes(config, compute)
     if not reorders(dtypes[compute]):  # the plan's upper bound: the head and out/down kept
         assert new <= planned
         return
@@ -102,12 +102,14 @@ def test_an_fp32_rollout_counts_every_projection_and_the_head_anew_whatever_the_
     bf16_blocks = replace(m, params=tuple(replace(p, stored_bytes=2) if p.unit != "root" and len(p.shape) == 2 else p
                                           for p in m.params))
     shape = m.config_sizes
-    assert bf16_blocks.blocks_held_dtype == "bf16" and m.blocks_held_dtype == "fp32"
+    def held_in_bf16(shape):
+        return any(p.stored_bytes == 2 for p in shape.params if p.unit != "root" and len(p.shape) == 2)
+
+    assert held_in_bf16(bf16_blocks) and not held_in_bf16(m)
     assert rollout_bytes(bf16_blocks, inp) == rollout_bytes(m, inp)
     projections = sum(p.numel for p in m.params if p.unit != "root" and len(p.shape) == 2)
     head = m.vocab * shape["hidden_size"]  # its own tensor, or the embedding's where they are tied
-    assert fused_weight_bytes(shape, "fp32", "bf16") == fused_weight_bytes(shape, "fp32", "fp32") \
-        == (projections + head) * 4
+    assert fused_weight_bytes(shape, "fp32") == (projections + head) * 4
 
 
 def test_an_fsdp_rank_counts_the_whole_model_gathered_for_its_rollout(plans):
@@ -120,8 +122,8 @@ def test_an_fsdp_rank_counts_the_whole_model_gathered_for_its_rollout(plans):
     shape = m.config_sizes
     settings = dict(precision="bf16", world_size=2, micro_batch=32, seq_len=256, rollout_rows=32, rollout_len=256)
     fsdp, ddp = (rollout_bytes(m, PlanInputs(strategy=s, **settings)) for s in ("fsdp", "ddp"))
-    gathered = fused_weight_bytes(shape, "bf16", "fp32", gathered=True)
-    assert fsdp - ddp == gathered - fused_weight_bytes(shape, "bf16", "fp32") > 0
+    gathered = fused_weight_bytes(shape, "bf16", gathered=True)
+    assert fsdp - ddp == gathered - fused_weight_bytes(shape, "bf16") > 0
     assert gathered > m.vocab * shape["hidden_size"] * 2 * 2  # the embedding table and the head at least
 
 
@@ -135,7 +137,7 @@ def test_an_fsdp_rank_rolls_out_through_its_modules_where_the_copy_would_not_fit
                                  2, vocab_size=4096) for s in ("fsdp", "ddp"))
     node_gib = 2 * fsdp.peak_rank.total_bytes / GIB
     copy = fused_decoder_bytes(fsdp.shape, fsdp.inputs)
-    assert copy == fused_weight_bytes(fsdp.shape.config_sizes, "bf16", "fp32", gathered=True) > 0
+    assert copy == fused_weight_bytes(fsdp.shape.config_sizes, "bf16", gathered=True) > 0
     assert fused_rollout_fits(fsdp, 2, node_gib * 1.01) == (True, "")
     fits, why = fused_rollout_fits(fsdp, 2, node_gib * 0.99)
     assert not fits and f"({copy / GIB:.1f} GiB a rank)" in why and "2 rank(s)" in why

@@ -293,8 +293,7 @@ def fused_decoder_bytes(m: ModelShape, inp: PlanInputs) -> int:
         return 0
     from cputrain.rollouts.fused_weight_size import fused_weight_bytes
 
-    return fused_weight_bytes(m.config_sizes, inp.precision, m.blocks_held_dtype, lora=m.lora,
-                              gathered=inp.strategy == "fsdp")
+    return fused_weight_bytes(m.config_sizes, inp.precision, gathered=inp.strategy == "fsdp")
 
 
 def plan_all_ranks(m: ModelShape, inp: PlanInputs) -> list[RankPlan]:
