@@ -80,6 +80,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("fsdp_rollout", "online-rl.md", "## Rollouts from a sharded policy"),
     ("grpo_step", "online-rl.md", "## A GRPO step against TRL's GRPOTrainer"),
     ("grpo_step_fp32", "online-rl.md", "## A GRPO step against TRL's GRPOTrainer"),
+    ("rl_head", "online-rl.md", "## The log-probabilities' head, whole and block-wise"),
 )
 
 FENCE = re.compile(r"^\s*(```|~~~)")

@@ -184,19 +184,15 @@ FP32_LARGE_VOCAB_WHY = ("at a 128,256-token vocabulary it measured 1.05× the pl
 
 
 def chunked_loss_choice(setting, precision: str, tokens_per_micro_batch: int, vocab: int,
-                        score_head_of: str | None = None, whole_logits_of: str | None = None) -> tuple[bool, str]:
+                        score_head_of: str | None = None) -> tuple[bool, str]:
     """model.chunked_loss for this precision and head shape, and why ("" when the config fixed it).
-    `score_head_of`: the objective, where it trains a score head in place of the vocabulary's;
-    `whole_logits_of`: the objective, where its loss reads every logit of a token."""
+    `score_head_of`: the objective, where it trains a score head in place of the vocabulary's."""
     from cputrain.kernels.chunked_loss import BLOCK_BYTES
 
     if setting != "auto":
         return setting, ""
     if score_head_of is not None:
         return False, f"train.objective={score_head_of}: a score head of one output, no vocabulary of logits to cut"
-    if whole_logits_of is not None:
-        return False, (f"train.objective={whole_logits_of}: each completion token's log-probability at the sampling "
-                       "temperature, read from the whole logits")
     if precision == "bf16":
         return True, ("bf16: the fp32 logits of one block of tokens at a time instead of the whole vocabulary's, and "
                       "+1% tokens/s on a 97M Llama on AMX (benchmarks/step_time/bf16_step.py)")

@@ -158,7 +158,8 @@ class ModelConfig(Section):
 
     chunked_loss: bool | Literal["auto"] = "auto"
     """Compute the head and its cross-entropy a block of tokens at a time, so the fp32 logits of
-    the whole vocabulary never exist at once (1 GiB per copy for Llama-3 at 2,048 tokens). auto:
+    the whole vocabulary never exist at once (1 GiB per copy for Llama-3 at 2,048 tokens); for DPO,
+    SimPO, KTO, GRPO and RLOO each token's log-probability, the same way. auto:
     on in bf16; in fp32 on where one micro-batch's fp32 logits exceed 256 MiB (a large vocabulary),
     off below that, where the plain head measured as fast and its logits are small
     (benchmarks/step_time/fp32_choices.py)."""

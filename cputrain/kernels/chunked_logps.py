@@ -1,5 +1,6 @@
 """Each target token's log-probability through the head, a block of tokens at a time: what
-preference objectives (DPO, SimPO) read, without the logits of the whole micro-batch.
+preference objectives (DPO, SimPO, KTO) and online RL read, without the logits of the whole
+micro-batch.
 
 The plain path (objectives.preference_loss.sequence_logps on the model's logits) holds the
 logits, their fp32 copy, the log-softmax and its gradient: three to four tokens × vocabulary × 4
@@ -12,6 +13,12 @@ token differs: the backward scales those rows by it, then does the weight's matm
 
     logp_t = logit_t[y_t] - logsumexp(logit_t)
     d logp_t / d logit_t = one_hot(y_t) - softmax(logit_t)
+
+Online RL (GRPO, RLOO) reads each completion token's log-probability at the sampling temperature T
+(the logits divided by T, as TRL takes them) from the position that predicts it, which in a row
+sharing its prompt is not always the one before it (cputrain.objectives.rollout_batch): those
+positions' hidden states are gathered first (picked_logps), then go through the same blocks with
+every logit scaled by 1/T, and its gradient by 1/T again.
 """
 
 from __future__ import annotations
@@ -33,20 +40,21 @@ class TokenLogpsOutput(ModelOutput):
 
 class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+                temperature: float = 1.0):
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         logps = torch.zeros(hidden.shape[0], dtype=torch.float32)
         # d logp_t / d hidden_t, one row per token; and d logp_t / d logits, vocab × tokens (the
         # layout of chunked_loss.py: the weight's gradient is then one contiguous matmul)
         unit_hidden = torch.empty_like(hidden) if needs_hidden else None
         unit_logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=hidden.dtype) if needs_weight else None
-        for block in head_blocks(hidden, weight, targets, rows):
+        for block in head_blocks(hidden, weight, targets, rows, 1.0 / temperature):
             logps[block.rows] = (block.picked - block.lse) * block.valid
             if not (needs_hidden or needs_weight):
                 continue
-            # d logp / d logits = one_hot - softmax: the cross-entropy's gradient, negated; an
-            # untrained position passes none
-            g = block.nll_grad(-1.0).to(hidden.dtype)
+            # d logp / d logits = (one_hot - softmax) / T: the cross-entropy's gradient, negated and
+            # through the division by the temperature; an untrained position passes none
+            g = block.nll_grad(-1.0 / temperature).to(hidden.dtype)
             if needs_hidden:
                 unit_hidden[block.rows] = g @ weight
             if needs_weight:
@@ -64,16 +72,42 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             grad_hidden = unit_hidden.mul_(grad_logps.to(unit_hidden.dtype)[:, None])
         if unit_logits_t is not None:
             grad_weight = unit_logits_t.mul_(grad_logps.to(unit_logits_t.dtype)[None, :]) @ hidden
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[rows, tokens] log-probability of each next-token label (labels[:, t+1] from hidden[:, t]),
     0 where that label is -100 and at each row's last position: what sequence_logps gathers from
     the log-softmax of the logits, with the same gradients."""
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts t+1
+    return _token_logps(hidden.reshape(-1, hidden.shape[-1]), weight, shifted.reshape(-1), 1.0).reshape(labels.shape)
+
+
+@dataclass
+class PickedPositions:
+    """Which positions' log-probabilities a forward returns (online RL): `targets[i, j]` predicted
+    from row `rows[i]`, position `positions[i, j]`, IGNORE_INDEX where there is none (0 returned),
+    the logits divided by `temperature`."""
+
+    rows: torch.Tensor  # [completions]
+    positions: torch.Tensor  # [completions, longest completion]
+    targets: torch.Tensor  # [completions, longest completion]
+    temperature: float
+
+
+def picked_logps(hidden: torch.Tensor, weight: torch.Tensor, picked: PickedPositions) -> torch.Tensor:
+    """[completions, longest completion] log-probability of each target at the temperature, from the
+    hidden states [rows, tokens, d] of the positions that predict them; 0 where the target is
+    IGNORE_INDEX. Only those positions go through the head."""
+    at = hidden[picked.rows[:, None], picked.positions]  # [completions, longest, d]: a hidden-sized copy
+    logps = _token_logps(at.reshape(-1, at.shape[-1]), weight, picked.targets.reshape(-1), picked.temperature)
+    return logps.reshape(picked.targets.shape)
+
+
+def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[tokens] log-probability of each target from hidden [tokens, d], in the compute dtype:
+    autocast's, else the hidden states'."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
     with torch.autocast("cpu", enabled=False):
-        logps = _ChunkedTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype),
-                                         shifted.reshape(-1), block_rows(weight.shape[0]))
-    return logps.reshape(labels.shape)
+        return _ChunkedTokenLogps.apply(hidden.to(dtype), weight.to(dtype), targets, block_rows(weight.shape[0]),
+                                        temperature)

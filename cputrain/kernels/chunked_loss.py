@@ -53,13 +53,17 @@ class HeadBlock:
         return grad.mul_((self.valid.float() * scale)[:, None])
 
 
-def head_blocks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int) -> Iterator[HeadBlock]:
-    """hidden [tokens, d] through the head weight [vocab, d], `rows` tokens at a time; labels [tokens]."""
+def head_blocks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int,
+                scale: float = 1.0) -> Iterator[HeadBlock]:
+    """hidden [tokens, d] through the head weight [vocab, d], `rows` tokens at a time; labels [tokens].
+    `scale`: each fp32 logit multiplied by it (online RL's 1 / sampling temperature)."""
     for start in range(0, hidden.shape[0], rows):
         block = slice(start, start + rows)
         y = labels[block]
         target = y.clamp(min=0)
         logits = (hidden[block] @ weight.t()).float()
+        if scale != 1.0:
+            logits.mul_(scale)
         yield HeadBlock(block, logits, torch.logsumexp(logits, dim=-1), logits.gather(1, target[:, None]).squeeze(1),
                         target, y != IGNORE_INDEX)
 

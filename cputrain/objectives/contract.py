@@ -68,9 +68,6 @@ class Objective(ABC):
     """Where it has figures (`names`), whether a step logs its items per second and per step
     (pairs_per_s, pairs_per_step: pairs, examples); online RL's items are what its loss divides by
     (tokens, completions), no batch's unit."""
-    whole_logits: ClassVar[bool] = False
-    """Whether its loss reads every logit of a token (online RL: each completion token's
-    log-probability at the sampling temperature), so model.chunked_loss=auto leaves the head whole."""
     batches_from_rollouts: ClassVar[bool] = False
     """Whether a step's micro-batches are made by the objective from its rows (online RL: prompts
     sampled from the policy, scored by reward functions: step_batches) rather than cut from the

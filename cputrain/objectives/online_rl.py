@@ -43,7 +43,6 @@ class OnlineRlObjective(Objective):
 
     data_format = "prompt"
     batches_from_rollouts = True
-    whole_logits = True  # log-probabilities at the sampling temperature, from the whole logits
     logs_item_rate = False  # its items are the loss type's divisor; the step logs completions/… instead
     items_key = "completions"
     item_described = "prompt"
@@ -91,10 +90,6 @@ class OnlineRlObjective(Objective):
         if train.reward_weights is not None and len(train.reward_weights) != len(train.rewards):
             raise ConfigError(f"train.reward_weights has {len(train.reward_weights)} weight(s) for "
                               f"{len(train.rewards)} reward function(s) in train.rewards; give one weight each")
-        if cfg.model.chunked_loss is True:
-            raise ConfigError(f"model.chunked_loss=true computes the loss block by block without logits, and "
-                              f"train.objective={cls.name} reads each completion token's log-probability at the "
-                              "sampling temperature; set model.chunked_loss=false")
         if cfg.data.seq_len <= train.max_completion_length:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) leaves no room for a prompt before "
                               f"train.max_completion_length ({train.max_completion_length}) sampled tokens; raise "
@@ -249,10 +244,10 @@ class OnlineRlObjective(Objective):
         with autocast():
             for batch in batches:
                 if cfg.num_iterations > 1 or self.needs_old_logps():
-                    batch.old_logps = completion_logps(model, batch, cfg.temperature)
+                    batch.old_logps = completion_logps(model, batch, cfg.temperature, self.chunked)
                 if cfg.rl_beta != 0.0:
                     with self.reference(_unwrapped(model)) if self.reference else contextlib.nullcontext():
-                        batch.ref_logps = completion_logps(model, batch, cfg.temperature)
+                        batch.ref_logps = completion_logps(model, batch, cfg.temperature, self.chunked)
         if cfg.rl_beta != 0.0 and self.sequence_level:  # RLOO: the KL is a penalty on the reward
             kl = torch.cat([((b.old_logps - b.ref_logps) * b.completion_mask).sum(-1) for b in batches])
             rewards = rewards - cfg.rl_beta * kl
@@ -317,7 +312,7 @@ class OnlineRlObjective(Objective):
 
     def loss(self, model, batch, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        logps = completion_logps(model, batch, cfg.temperature)
+        logps = completion_logps(model, batch, cfg.temperature, self.chunked)
         # μ = 1: the sampling policy is this one, its log-probabilities these (TRL's shortcut: no extra forward)
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         out = self.clipped_loss(logps, old, batch, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)

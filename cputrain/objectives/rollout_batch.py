@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX, Batch, attention_mask_for, shared_prompt_mask
+from cputrain.kernels.chunked_logps import PickedPositions
 from cputrain.model.forward_keywords import forward_takes
 
 
@@ -88,19 +89,28 @@ def rollout_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], 
                         predicted_from=predicted_from, completion_ids=targets, completion_rows=row_of)
 
 
-def completion_logps(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+def completion_logps(model, batch: RolloutBatch, temperature: float, chunked: bool = False) -> torch.Tensor:
     """Each completion token's log-probability under `model`, its logits divided by the sampling
     temperature as TRL does; [completions, longest completion], 0 past a completion's end.
 
-    The head runs on the positions from the first that predicts a completion token (the model's
-    `logits_to_keep`): a prompt's positions need no logits, and at a small model's size the head
-    is the largest product of the step (the demo's GRPO step in bf16: 0.93–1.04 s → 0.88–0.89 s,
-    docs/benchmarks/online-rl.md)."""
-    width = batch.input_ids.shape[1]
-    first = int(torch.where(batch.completion_mask > 0, batch.predicted_from, width - 1).min())
-    extra = {"logits_to_keep": width - first} if forward_takes(model, "logits_to_keep") else {}
+    `chunked` (model.chunked_loss installed the block-wise head): only the positions that predict a
+    completion token go through the head, a block of them at a time, and no logits of the whole
+    micro-batch exist (kernels/chunked_logps.py). Otherwise the head runs on the positions from the
+    first that predicts a completion token (the model's `logits_to_keep`): a prompt's positions need
+    no logits, and at a small model's size the head is the largest product of the step (the demo's
+    GRPO step in bf16: 0.93–1.04 s → 0.88–0.89 s, docs/benchmarks/online-rl.md)."""
+    extra = {}
     if batch.attention_mask is not None:  # a shared prompt: each completion sees it and itself
         extra["attention_mask"] = attention_mask_for(batch.attention_mask, model)
+    if chunked:
+        targets = torch.where(batch.completion_mask > 0, batch.completion_ids, IGNORE_INDEX)
+        picked = PickedPositions(batch.completion_rows, batch.predicted_from, targets, temperature)
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, picked=picked,
+                     **extra).token_logps
+    width = batch.input_ids.shape[1]
+    first = int(torch.where(batch.completion_mask > 0, batch.predicted_from, width - 1).min())
+    if forward_takes(model, "logits_to_keep"):
+        extra["logits_to_keep"] = width - first
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra).logits
     offset = width - logits.shape[1]  # the row position of the first logits returned
     picked = logits[batch.completion_rows[:, None], (batch.predicted_from - offset).clamp(min=0)].float()

@@ -167,9 +167,8 @@ def _walk(res: Resolution, facts: _RunFacts | _PlanFacts) -> _Walk:
 
         objective = objective_class(now.train.objective)
         score = now.train.objective if objective.head == SCORE else None
-        whole = now.train.objective if objective.whole_logits else None
         walk.record("model.chunked_loss", *chunked_loss_choice(
-            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, score, whole))
+            "auto", now.hardware.precision, now.train.micro_batch_size * now.data.seq_len, vocab, score))
     if walk.config.parallel.strategy == "fsdp":
         _record_fsdp_choices(walk, facts, vocab)
     if walk.config.model.activation_checkpointing == "auto":

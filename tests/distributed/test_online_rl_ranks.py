@@ -3,7 +3,7 @@ one prompt's group whole, its advantages computed there (scale_rewards=batch: th
 std, one all-reduce), the loss divided by the global count ÷ 2 and the gradients averaged as DDP
 averages them; the step's loss and gradient equal those of one process taking both groups, for
 dapo (a global token count) and grpo (a mean per completion). And a GRPO run through the CLI on 2
-FSDP ranks with LoRA and the KL to the reference."""
+FSDP ranks with LoRA, the KL to the reference and the block-wise head."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def test_two_ranks_give_one_process_s_loss_and_gradient(tiny_model_dir):
 def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cache_dir, tiny_model):
     """The CLI on 2 FSDP ranks: each samples its prompts' groups from the sharded policy on the fused
     decoder (the ranks gather the weights, adapters merged, together, then decode alone), the KL to
-    the reference (the adapters off) is logged."""
+    the reference (the adapters off) is logged; the log-probabilities come from the block-wise head
+    (model.chunked_loss), which reads the head's weight gathered by FSDP2's root."""
     from pydoc_data.topics import topics
 
     from harness.run_cli import run_cli
@@ -111,7 +112,7 @@ def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cac
         "train.rewards": '["regex:^ "]', "train.num_generations": 4, "train.max_completion_length": 8,
         "train.global_batch_size": 16, "train.micro_batch_size": 4, "train.max_steps": 2, "train.eval_every": 2,
         "model.lora.enabled": "true", "model.lora.rank": 4, "train.rl_beta": 0.04, "train.lr": 1e-2,
-        "parallel.strategy": "fsdp"}), "--nproc-per-node", "2", check=True)
+        "parallel.strategy": "fsdp", "model.chunked_loss": "true"}), "--nproc-per-node", "2", check=True)
     rows = metrics_rows(out)
     assert len(rows) == 2 and rows[1]["kl"] > 0 and "eval_reward" in rows[1]
     assert "rollouts: the fused decoder" in proc.stderr, proc.stderr[-2000:]

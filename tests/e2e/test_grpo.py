@@ -3,7 +3,7 @@ adapters off) and two weighted rewards logs TRL's figures and the rollout's spee
 completions with their rewards in completions.jsonl, and a run stopped at step 1, inside a cycle of
 num_iterations μ = 2, and resumed equals a straight one (the sampling generator's state and the
 cycle's kept rollouts are in the checkpoint); RLOO with full
-weights trains; bad input is refused in one line before any work (in-process), a prompt that
+weights and the block-wise head (model.chunked_loss) trains; bad input is refused in one line before any work (in-process), a prompt that
 leaves no room to sample before the model is built."""
 
 from __future__ import annotations
@@ -83,12 +83,14 @@ def test_a_stopped_grpo_run_resumes_to_the_same_figures(straight, tmp_path, cach
     assert ours == theirs
 
 
-def test_rloo_with_full_weights_trains(tmp_path, cache_dir, base):
+def test_rloo_with_full_weights_and_the_block_wise_head_trains(tmp_path, cache_dir, base):
     out = tmp_path / "rloo"
     run_cli("train", *_args(out, cache_dir, base, **{"train.objective": "rloo", "model.lora.enabled": "false",
-                                                       "train.rl_beta": 0.0, "train.max_steps": 2}), check=True)
+                                                       "train.rl_beta": 0.0, "train.max_steps": 2,
+                                                       "model.chunked_loss": "true"}), check=True)
     rows = metrics_rows(out)
     assert len(rows) == 2 and all("reward" in r and "kl" not in r for r in rows)
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in rows)  # finite, and the head's weight trained
 
 
 def test_a_prompt_that_leaves_no_room_to_sample_is_refused_before_the_model(tmp_path, cache_dir, base):

@@ -19,7 +19,7 @@ from cputrain.objectives import rl_loss
 from cputrain.objectives.online_rl import GrpoObjective, RlooObjective
 
 trl = pytest.importorskip("trl")
-pytestmark = pytest.mark.slow  # TRL's trainers, 15 times: about 40 s
+pytestmark = pytest.mark.slow  # TRL's trainers, 18 times: about 50 s
 
 NUM_GENERATIONS, PROMPTS, MAX_COMPLETION = 4, 2, 6
 LR = 0.05  # large enough that step 2 sees moved weights (and, with beta, a KL above 0)
@@ -138,9 +138,13 @@ def _cfg(loss_type: str, beta: float, **over):
 
 
 def _run_ours(objective_class, model, seen, eos: int, loss_type: str, beta: float, lora: bool,
-              num_iterations: int = 1, advantages=None):
+              num_iterations: int = 1, advantages=None, chunked: bool = False):
     reference = (lambda m: m.disable_adapter()) if lora else None
-    objective = objective_class(_cfg(loss_type, beta, num_iterations=num_iterations), reference)
+    if chunked:  # model.chunked_loss: the block-wise head, installed as the trainer does
+        from cputrain.kernels.chunked_head import install_chunked_loss
+
+        install_chunked_loss(model.get_base_model() if lora else model)
+    objective = objective_class(_cfg(loss_type, beta, num_iterations=num_iterations), reference, chunked)
     objective.pad_id = eos
     if advantages is not None:  # a mutant: another advantage
         objective.advantages = advantages
@@ -166,25 +170,29 @@ def _run_ours(objective_class, model, seen, eos: int, loss_type: str, beta: floa
     return losses, norms
 
 
-# (objective, loss_type, beta, LoRA, num_iterations μ): μ = 2 trains step 2 on step 1's rollouts, where
-# the ratio to the old policy leaves 1 and the clipping acts
-CASES = [("grpo", "grpo", 0.0, False, 1), ("grpo", "dapo", 0.0, False, 1), ("grpo", "dr_grpo", 0.0, False, 1),
-         ("grpo", "grpo", 0.0, True, 1), ("grpo", "dapo", 0.0, True, 1), ("grpo", "dr_grpo", 0.0, True, 1),
-         ("grpo", "grpo", 0.04, True, 1), ("grpo", "dapo", 0.04, True, 1), ("grpo", "dr_grpo", 0.04, True, 1),
-         ("grpo", "dapo", 0.0, False, 2), ("grpo", "dapo", 0.04, True, 2),
-         ("rloo", None, 0.0, False, 1), ("rloo", None, 0.0, True, 1), ("rloo", None, 0.05, True, 1),
-         ("rloo", None, 0.0, False, 2)]
+# (objective, loss_type, beta, LoRA, num_iterations μ, the block-wise head): μ = 2 trains step 2 on step
+# 1's rollouts, where the ratio to the old policy leaves 1 and the clipping acts; the block-wise head
+# (model.chunked_loss) on a case of each objective, full weights and LoRA with the reference
+CASES = [("grpo", "grpo", 0.0, False, 1, False), ("grpo", "dapo", 0.0, False, 1, False),
+         ("grpo", "dr_grpo", 0.0, False, 1, False), ("grpo", "grpo", 0.0, True, 1, False),
+         ("grpo", "dapo", 0.0, True, 1, False), ("grpo", "dr_grpo", 0.0, True, 1, False),
+         ("grpo", "grpo", 0.04, True, 1, False), ("grpo", "dapo", 0.04, True, 1, False),
+         ("grpo", "dr_grpo", 0.04, True, 1, False), ("grpo", "dapo", 0.0, False, 2, False),
+         ("grpo", "dapo", 0.04, True, 2, False), ("rloo", None, 0.0, False, 1, False),
+         ("rloo", None, 0.0, True, 1, False), ("rloo", None, 0.05, True, 1, False), ("rloo", None, 0.0, False, 2, False),
+         ("grpo", "dapo", 0.0, False, 2, True), ("grpo", "grpo", 0.04, True, 1, True), ("rloo", None, 0.05, True, 1, True)]
 
 
-@pytest.mark.parametrize("kind,loss_type,beta,lora,mu", CASES,
-                         ids=[f"{k}-{t or 'seq'}-beta{b}-{'lora' if lo else 'full'}-mu{m}" for k, t, b, lo, m in CASES])
-def test_loss_and_grad_norm_equal_trls(kind, loss_type, beta, lora, mu, base, tok, tmp_path):
+@pytest.mark.parametrize("kind,loss_type,beta,lora,mu,chunked", CASES,
+                         ids=[f"{k}-{t or 'seq'}-beta{b}-{'lora' if lo else 'full'}-mu{m}{'-chunked' if c else ''}"
+                              for k, t, b, lo, m, c in CASES])
+def test_loss_and_grad_norm_equal_trls(kind, loss_type, beta, lora, mu, chunked, base, tok, tmp_path):
     objective_class = GrpoObjective if kind == "grpo" else RlooObjective
     seen, trl_losses, trl_norms, initial = _run_trl(kind, base, lora, tok, tmp_path, loss_type or "grpo", beta, mu)
     assert len(seen) == 2 // mu and len({len(p) for step in seen for p in step}) == 1  # equal prompts: no padding
     losses, norms = _run_ours(objective_class, initial, seen, tok.eos_token_id, loss_type or "grpo",
-                              beta, lora, mu)
-    print(f"{kind} {loss_type} beta={beta} lora={lora}: TRL loss {trl_losses} grad {trl_norms}; "
+                              beta, lora, mu, chunked=chunked)
+    print(f"{kind} {loss_type} beta={beta} lora={lora} chunked={chunked}: TRL loss {trl_losses} grad {trl_norms}; "
           f"cputrain loss {losses} grad {norms}")
     assert losses[0] == pytest.approx(trl_losses[0], abs=1e-4)
     assert norms[0] == pytest.approx(trl_norms[0], abs=1e-4, rel=1e-4)

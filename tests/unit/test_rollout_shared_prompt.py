@@ -77,6 +77,41 @@ def test_shared_rows_give_every_token_the_log_probability_and_gradient_of_one_co
             torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["trained head", "frozen head"])
+def test_the_block_wise_head_gives_each_completion_token_the_whole_logits_figures(frozen_head):
+    """model.chunked_loss: only the positions that predict a completion token go through the head,
+    in blocks smaller than the micro-batch (3 here), at temperature 0.7; every token's
+    log-probability and every gradient equal the whole logits' (fp32, 1e-5), in rows sharing their
+    prompt and one completion a row, with the head trained and frozen (LoRA's)."""
+    from cputrain.kernels import chunked_logps
+    from cputrain.kernels.chunked_head import install_chunked_loss
+
+    (prompts, completions), = _micro_batches("two groups")
+    whole, blocks = _model("sdpa"), _model("sdpa")
+    install_chunked_loss(blocks)
+    for model in (whole, blocks):
+        model.lm_head.requires_grad_(not frozen_head)
+    for shared in (False, True):
+        rows = grouped(prompts, completions, cap=1000) if shared else None
+        batch = rollout_batch(prompts, completions, pad_id=0, rows=rows)
+        results = []
+        for model, chunked in ((whole, False), (blocks, True)):
+            model.zero_grad()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(chunked_logps, "block_rows", lambda vocab: 3)
+                logps = completion_logps(model, batch, temperature=0.7, chunked=chunked)
+            weights = torch.linspace(-1, 2, logps.numel()).view_as(logps)
+            (logps * weights).sum().backward()
+            results.append((logps.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (plain, plain_grads), (logps, grads) = results
+        assert logps.shape == plain.shape == batch.completion_mask.shape
+        torch.testing.assert_close(logps, plain, atol=1e-5, rtol=0)
+        assert torch.equal(logps == 0, batch.completion_mask == 0)  # 0 past each completion's end, only there
+        assert grads.keys() == plain_grads.keys() and ("lm_head.weight" in grads) is not frozen_head
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_a_completion_sees_its_prompt_and_itself_not_its_siblings():
     model = _model("sdpa")
     (prompts, completions), = _micro_batches("one group")
