@@ -19,8 +19,9 @@ def install_chunked_loss(model: nn.Module) -> None:
     the chunked head + each label's log-probability (kernels/chunked_logps.py, for preference
     objectives); with picked=PickedPositions, the log-probability of each target from the position
     given for it (online RL's completion tokens at the sampling temperature); without labels
-    (generation, logits wanted) it is the model's own forward. Installed on the instance, so the hooks of DDP, FSDP2 and DeepSpeed on the model still run around it. The head's weight
-    is read at call time: under FSDP2 it is then the gathered (unsharded) parameter; under ZeRO-3
+    (generation, logits wanted) it is the model's own forward. Installed on the instance, so the
+    hooks of DDP, FSDP2 and DeepSpeed on the model still run around it. The head's weight is read
+    at call time: under FSDP2 it is then the gathered (unsharded) parameter; under ZeRO-3
     the strategy has the model gather it (cputrain.parallel.zero3, model.chunked_loss), since the
     head's module itself is never called.
     """
