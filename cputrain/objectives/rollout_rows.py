@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cputrain.kernels.shared_prompt_attention import FOLLOWS
 from cputrain.metrics.flops import flops_per_token
 from cputrain.rollouts.decoder_sizes import config_field, decoder_sizes
 
@@ -61,17 +62,37 @@ class RowChoice:
                 f"{self.unshared_positions}; widest shared row {self.width} of at most {self.cap})")
 
 
-def layout_flops(config, rows: int, width: int, first: int, masked: bool) -> float:
+def causal_pairs(config, width: int) -> float:
+    """Query-key pairs a causal row of `width` computes: causal sdpa skips the upper half, eager not."""
+    return width * (width + 1) / 2 if config_field(config, "_attn_implementation", "sdpa") != "eager" else width * width
+
+
+def segment_attention(config) -> bool:
+    """Whether shared rows attend a completion at a time (kernels/shared_prompt_attention.py: the
+    run's kernel is one it follows) rather than under the row's mask."""
+    return config_field(config, "_attn_implementation", "sdpa") in FOLLOWS
+
+
+def layout_flops(config, rows: int, width: int, first: int, pairs: float) -> float:
     """A training step's FLOPs (forward and backward, cputrain.metrics.flops) over `rows` rows of
     `width` positions, the head from position `first` on (logits_to_keep): the blocks' matmuls,
-    attention over the query-key pairs computed (a mask's every pair; causal sdpa without one skips
-    the upper half), the head."""
+    attention over the `pairs` query-key pairs computed in all, the head."""
     s = decoder_sizes(config)
-    causal_skip = not masked and config_field(config, "_attn_implementation", "sdpa") != "eager"
-    pairs = width * (width + 1) / 2 if causal_skip else width * width
-    blocks = flops_per_token(s.layers * s.block_matmul_params, s.layers, s.hidden, pairs / width)
+    blocks = flops_per_token(s.layers * s.block_matmul_params, s.layers, s.hidden, pairs / (rows * width))
     head = flops_per_token(s.hidden * s.vocab, 0, s.hidden, 0)
     return rows * (width * blocks + (width - first) * head)
+
+
+def shared_pairs(config, prompt_ids: list[list[int]], completion_ids: list[list[int]], rows: list[list[int]],
+                 width: int) -> float:
+    """Query-key pairs of a shared layout. A completion at a time (segment_attention): the prompts'
+    causal rows of the longest prompt, and each completion's longest × (prompt + longest), masked;
+    under the row's mask, every pair of every row."""
+    if not segment_attention(config):
+        return len(rows) * width * width
+    longest = max(len(c) for c in completion_ids)
+    prompt = max(len(prompt_ids[r[0]]) for r in rows)
+    return len(rows) * causal_pairs(config, prompt) + len(completion_ids) * longest * (prompt + longest)
 
 
 def grouped(prompt_ids: list[list[int]], completion_ids: list[list[int]], cap: int,
@@ -98,19 +119,23 @@ def row_choice(config, prompt_ids: list[list[int]], completion_ids: list[list[in
     memory plan's micro-batch × data.seq_len²; shared where it is cheaper than one a row. `seq_len`: data.seq_len (None: the micro-batch's longest prompt + completion)."""
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     first = min(len(p) for p in prompt_ids) - 1
-    cap = WIDTH_CAP * max(seq_len or 0, *lengths)
     positions = len(lengths) * max(lengths)
+    # a completion at a time, a row holds no width × width tensor: its positions bound it (below);
+    # under the row's mask, WIDTH_CAP bounds the mask
+    cap = positions if segment_attention(config) else WIDTH_CAP * max(seq_len or 0, *lengths)
     # the memory plan's attention matrices (eager): micro-batch × data.seq_len² a block
     squares = len(lengths) * max(seq_len or 0, *lengths) ** 2
-    unshared = layout_flops(config, len(lengths), max(lengths), first, masked=False)
+    unshared = layout_flops(config, len(lengths), max(lengths), first,
+                            len(lengths) * causal_pairs(config, max(lengths)))
     best = RowChoice(None, unshared, unshared, positions, positions, 1, max(lengths), cap)
     for most in range(2, len(lengths) + 1):
         rows = grouped(prompt_ids, completion_ids, cap, most)
         if len(rows) == len(lengths):  # no two neighbours share a prompt
             break
         width = max(len(prompt_ids[r[0]]) + sum(len(completion_ids[i]) for i in r) for r in rows)
-        flops = layout_flops(config, len(rows), width, first, masked=True)
-        fits = len(rows) * width <= positions and len(rows) * width**2 <= squares
+        pairs = shared_pairs(config, prompt_ids, completion_ids, rows, width)
+        flops = layout_flops(config, len(rows), width, first, pairs)
+        fits = len(rows) * width <= positions and pairs <= squares
         if fits and (best.most == 1 or flops < best.shared_flops):
             best = RowChoice(rows, flops, unshared, len(rows) * width, positions, most, width, cap)
         if max(len(r) for r in rows) < most:  # no row reached `most`: more would lay out the same

@@ -1,8 +1,10 @@
 """Online RL's shared-prompt rows (objectives.rollout_rows, rollout_batch): a group's prompt laid out
 once with its completions after it gives each completion token the log-probability and gradient of
-the one-completion-a-row layout (fp32, 1e-5), under sdpa and eager, for whole, split and several
-groups of uneven lengths; the FLOP estimate shares a long prompt's short completions and not a short
-prompt's long ones; a shared row stays under its cap; the batch survives the run state's round trip."""
+the one-completion-a-row layout (fp32, 1e-5), attended a completion at a time under sdpa and eager
+(kernels/shared_prompt_attention.py) and under the row's mask, for whole, split and several groups
+of uneven lengths; the FLOP estimate shares a long prompt's short completions and not a short
+prompt's long ones; a shared row stays within one-a-row's positions and the plan's query-key pairs
+(under the row's mask, under its cap); the batch survives the run state's round trip."""
 
 from __future__ import annotations
 
@@ -13,18 +15,33 @@ import pytest
 import torch
 
 from cputrain.objectives.rollout_batch import completion_logps, rollout_batch
-from cputrain.objectives.rollout_rows import WIDTH_CAP, grouped, row_choice
+from cputrain.objectives.rollout_rows import WIDTH_CAP, grouped, row_choice, shared_pairs
 
 VOCAB = 64
+MASKED = "cputrain_test_masked_sdpa"  # an attention kernel shared_prompt_attention does not follow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _masked_kernel():
+    """MASKED: transformers' sdpa function and mask under another name, so that shared rows take the
+    row's 4D mask as any kernel shared_prompt_attention does not follow would."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(MASKED, sdpa_attention_forward)
+    AttentionMaskInterface.register(MASKED, sdpa_mask)
 
 
 def _model(attn: str):
+    """A tiny Llama attending through `attn`; "masked" is sdpa under the row's mask: a kernel
+    shared_prompt_attention does not follow (flex attention's name), the sdpa function under it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    config._attn_implementation = attn
+    config._attn_implementation = MASKED if attn == "masked" else attn
     return LlamaForCausalLM(config).float()
 
 
@@ -50,12 +67,12 @@ def _micro_batches(case: str) -> list[tuple[list[list[int]], list[list[int]]]]:
 def _logps(model, prompts, completions, shared: bool):
     rows = grouped(prompts, completions, cap=1000) if shared else None
     batch = rollout_batch(prompts, completions, pad_id=0, rows=rows)
-    if shared:  # the layout under test: fewer rows than completions, a mask
-        assert len(batch.input_ids) < len(completions) and batch.attention_mask is not None
+    if shared:  # the layout under test: fewer rows than completions
+        assert len(batch.input_ids) < len(completions) and batch.shares_prompts
     return completion_logps(model, batch, temperature=0.7), batch
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "masked"])
 @pytest.mark.parametrize("case", ["one group", "split", "two groups"])
 def test_shared_rows_give_every_token_the_log_probability_and_gradient_of_one_completion_a_row(attn, case):
     model = _model(attn)
@@ -118,6 +135,26 @@ def test_the_block_wise_head_gives_each_completion_token_the_whole_logits_figure
                 torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_a_shared_row_is_attended_a_completion_at_a_time_under_the_kernels_it_follows(monkeypatch):
+    """sdpa and eager: shared_prompt_attention runs in every block and no row mask is built; another
+    kernel gets the row's mask."""
+    from cputrain.kernels import shared_prompt_attention as kernel
+    from cputrain.objectives.rollout_batch import RolloutBatch
+
+    calls, masks = [], []
+    real, real_mask = kernel.shared_prompt_attention, RolloutBatch.row_mask
+    monkeypatch.setattr(kernel, "shared_prompt_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(RolloutBatch, "row_mask", lambda self: masks.append(1) or real_mask(self))
+    (prompts, completions), = _micro_batches("two groups")
+    for attn, expected_calls, expected_masks in (("sdpa", 2, 0), ("eager", 2, 0), ("masked", 0, 1)):
+        calls.clear(), masks.clear()
+        model = _model(attn)
+        with torch.no_grad():
+            _logps(model, prompts, completions, shared=True)
+        assert (len(calls), len(masks)) == (expected_calls, expected_masks), attn
+        assert model.config._attn_implementation == (MASKED if attn == "masked" else attn)  # restored
+
+
 def test_a_completion_sees_its_prompt_and_itself_not_its_siblings():
     model = _model("sdpa")
     (prompts, completions), = _micro_batches("one group")
@@ -140,7 +177,8 @@ def test_the_targets_are_each_completions_own_tokens_not_the_next_position():
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5]]
     assert batch.predicted_from.tolist() == [[2, 3, 0], [2, 0, 0], [2, 6, 7]]
     assert batch.completion_ids.tolist() == [[20, 21, 0], [30, 0, 0], [40, 41, 42]]
-    mask = batch.attention_mask[0, 0].int().tolist()
+    assert batch.completion_starts.tolist() == [3, 5, 6]
+    mask = batch.row_mask()[0, 0].int().tolist()
     assert mask[5] == [1, 1, 1, 0, 0, 1, 0, 0, 0]  # the second completion: the prompt and itself
     assert mask[8] == [1, 1, 1, 0, 0, 0, 1, 1, 1]
 
@@ -168,9 +206,11 @@ def test_long_completions_after_a_short_prompt_are_not_shared():
     assert "not shared" in choice.described()
 
 
-def test_a_shared_row_stays_within_its_cap_and_the_plans_query_key_pairs():
+def test_a_shared_row_under_its_mask_stays_within_its_cap_and_the_plans_query_key_pairs():
+    """A kernel shared_prompt_attention does not follow: the row's width² mask bounds the sharing."""
+    masked = {**CONFIG, "_attn_implementation": "flex_attention"}
     prompts, completions = [[1] * 20] * 64, [[2] * 10] * 64
-    choice = row_choice(CONFIG, prompts, completions, seq_len=64)
+    choice = row_choice(masked, prompts, completions, seq_len=64)
     assert choice.cap == WIDTH_CAP * 64 and choice.rows is not None and len(choice.rows) > 1
     widths = [20 + 10 * len(r) for r in choice.rows]
     assert max(widths) == choice.width <= choice.cap
@@ -179,22 +219,39 @@ def test_a_shared_row_stays_within_its_cap_and_the_plans_query_key_pairs():
     # the GRPO benchmark's shape: a group of 8 × 48 after 17 in one row (401 wide) would hold more
     # query-key pairs than 8 rows of data.seq_len 128; 4 a row (209 wide) do not
     prompts, completions = [[1] * 17] * 8, [[2] * 48] * 8
-    choice = row_choice(CONFIG, prompts, completions, seq_len=128)
+    choice = row_choice(masked, prompts, completions, seq_len=128)
     assert choice.rows is not None and choice.most == 4 and choice.width == 17 + 4 * 48
     # a group of 16 × 1,024 tokens after 1,024 at seq_len 2,048 is never one 17k-wide row
     big = grouped([[1] * 1024] * 16, [[2] * 1024] * 16, WIDTH_CAP * 2048)
     assert max(1024 + 1024 * len(r) for r in big) <= WIDTH_CAP * 2048
 
 
-def test_long_completions_may_share_a_few_to_a_row_where_all_in_one_would_not_pay():
+def test_a_group_attended_a_completion_at_a_time_shares_one_row():
+    """sdpa and eager: no width² tensor, so a group's completions share one row where that holds no
+    more positions than one a row; its query-key pairs stay within the plan's micro-batch × seq_len²."""
+    prompts, completions = [[1] * 17] * 8, [[2] * 48] * 8  # the GRPO benchmark's shape
+    for kernel in ("sdpa", "eager"):
+        choice = row_choice({**CONFIG, "_attn_implementation": kernel}, prompts, completions, seq_len=128)
+        assert choice.rows == [list(range(8))] and choice.width == 17 + 8 * 48 <= choice.cap == 8 * 65
+        assert choice.shared_flops < 0.85 * choice.unshared_flops
+        config = {**CONFIG, "_attn_implementation": kernel}
+        assert shared_pairs(config, prompts, completions, choice.rows, choice.width) <= 8 * 128**2
+
+
+def test_long_completions_share_their_prompt_a_completion_at_a_time():
     """An 8B Llama's sizes, 16 × 1,024-token completions after a 500-token prompt, seq_len 2,048:
-    one row of 16 would be 16.9k wide (over the cap, and its attention outgrows the savings)."""
+    attended a completion at a time the group shares one row (16.9k wide, 28% fewer FLOPs); under
+    the row's mask a few a row (the cap, and the attention outgrowing the savings)."""
     config = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
               "intermediate_size": 14336, "vocab_size": 128256}
-    choice = row_choice(config, [[1] * 500] * 16, [[2] * 1024] * 16, seq_len=2048)
-    assert choice.rows is not None and 1 < choice.most < 16
-    assert choice.width == 500 + 1024 * choice.most <= choice.cap == 8192
-    assert choice.shared_flops < choice.unshared_flops and choice.shared_positions < choice.unshared_positions
+    prompts, completions = [[1] * 500] * 16, [[2] * 1024] * 16
+    choice = row_choice(config, prompts, completions, seq_len=2048)
+    assert choice.most == 16 and choice.width == 500 + 16 * 1024
+    assert choice.shared_flops < 0.75 * choice.unshared_flops and choice.shared_positions < choice.unshared_positions
+    masked = row_choice({**config, "_attn_implementation": "flex_attention"}, prompts, completions, seq_len=2048)
+    assert masked.rows is not None and 1 < masked.most < 16
+    assert masked.width == 500 + 1024 * masked.most <= masked.cap == 8192
+    assert choice.shared_flops < masked.shared_flops < masked.unshared_flops
 
 
 def test_different_prompts_never_share_a_row():
@@ -215,14 +272,14 @@ def test_a_shared_batch_survives_the_objectives_state_round_trip():
 
     batches = objective.batches_from_completions(model, prompts, completions, scores, 8, contextlib.nullcontext)
     objective.kept, objective.iteration = batches, 1
-    assert batches[0].attention_mask is not None and len(batches[0].input_ids) == 2  # the two groups' rows
+    assert batches[0].shares_prompts and len(batches[0].input_ids) == 2  # the two groups' rows
     buffer = io.BytesIO()
     torch.save(objective.state_dict(), buffer)
     buffer.seek(0)
     restored = GrpoObjective(cfg)
     restored.load_state_dict(torch.load(buffer, weights_only=False))
     (before,), (after,) = batches, restored.kept
-    for name in ("input_ids", "position_ids", "attention_mask", "completion_mask", "predicted_from",
+    for name in ("input_ids", "position_ids", "completion_starts", "completion_mask", "predicted_from",
                  "completion_ids", "completion_rows", "advantages", "old_logps"):
         assert torch.equal(getattr(after, name), getattr(before, name)), name
     with torch.no_grad():
