@@ -5,29 +5,27 @@ GRPO and RLOO sample num_generations completions a prompt; laid out one a row, a
 computed num_generations times. At the GRPO benchmark's ~100M Llama (12 layers, hidden 768, 8
 generations of ≤48 tokens after ~17-token prompts) prompts are ~23% of the positions; reasoning
 prompts of hundreds of tokens make it far more. Sharing saves each repeated prompt position's
-linear work (2 × the blocks' matmul parameters a position, forward), but a shared row is longer
-and carries a mask, so its attention grows as its width squared: torch 2.13's CPU sdpa runs its
-flash kernel with the mask (`_scaled_dot_product_flash_attention_for_cpu`: no [heads, W, W]
-scores), yet computes every query-key pair where unmasked causal rows skip the upper half; eager
-computes all pairs either way. The estimate below (a training step's FLOPs by cputrain.metrics.flops,
-the run's MFU count, from the model's config, padding included) is taken for one completion a
-row and for at most 2, 3, … a row (a few long completions may pay where all of them in one row do
-not); the cheapest is kept if it holds no more positions than one a row and no more query-key
-pairs than micro-batch × data.seq_len², so the memory plan's activations (micro-batch × data.seq_len
-positions, and under eager attention a matrix of that many pairs a block) still bound it, and
-the one mask it plans for rows that carry one (cputrain.plan.memory.activations.attention_mask_bytes,
-as for DPO's shared-prompt rows) bounds the shared rows' masks. Its figures at that 100M shape
-(data.seq_len 128), a micro-batch of the step's 8 groups: 4 completions a row, 1.90 TFLOP against
-2.27 (16% fewer), 3,344 positions against 4,160 (a group in one row, 401 wide, would hold more
-query-key pairs than the plan counts, for 1.89 TFLOP).
+linear work (2 × the blocks' matmul parameters a position, forward). What it costs in attention
+depends on how a shared row is attended:
+- a completion at a time (cputrain.kernels.shared_prompt_attention, under sdpa and eager): each
+  completion's longest × (prompt + longest) query-key pairs, masked, and the prompts' causal ones;
+  no width² tensor. The widest row holds no more positions than one completion a row would.
+- under the row's mask (any other kernel): every pair of the row, its width squared, and a W² mask in
+  the batch and again as the additive one every layer reads (cputrain.data.batch.attention_mask_for).
+  A row is then at most WIDTH_CAP × data.seq_len wide: a group's completions spill into more rows,
+  each with the prompt, and the quadratic part stays 16 × seq_len² a row.
+The estimate below (a training step's FLOPs by cputrain.metrics.flops, the run's MFU count, from the
+model's config, padding included) is taken for one completion a row and for at most 2, 3, … a row;
+the cheapest is kept if it holds no more positions than one a row and no more query-key pairs than
+micro-batch × data.seq_len², so the memory plan's activations (micro-batch × data.seq_len positions,
+and under eager attention a matrix of that many pairs a block) and the one mask it plans for rows
+that carry one (cputrain.plan.memory.activations.attention_mask_bytes) still bound it.
 
-A shared row is at most WIDTH_CAP × data.seq_len wide (a group's completions spill into more rows,
-each with the prompt): its mask is W² bytes in the batch, and W² × 2–4 more as the additive mask
-every layer reads and keeps the one copy of (cputrain.data.batch.attention_mask_for), where one
-completion a row holds no W² tensor at all. At 4 × seq_len the
-quadratic part stays 16 × seq_len² a row however many completions a group has: an 8B run at
-seq_len 2,048 with 16 × 1,024-token completions after a 500-token prompt takes 2 a row (2,548
-wide, 10% fewer FLOPs); after a 5-token prompt it shares nothing (sharing would cost 4.9% more).
+Its figures, a completion at a time: at that 100M shape (data.seq_len 128) a group of 8 in one row
+(401 wide), 19.6% fewer FLOPs than one a row (under the row's mask: 4 a row, 15.1%); an 8B run at
+seq_len 2,048 with 16 × 1,024-token completions after a 500-token prompt, the group in one row
+(16,884 wide), 27.6% fewer (under the row's mask: 2 a row, 10%); after a 5-token prompt nothing is
+shared (it would cost 5.9% more: a masked completion's pairs are not halved as a causal row's are).
 """
 
 from __future__ import annotations
