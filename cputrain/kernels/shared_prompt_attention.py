@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cputrain.kernels.attention_swap import swapped_attention
+
 NAME = "cputrain_shared_prompt"
-FOLLOWS = ("sdpa", "eager")  # the kernels whose math the completions' and prompts' products take
 
 
 @dataclass
@@ -118,24 +119,10 @@ def shared_prompt_attention(module, query, key, value, attention_mask, scaling=N
 def shared_prompt_kernel(config):
     """For the block: the model `config` describes attends through shared_prompt_attention, where
     it attends through sdpa or eager and this transformers has the interfaces; yields the kernel it
-    follows (None: the model's own attention runs, and the caller passes the row mask)."""
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-    except ImportError:
-        yield None
-        return
-    before = getattr(config, "_attn_implementation", None)
-    if before not in FOLLOWS:
-        yield None
-        return
-    AttentionInterface.register(NAME, shared_prompt_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)  # the layout is the mask: no W × W one is built
-    config._attn_implementation = NAME
-    try:
+    follows (None: the model's own attention runs, and the caller passes the row mask). No mask is
+    built: the layout is the mask."""
+    with swapped_attention(config, NAME, shared_prompt_attention, _no_mask) as before:
         yield before
-    finally:
-        config._attn_implementation = before
 
 
 def _no_mask(*args, **kwargs):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cputrain.kernels.shared_prompt_attention import FOLLOWS
+from cputrain.kernels.attention_swap import FOLLOWS
 from cputrain.metrics.flops import flops_per_token
 from cputrain.rollouts.decoder_sizes import config_field, decoder_sizes
 

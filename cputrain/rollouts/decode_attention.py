@@ -12,8 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
+from cputrain.kernels.attention_swap import swapped_attention
+
 NAME = "cputrain_rollout_decode"
-_FOLLOWS = ("sdpa", "eager")  # the implementations whose math this one repeats
 
 
 def rollout_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -44,18 +45,5 @@ def decode_attention(config):
     """For the block: the model `config` describes attends through rollout_attention, where it
     attends through sdpa or eager and this transformers has an AttentionInterface; yields whether
     it does (if not, the model's own attention runs, and the masks must be its kind)."""
-    try:
-        from transformers import AttentionInterface
-    except ImportError:
-        yield False
-        return
-    before = getattr(config, "_attn_implementation", None)
-    if before not in _FOLLOWS:
-        yield False
-        return
-    AttentionInterface.register(NAME, rollout_attention)
-    config._attn_implementation = NAME
-    try:
-        yield True
-    finally:
-        config._attn_implementation = before
+    with swapped_attention(config, NAME, rollout_attention) as before:
+        yield before is not None
