@@ -65,12 +65,15 @@ def shared_prompt_layout(completion_rows: torch.Tensor, completion_starts: torch
     return SharedPromptLayout(rows, width, prompt_width, completion_at, prompt_at, allowed, written, kernel)
 
 
-def _products(query, key, value, allowed, scaling: float, kernel: str, causal: bool = False) -> torch.Tensor:
+def _products(query, key, value, allowed, scaling: float, kernel: str, dropout: float,
+              causal: bool = False) -> torch.Tensor:
     """[batch, heads, queries, dim] attention of `query` over `key`/`value` ([batch, kv-heads, keys,
-    dim]) where `allowed` [batch, 1, queries, keys] (or causal), in the run's kernel."""
+    dim]) where `allowed` [batch, 1, queries, keys] (or causal), in the run's kernel, with the
+    attention dropout transformers hands a training forward (0 for Llama)."""
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=None if causal else allowed,
-                                              is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+                                              dropout_p=dropout, is_causal=causal, scale=scaling,
+                                              enable_gqa=key.shape[1] != query.shape[1])
     groups = query.shape[1] // key.shape[1]  # eager: transformers' math, keys and values repeated per group
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = (query @ key.transpose(-1, -2)) * scaling
@@ -78,7 +81,8 @@ def _products(query, key, value, allowed, scaling: float, kernel: str, causal: b
         n = scores.shape[-1]
         allowed = torch.ones(n, n, dtype=torch.bool).tril_()
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return F.dropout(weights, p=dropout, training=dropout > 0) @ value
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -102,17 +106,18 @@ def shared_prompt_attention(module, query, key, value, attention_mask, scaling=N
     q = gathered(flat_q, lay.completion_at)
     k = torch.cat([gathered(flat_k, lay.prompt_at), gathered(flat_k, lay.completion_at)], dim=2)
     v = torch.cat([gathered(flat_v, lay.prompt_at), gathered(flat_v, lay.completion_at)], dim=2)
-    completions = _products(q, k, v, lay.allowed, scaling, lay.kernel)  # [n, heads, longest, dim]
+    completions = _products(q, k, v, lay.allowed, scaling, lay.kernel, dropout)  # [n, heads, longest, dim]
     p = lay.prompt_width
-    prompts = _products(query[:, :, :p], key[:, :, :p], value[:, :, :p], None, scaling, lay.kernel, causal=True)
+    prompts = _products(query[:, :, :p], key[:, :, :p], value[:, :, :p], None, scaling, lay.kernel, dropout,
+                        causal=True)
     out = torch.zeros(rows, width, heads, dim, dtype=completions.dtype)
     # the prompts' first: a row with a shorter prompt has completion tokens among its first p, and
     # the completions' outputs, written after, replace them
     out[:, :p] = prompts.transpose(1, 2).to(out.dtype)
     written = lay.written.reshape(-1)
-    out = out.view(rows * width, heads, dim).index_put(
+    out.view(rows * width, heads, dim).index_put_(  # in place: no second copy of the block's outputs
         (lay.completion_at.reshape(-1)[written],), completions.transpose(1, 2).reshape(-1, heads, dim)[written])
-    return out.view(rows, width, heads, dim), None
+    return out, None
 
 
 @contextmanager

@@ -295,3 +295,22 @@ def test_run_state_saved_before_the_targets_were_kept_still_loads():
     again = RolloutBatch(**old)
     assert torch.equal(again.completion_ids, batch.completion_ids)
     assert torch.equal(again.completion_rows, batch.completion_rows)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_shared_row_takes_the_attention_dropout_of_a_training_forward(attn):
+    """A model with attention dropout: two training forwards of the same shared rows differ, two
+    evaluation forwards are equal (transformers hands the kernel 0 outside training)."""
+    model = _model(attn)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    (prompts, completions), = _micro_batches("two groups")
+    with torch.no_grad():
+        model.train()
+        first, _ = _logps(model, prompts, completions, shared=True)
+        second, _ = _logps(model, prompts, completions, shared=True)
+        model.eval()
+        third, _ = _logps(model, prompts, completions, shared=True)
+        fourth, _ = _logps(model, prompts, completions, shared=True)
+    assert not torch.equal(first, second)
+    assert torch.equal(third, fourth)
