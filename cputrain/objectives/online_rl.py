@@ -34,10 +34,6 @@ from cputrain.objectives.rollout_rows import row_choice
 log = logging.getLogger("cputrain")
 
 
-def _cut(values, micro_batch: int) -> list:
-    return [values[i : i + micro_batch] for i in range(0, len(values), micro_batch)]
-
-
 class OnlineRlObjective(Objective):
     """What GRPO and RLOO share: the rollouts, the rewards, the batches; each says its advantages and loss."""
 
@@ -64,6 +60,8 @@ class OnlineRlObjective(Objective):
         self.iteration = 0  # steps taken on self.kept
         self.said_rollout_path = False  # the run's log says once which rollout path sampled
         self.said_rows = False  # and once whether the training rows share each group's prompt
+        self.said_skipped = False  # and once that completions of advantage 0 are left out of the rows
+        self.last_advantages = torch.zeros(0)  # the last rollout's, every completion's (completions.jsonl)
         self.seq_len: int | None = None  # data.seq_len, which bounds a shared row's width (rollout_rows)
         # False where the trainer's memory plan leaves the fused decoder's copy out (an fsdp rank's whole model)
         self.fused_rollouts = True
@@ -184,7 +182,7 @@ class OnlineRlObjective(Objective):
         batches = self.batches_from_completions(model, prompt_ids, rollout.completion_ids, scores, micro_batch,
                                                 autocast, stopped=rollout.stopped)
         self.rollout_figures.update(self._rollout_speed(rollout))
-        self.last_samples = self._first_group(records[0] if records else None, rollout.completion_ids, scores, batches)
+        self.last_samples = self._first_group(records[0] if records else None, rollout.completion_ids, scores)
         self.kept, self.iteration = (batches, 1) if cfg.num_iterations > 1 else (None, 0)
         return batches
 
@@ -208,11 +206,11 @@ class OnlineRlObjective(Objective):
         return rollout
 
 
-    def _first_group(self, record, completion_ids, scores, batches) -> list[dict]:
+    def _first_group(self, record, completion_ids, scores) -> list[dict]:
         """The completions of the step's first prompt, as text, with each reward and the advantage."""
         if record is None or self.rewards is None:
             return []
-        advantages = torch.cat([b.advantages for b in batches]).tolist()
+        advantages = self.last_advantages.tolist()
         texts = self.rewards.tokenizer.batch_decode(completion_ids[: self.cfg.num_generations],
                                                     skip_special_tokens=True)
         return [{"prompt": record.prompt, "completion": text,
@@ -238,8 +236,14 @@ class OnlineRlObjective(Objective):
         weights = torch.as_tensor(self.rewards.weights if self.rewards is not None else [1.0] * scores.shape[1],
                                   dtype=torch.float32)
         rewards = (scores.float() * weights).sum(dim=1)
-        batches = [self._rollout_batch(model, p, c) for p, c in zip(_cut(prompt_ids, micro_batch),
-                                                                     _cut(completion_ids, micro_batch))]
+        cuts = [range(at, min(at + micro_batch, len(completion_ids))) for at in range(0, len(completion_ids), micro_batch)]
+        advantages = None
+        if cfg.rl_beta == 0.0:  # no KL to the reference: the advantages need no forward, and can leave completions out
+            advantages = self.advantages(rewards)
+            members = [_trained(cut, advantages, completion_ids) for cut in cuts]
+        else:
+            members = [list(cut) for cut in cuts]
+        batches = [self._rollout_batch(model, prompt_ids, completion_ids, cut, kept) for cut, kept in zip(cuts, members)]
         kl = None
         with autocast():
             for batch in batches:
@@ -251,22 +255,34 @@ class OnlineRlObjective(Objective):
         if cfg.rl_beta != 0.0 and self.sequence_level:  # RLOO: the KL is a penalty on the reward
             kl = torch.cat([((b.old_logps - b.ref_logps) * b.completion_mask).sum(-1) for b in batches])
             rewards = rewards - cfg.rl_beta * kl
-        advantages = self.advantages(rewards)
-        at = 0
-        for batch in batches:
-            n = batch.completions
-            batch.advantages, batch.rewards = advantages[at : at + n], rewards[at : at + n]
-            at += n
+        if advantages is None:
+            advantages = self.advantages(rewards)
+        for batch, kept in zip(batches, members):
+            batch.advantages, batch.rewards = advantages[kept], rewards[kept]
+        self.last_advantages = advantages
         self.rollout_figures = self._reward_figures(scores, weights, completion_ids, stopped, batches, kl)
+        skipped = sum(b.skipped_completions for b in batches)
+        if skipped and not self.said_skipped:
+            log.info("online RL: completions whose advantage is 0 (%d of this step's %d on this rank) are left out "
+                     "of the training forward and backward: with rl_beta 0 they add nothing to the loss or its "
+                     "gradient; they still count in its divisor", skipped, len(completion_ids))
+            self.said_skipped = True
         return batches
 
-    def _rollout_batch(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> RolloutBatch:
-        """A micro-batch's rows, each group's prompt once where the estimate finds it cheaper (rollout_rows)."""
-        choice = row_choice(_unwrapped(model).config, prompt_ids, completion_ids, self.seq_len)
+    def _rollout_batch(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]], cut: range,
+                       kept: list[int]) -> RolloutBatch:
+        """The rows of a micro-batch (the completions `cut`) that train its `kept` completions, each
+        group's prompt once where the estimate finds it cheaper (rollout_rows)."""
+        prompts, completions = [prompt_ids[i] for i in kept], [completion_ids[i] for i in kept]
+        choice = row_choice(_unwrapped(model).config, prompts, completions, self.seq_len)
         if not self.said_rows:  # once a run, with the figures that decided it
             log.info("online RL: %s", choice.described())
             self.said_rows = True
-        return rollout_batch(prompt_ids, completion_ids, self.pad_id, choice.rows)
+        batch = rollout_batch(prompts, completions, self.pad_id, choice.rows)
+        left_out = sorted(set(cut) - set(kept))
+        batch.skipped_completions = len(left_out)
+        batch.skipped_tokens = sum(len(completion_ids[i]) for i in left_out)
+        return batch
 
     def needs_old_logps(self) -> bool:
         """Whether the old policy's log-probabilities are taken at sampling beyond num_iterations > 1."""
@@ -316,11 +332,15 @@ class OnlineRlObjective(Objective):
         # μ = 1: the sampling policy is this one, its log-probabilities these (TRL's shortcut: no extra forward)
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         out = self.clipped_loss(logps, old, batch, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
-        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])  # no reward_sum
+        # the completions left out: each loss term 0 and never clipped (a clip needs an advantage's sign),
+        # but their tokens and completions count in the clip ratios' divisors, as where they were trained
+        left_out = torch.zeros(len(rl_loss.SUM_NAMES) + 1, dtype=torch.float64)  # + reward_sum, 0 here
+        left_out[0], left_out[1] = batch.skipped_tokens, batch.skipped_completions
+        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)]) + left_out
 
     def items(self, batch) -> int:
-        return rl_loss.items_of(self.loss_type, batch.completions, batch.completion_tokens,
-                                self.cfg.max_completion_length)
+        return rl_loss.items_of(self.loss_type, batch.completions + batch.skipped_completions,
+                                batch.completion_tokens + batch.skipped_tokens, self.cfg.max_completion_length)
 
 
     def figures(self, sums, items: int) -> dict[str, float]:
@@ -355,6 +375,17 @@ class OnlineRlObjective(Objective):
 
 def _unwrapped(model):
     return getattr(model, "module", model)
+
+
+def _trained(cut: range, advantages: torch.Tensor, completion_ids: list[list[int]]) -> list[int]:
+    """The completions of a micro-batch (`cut`) its rows train, where the loss has no KL term: those
+    whose advantage is not 0. For the others −min(ratio · 0, clipped · 0) is 0, and so is its
+    gradient, so leaving them out changes neither; a group whose rewards are all equal has
+    advantages of exactly 0 (rl_loss), and such groups are common late in a run (TRL's
+    frac_reward_zero_std counts them). Where none is left, the shortest stays: every micro-batch
+    still runs its forward and backward, which a sharded model's ranks take together."""
+    kept = [i for i in cut if float(advantages[i]) != 0.0]
+    return kept or [min(cut, key=lambda i: len(completion_ids[i]))]
 
 
 class GrpoObjective(OnlineRlObjective):

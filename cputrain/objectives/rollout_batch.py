@@ -35,6 +35,10 @@ class RolloutBatch(Batch):
     completion_ids: torch.Tensor | None = None  # [completions, longest completion] its tokens, 0 past its end
     completion_rows: torch.Tensor | None = None  # [completions] the row it is in
     completion_starts: torch.Tensor | None = None  # [completions] the row position of its first token
+    # the micro-batch's completions left out of its rows (advantage 0 and no KL: they add nothing to
+    # the loss or its gradient), still counted in the loss's divisor and the clip ratios' (online_rl.py)
+    skipped_completions: int = 0
+    skipped_tokens: int = 0
 
     def __post_init__(self):
         # run state saved before these fields were (num_iterations > 1): one completion a row

@@ -26,8 +26,11 @@ LR = 0.05  # large enough that step 2 sees moved weights (and, with beta, a KL a
 
 
 def _reward(completion_ids) -> list[float]:
-    # a fixed function of the tokens: the same figures on both sides, varied within each group
-    return [float((sum(c) * 7 + len(c)) % 5) for c in completion_ids]
+    # a fixed function of the tokens: the same figures on both sides, varied within the first group
+    # (its std far from 1, so that an advantage not divided by it shows); the second group's all equal
+    # (std 0: advantages 0; with beta 0 its completions are left out of cputrain's training rows, so
+    # every beta-0 case checks that leaving them out changes nothing)
+    return [2.0 * ((sum(c) * 7 + len(c)) % 5) if i < NUM_GENERATIONS else 3.0 for i, c in enumerate(completion_ids)]
 
 
 def trl_reward(prompts, completions, completion_ids, **kwargs):
@@ -156,6 +159,8 @@ def _run_ours(objective_class, model, seen, eos: int, loss_type: str, beta: floa
             scores = torch.tensor(_reward(completions)).unsqueeze(1)
             batches = objective.batches_from_completions(model, seen[step // num_iterations], completions, scores,
                                                          len(completions), contextlib.nullcontext)
+            # the equal group's completions leave the rows where the loss has no KL term
+            assert sum(b.skipped_completions for b in batches) == (NUM_GENERATIONS if beta == 0 else 0)
         divisor = sum(objective.items(b) for b in batches)
         model.train()
         total = 0.0

@@ -28,6 +28,18 @@ def test_leave_one_out_baseline_is_the_mean_of_the_other_rewards():
     assert advantages.tolist() == pytest.approx([1 - 4, 2 - 3.5, 6 - 1.5])
 
 
+def test_a_group_of_equal_rewards_has_advantages_of_exactly_zero():
+    """8 rewards of 0.3: their fp32 mean is 0.3 less an ulp, which ÷ (std 0 + 1e-4) would be an
+    advantage of ~3e-4; an exact 0 is what lets the step leave the group out of its rows."""
+    rewards = torch.tensor([0.3] * 8 + [0.0, 1.0] * 4)
+    assert float(rewards[:8].mean()) != 0.3  # the rounding the exact zero is there for
+    for scale in ("group", "batch", "none"):
+        advantages, _ = rl_loss.group_advantages(rewards, 8, scale, batch_std=0.5)
+        assert advantages[:8].tolist() == [0.0] * 8 and (advantages[8:] != 0).all(), scale
+    loo = rl_loss.leave_one_out_advantages(rewards, 8)
+    assert loo[:8].tolist() == [0.0] * 8 and (loo[8:] != 0).all()
+
+
 def test_each_loss_type_sums_and_counts_as_trl_normalises():
     logps = torch.zeros(2, 3)  # ratio 1: the loss is −advantage on every token
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])

@@ -286,6 +286,49 @@ def test_a_shared_batch_survives_the_objectives_state_round_trip():
         torch.testing.assert_close(completion_logps(model, after, 1.0), completion_logps(model, before, 1.0))
 
 
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_completions_of_advantage_zero_leave_the_rows_and_change_nothing(kind, monkeypatch):
+    """With no KL term a completion of advantage 0 adds 0 to the loss and its gradient: the rows
+    leave out the equal group, and the step's loss, gradients, divisor and figure sums (clip
+    ratios' divisors) equal those of every completion trained; each micro-batch keeps a row."""
+    import contextlib
+
+    from cputrain.objectives import online_rl
+
+    cfg = SimpleNamespace(num_generations=4, num_iterations=1, temperature=1.0, loss_type="dapo", epsilon=0.2,
+                          epsilon_high=None, rl_beta=0.0, scale_rewards="group", max_completion_length=9,
+                          normalize_advantages=False)
+    (prompts, completions), = _micro_batches("two groups")
+    scores = torch.tensor([[0.0], [2.0], [1.0], [2.0], [0.7], [0.7], [0.7], [0.7]])  # the second group equal
+
+    def step(keep_all: bool):
+        model = _model("sdpa")
+        objective = (online_rl.GrpoObjective if kind == "grpo" else online_rl.RlooObjective)(cfg)
+        with monkeypatch.context() as patch:
+            if keep_all:
+                patch.setattr(online_rl, "_trained", lambda cut, advantages, completion_ids: list(cut))
+            batches = objective.batches_from_completions(model, prompts, completions, scores, 3,
+                                                         contextlib.nullcontext)
+        divisor = sum(objective.items(b) for b in batches)
+        total, sums = 0.0, 0
+        for batch in batches:
+            loss, figures = objective.loss(model, batch, divisor)
+            loss.backward()
+            total, sums = total + float(loss), sums + figures
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return batches, divisor, total, sums, grads
+
+    skipped, divisor, loss, sums, grads = step(keep_all=False)
+    every, divisor_all, loss_all, sums_all, grads_all = step(keep_all=True)
+    # micro-batches of 3: [a a a] [a b b] [b b]; the last keeps its shortest completion to run at all
+    assert [b.skipped_completions for b in skipped] == [0, 2, 1] and [b.completions for b in skipped] == [3, 1, 1]
+    assert [b.completions for b in every] == [3, 3, 2]
+    assert divisor == divisor_all and torch.equal(sums, sums_all)
+    assert loss == pytest.approx(loss_all, abs=1e-7)
+    torch.testing.assert_close(grads, grads_all, rtol=1e-5, atol=1e-7)
+    assert float(grads.abs().sum()) > 0
+
+
 def test_run_state_saved_before_the_targets_were_kept_still_loads():
     prompts, completions = [[5, 6, 7], [8, 9]], [[20, 21], [30]]
     batch = rollout_batch(prompts, completions, pad_id=0)
