@@ -99,9 +99,20 @@ def picked_logps(hidden: torch.Tensor, weight: torch.Tensor, picked: PickedPosit
     """[completions, longest completion] log-probability of each target at the temperature, from the
     hidden states [rows, tokens, d] of the positions that predict them; 0 where the target is
     IGNORE_INDEX. Only those positions go through the head."""
-    at = hidden[picked.rows[:, None], picked.positions]  # [completions, longest, d]: a hidden-sized copy
+    at = positions_of(hidden, picked.rows, picked.positions)  # [completions, longest, d]: a hidden-sized copy
     logps = _token_logps(at.reshape(-1, at.shape[-1]), weight, picked.targets.reshape(-1), picked.temperature)
     return logps.reshape(picked.targets.shape)
+
+
+def positions_of(x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [rows, tokens, n] at `positions` [completions, longest] of each completion's row `rows`
+    [completions]: [completions, longest, n], as x[rows[:, None], positions], whose backward is
+    not repeatable. Positions repeat (a shared row's completions are all predicted first from the
+    prompt's last position), and that indexing's backward adds their gradients with atomic adds
+    on several threads, so in an order that changes from run to run: two runs of make demo-grpo
+    parted at step 3 or 4 on 2 threads, never on one. index_select's backward adds them in order."""
+    flat = rows[:, None] * x.shape[1] + positions
+    return x.reshape(-1, x.shape[-1]).index_select(0, flat.reshape(-1)).view(*positions.shape, x.shape[-1])
 
 
 def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

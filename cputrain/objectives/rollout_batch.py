@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cputrain.data.batch import IGNORE_INDEX, Batch, attention_mask_for, shared_prompt_mask
-from cputrain.kernels.chunked_logps import PickedPositions
+from cputrain.kernels.chunked_logps import PickedPositions, positions_of
 from cputrain.kernels.shared_prompt_attention import shared_prompt_kernel, shared_prompt_layout
 from cputrain.model.forward_keywords import forward_takes
 
@@ -156,7 +156,7 @@ def _logps(model, batch: RolloutBatch, temperature: float, chunked: bool, extra:
         extra["logits_to_keep"] = width - first
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra).logits
     offset = width - logits.shape[1]  # the row position of the first logits returned
-    picked = logits[batch.completion_rows[:, None], (batch.predicted_from - offset).clamp(min=0)].float()
+    picked = positions_of(logits, batch.completion_rows, (batch.predicted_from - offset).clamp(min=0)).float()
     if temperature != 1.0:  # a division of every logit, and again in the backward, for nothing at 1
         picked = picked / temperature
     logps = torch.log_softmax(picked, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)

@@ -357,3 +357,29 @@ def test_a_shared_row_takes_the_attention_dropout_of_a_training_forward(attn):
         fourth, _ = _logps(model, prompts, completions, shared=True)
     assert not torch.equal(first, second)
     assert torch.equal(third, fourth)
+
+
+def test_picked_positions_give_the_same_gradient_every_time_on_two_threads():
+    """A shared row's completions are all predicted first from the prompt's last position, so the
+    picked positions repeat; their gradients must add in one order, not in atomic adds racing
+    across threads (two runs of the same GRPO command parted after a few steps)."""
+    from cputrain.kernels.chunked_logps import positions_of
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 60, 512, generator=g, requires_grad=True)
+    rows = torch.tensor([0] * 9 + [1] * 3)  # the first row's group spans the two threads' halves of the work
+    positions = torch.randint(0, 60, (12, 20), generator=g)
+    positions[:, 0] = 9  # every completion's first token predicted from one position of its row
+    upstream = torch.randn(12, 20, 512, generator=g)
+    assert torch.equal(positions_of(x, rows, positions), x[rows[:, None], positions])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sums = set()
+        for _ in range(20):
+            x.grad = None
+            positions_of(x, rows, positions).backward(upstream)
+            sums.add(x.grad.double().pow(2).sum().item())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(sums) == 1
