@@ -127,6 +127,24 @@ def test_attention_choice_is_the_faster_and_says_why(monkeypatch):
     choice = attention_choice.attention_choice(cfg, micro_batch=2, seq_len=32, dtype=torch.bfloat16)
     assert choice.implementation == "eager"
     assert "eager 100.0 ms" in choice.reason and "sdpa 200.0 ms" in choice.reason and "2×4 heads (2 KV)×32×16" in choice.reason
+    assert "1 alternated round" in choice.reason  # 2× apart: the first round settles it
+
+
+def test_attention_choice_keeps_each_kernels_fastest_and_takes_eager_only_well_ahead(monkeypatch):
+    """Noisy timings (one slow eager round, one fast sdpa round) give the same choice as quiet
+    ones; a tie, or eager ahead by less than the margin, is sdpa; eager well ahead is eager."""
+    cfg = CONFIG_MAPPING["llama"](hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+    def choose(sdpa_ms, eager_ms):
+        rounds = {attention_choice._sdpa: iter(sdpa_ms), attention_choice._eager: iter(eager_ms)}
+        monkeypatch.setattr(attention_choice, "time_forward_backward", lambda fn, *a: next(rounds[fn]) / 1e3)
+        return attention_choice.attention_choice(cfg, micro_batch=2, seq_len=32, dtype=torch.float32)
+
+    noisy = choose([46.0, 47.2, 37.1], [55.1, 35.1, 34.2])  # round 1 alone: sdpa, round 2 alone: eager
+    assert noisy.implementation == "sdpa" and "sdpa 37.1 ms, eager 34.2 ms" in noisy.reason
+    assert "3 alternated round" in noisy.reason and "only where it is ≥ 10% faster" in noisy.reason
+    assert choose([41.0, 41.5, 42.0], [40.0, 43.0, 42.8]).implementation == "sdpa"
+    assert choose([50.0, 49.0, 51.0], [52.0, 40.0, 41.0]).implementation == "eager"  # 49 ≥ 1.1 × 40
 
 
 def test_measured_peak_is_cached_and_keeps_the_best(monkeypatch, tmp_path):
