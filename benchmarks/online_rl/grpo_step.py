@@ -84,7 +84,9 @@ def run_cputrain(base: Path, prompts: Path, cache: str, steps: int, warmup: int,
     rows = run.metrics_rows[warmup:]
     return {"step_s": statistics.median(r["step_time_s"] for r in rows),
             "mean_length": statistics.mean(r["completions/mean_length"] for r in rows),
-            "rollout_share": statistics.median(r["rollout/time_s"] / r["step_time_s"] for r in rows)}
+            "rollout_share": statistics.median(r["rollout/time_s"] / r["step_time_s"] for r in rows),
+            # groups whose rewards are all equal: advantage 0, left out of cputrain's training rows
+            "zero_std": statistics.mean(r["frac_reward_zero_std"] for r in rows)}
 
 
 def _trl_reward(prompts, completions, **kwargs):
@@ -122,9 +124,11 @@ def run_trl(base: Path, prompts: Path, steps: int, warmup: int, threads: int, sh
                               train_dataset=datasets.Dataset.from_list(records), callbacks=[clock])
         start = time.perf_counter()
         trainer.train()
+        zero_std = [h["frac_reward_zero_std"] for h in trainer.state.log_history if "frac_reward_zero_std" in h]
     marks = [start, *clock.marks]
     steps_s = [b - a for a, b in zip(marks[:-1], marks[1:])][warmup:]
-    return {"step_s": statistics.median(steps_s), "mean_length": statistics.mean(lengths[warmup:] or lengths)}
+    return {"step_s": statistics.median(steps_s), "mean_length": statistics.mean(lengths[warmup:] or lengths),
+            "zero_std": statistics.mean(zero_std[warmup:] or zero_std or [float("nan")])}
 
 
 def main() -> None:
@@ -175,13 +179,14 @@ def render(cells: dict, threads: int, runs: int, steps: int, warmup: int, shape:
              f"TRL's default bf16=True and cputrain's auto choice on bf16 units); each side's median step time over steps {warmup + 1}–{steps}, the "
              f"median of {runs} alternated runs (`{command_as_run()}`).", "",
              "| model | precision | cputrain s/step | rollout share | TRL GRPOTrainer s/step | × | target | "
-             "mean length (ours, TRL) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "mean length (ours, TRL) | groups of equal rewards (ours, TRL) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (size, precision), c in cells.items():
         target = TARGETS.get(size)
         lines.append(f"| {size} ({c['parameters'] / 1e6:.1f}M) | {precision} | {c['ours_step_s']:.2f} | {c['ours_rollout_share']:.0%} | "
                      f"{c['trl_step_s']:.2f} | {c['trl_step_s'] / c['ours_step_s']:.2f}× | "
-                     f"{f'≥ {target:g}×' if target else '—'} | {c['ours_mean_length']:.1f}, {c['trl_mean_length']:.1f} |")
+                     f"{f'≥ {target:g}×' if target else '—'} | {c['ours_mean_length']:.1f}, {c['trl_mean_length']:.1f} | "
+                     f"{c['ours_zero_std']:.0%}, {c['trl_zero_std']:.0%} |")
     return lines
 
 
