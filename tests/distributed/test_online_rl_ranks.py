@@ -2,7 +2,9 @@
 one prompt's group whole, its advantages computed there (scale_rewards=batch: the global batch's
 std, one all-reduce), the loss divided by the global count ÷ 2 and the gradients averaged as DDP
 averages them; the step's loss and gradient equal those of one process taking both groups, for
-dapo (a global token count) and grpo (a mean per completion). And a GRPO run through the CLI on 2
+dapo (a global token count) and grpo (a mean per completion), and where the second group's rewards
+are all equal (rank 1 then trains none of its completions, each micro-batch keeping one to run
+its forward, while their counts still divide the loss). And a GRPO run through the CLI on 2
 FSDP ranks with LoRA, the KL to the reference and the block-wise head."""
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ def _completions() -> list[list[int]]:
     return [[10 + (i * 7 + j * 3) % 40 for j in range(2 + i % 4)] for i in range(2 * NUM_GENERATIONS)]
 
 
-def _scores() -> torch.Tensor:
-    return torch.tensor([[float((i * 5) % 3)] for i in range(2 * NUM_GENERATIONS)])
+def _scores(equal_second: bool = False) -> torch.Tensor:
+    """Varied within each group; `equal_second`: the second group's all equal (its advantages 0, so
+    rank 1 leaves every completion out of its rows but the one that keeps its forward running)."""
+    return torch.tensor([[2.0 if equal_second and i >= NUM_GENERATIONS else float((i * 5) % 3)]
+                         for i in range(2 * NUM_GENERATIONS)])
 
 
-def _step(folder: str, loss_type: str, group: slice):
+def _step(folder: str, loss_type: str, group: slice, equal_second: bool = False):
     """(the rank's loss, its gradient as a flat vector, averaged over ranks where there are several)."""
     from transformers import AutoModelForCausalLM
 
@@ -47,8 +52,8 @@ def _step(folder: str, loss_type: str, group: slice):
                           num_iterations=1, rl_beta=0.0)
     objective = GrpoObjective(cfg)
     prompts = [p for p in PROMPTS for _ in range(NUM_GENERATIONS)][group]
-    batches = objective.batches_from_completions(model, prompts, _completions()[group], _scores()[group], 3,
-                                                 contextlib.nullcontext)
+    batches = objective.batches_from_completions(model, prompts, _completions()[group], _scores(equal_second)[group],
+                                                 3, contextlib.nullcontext)
     world = dist.get_world_size() if dist.is_initialized() else 1
     items = pg.all_reduce_sum([float(sum(objective.items(b) for b in batches))])[0]
     loss = 0.0
@@ -63,7 +68,8 @@ def _step(folder: str, loss_type: str, group: slice):
     return pg.all_reduce_sum([loss])[0] / world, grad
 
 
-LOSS_TYPES = ("dapo", "grpo")
+# (loss type, the second group's rewards all equal)
+CASES = (("dapo", False), ("grpo", False), ("dapo", True))
 
 
 def _rank(rank: int, port: int, folder: str, results) -> None:
@@ -72,9 +78,9 @@ def _rank(rank: int, port: int, folder: str, results) -> None:
     torch.set_num_threads(1)
     try:
         group = slice(rank * NUM_GENERATIONS, (rank + 1) * NUM_GENERATIONS)
-        for loss_type in LOSS_TYPES:  # one pair of processes for both: spawning is most of the cost
-            loss, grad = _step(folder, loss_type, group)
-            results[(rank, loss_type)] = (loss, grad.tolist())
+        for case in CASES:  # one pair of processes for all: spawning is most of the cost
+            loss, grad = _step(folder, case[0], group, case[1])
+            results[(rank, case)] = (loss, grad.tolist())
     finally:
         dist.destroy_process_group()
 
@@ -82,13 +88,13 @@ def _rank(rank: int, port: int, folder: str, results) -> None:
 def test_two_ranks_give_one_process_s_loss_and_gradient(tiny_model_dir):
     results = mp.Manager().dict()
     mp.start_processes(_rank, args=(free_port(), str(tiny_model_dir), results), nprocs=2, start_method="spawn")
-    for loss_type in LOSS_TYPES:
-        one_loss, one_grad = _step(str(tiny_model_dir), loss_type, slice(None))
+    for case in CASES:
+        one_loss, one_grad = _step(str(tiny_model_dir), case[0], slice(None), case[1])
         assert float(one_grad.norm()) > 0
         for rank in (0, 1):
-            loss, grad = results[(rank, loss_type)]
-            assert loss == pytest.approx(one_loss, abs=1e-6), (loss_type, rank)
-            assert torch.allclose(torch.tensor(grad), one_grad, atol=1e-6), (loss_type, rank)
+            loss, grad = results[(rank, case)]
+            assert loss == pytest.approx(one_loss, abs=1e-6), (case, rank)
+            assert torch.allclose(torch.tensor(grad), one_grad, atol=1e-6), (case, rank)
 
 
 def test_grpo_trains_on_two_fsdp_ranks_with_lora_and_the_reference(tmp_path, cache_dir, tiny_model):
