@@ -19,7 +19,9 @@ def swapped_attention(config, name: str, function, mask_function=None):
     attention runs)."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
+
+        if mask_function is not None:
+            from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         yield None
         return

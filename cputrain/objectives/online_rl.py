@@ -332,11 +332,12 @@ class OnlineRlObjective(Objective):
         # μ = 1: the sampling policy is this one, its log-probabilities these (TRL's shortcut: no extra forward)
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
         out = self.clipped_loss(logps, old, batch, cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon)
+        sums = torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)])  # no reward_sum
         # the completions left out: each loss term 0 and never clipped (a clip needs an advantage's sign),
         # but their tokens and completions count in the clip ratios' divisors, as where they were trained
-        left_out = torch.zeros(len(rl_loss.SUM_NAMES) + 1, dtype=torch.float64)  # + reward_sum, 0 here
-        left_out[0], left_out[1] = batch.skipped_tokens, batch.skipped_completions
-        return out.summed / divisor, torch.cat([out.sums, torch.zeros(1, dtype=torch.float64)]) + left_out
+        sums[0] += batch.skipped_tokens
+        sums[1] += batch.skipped_completions
+        return out.summed / divisor, sums
 
     def items(self, batch) -> int:
         return rl_loss.items_of(self.loss_type, batch.completions + batch.skipped_completions,

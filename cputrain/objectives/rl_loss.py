@@ -38,7 +38,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     grouped = rewards.view(-1, num_generations)
     mean = grouped.mean(dim=1).repeat_interleave(num_generations)
     group_std = grouped.std(dim=1).repeat_interleave(num_generations)
-    advantages = torch.where(_equal_groups(grouped, num_generations), 0.0, rewards - mean)
+    advantages = torch.where(_equal_groups(grouped), 0.0, rewards - mean)
     if scale_rewards == "group":
         advantages = advantages / (group_std + STD_EPSILON)
         std = group_std
@@ -56,16 +56,16 @@ def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tor
     """RLOO's advantages: each reward minus the mean of its group's other rewards."""
     grouped = rewards.view(-1, num_generations)
     baselines = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
-    return torch.where(_equal_groups(grouped, num_generations), 0.0, (grouped - baselines).reshape(-1))
+    return torch.where(_equal_groups(grouped), 0.0, (grouped - baselines).reshape(-1))
 
 
-def _equal_groups(grouped: torch.Tensor, num_generations: int) -> torch.Tensor:
+def _equal_groups(grouped: torch.Tensor) -> torch.Tensor:
     """Per completion: whether its group's rewards are all equal, where its advantage is 0 exactly.
     Computed, it is often not: the fp32 mean of 8 equal rewards differs from them in the last bit for
     ~40% of values (a baseline left out of one: ~10%), and ÷ (std 0 + 1e-4) makes that ulp an
     advantage of ~1e-3. An exact 0 is what the math says, and what lets the step skip the
     completion (OnlineRlObjective.batches_from_completions)."""
-    return (grouped == grouped[:, :1]).all(dim=1).repeat_interleave(num_generations)
+    return (grouped == grouped[:, :1]).all(dim=1).repeat_interleave(grouped.shape[1])
 
 
 def normalized(advantages: torch.Tensor, mean: float, std: float) -> torch.Tensor:

@@ -39,7 +39,8 @@ def _scores(equal_second: bool = False) -> torch.Tensor:
 
 
 def _step(folder: str, loss_type: str, group: slice, equal_second: bool = False):
-    """(the rank's loss, its gradient as a flat vector, averaged over ranks where there are several)."""
+    """(the rank's loss, its gradient as a flat vector, averaged over ranks where there are several,
+    the completions its rows left out)."""
     from transformers import AutoModelForCausalLM
 
     from cputrain.distributed import process_group as pg
@@ -65,7 +66,7 @@ def _step(folder: str, loss_type: str, group: slice, equal_second: bool = False)
     if world > 1:  # DDP's average
         dist.all_reduce(grad)
         grad /= world
-    return pg.all_reduce_sum([loss])[0] / world, grad
+    return pg.all_reduce_sum([loss])[0] / world, grad, sum(b.skipped_completions for b in batches)
 
 
 # (loss type, the second group's rewards all equal)
@@ -79,8 +80,8 @@ def _rank(rank: int, port: int, folder: str, results) -> None:
     try:
         group = slice(rank * NUM_GENERATIONS, (rank + 1) * NUM_GENERATIONS)
         for case in CASES:  # one pair of processes for all: spawning is most of the cost
-            loss, grad = _step(folder, case[0], group, case[1])
-            results[(rank, case)] = (loss, grad.tolist())
+            loss, grad, skipped = _step(folder, case[0], group, case[1])
+            results[(rank, case)] = (loss, grad.tolist(), skipped)
     finally:
         dist.destroy_process_group()
 
@@ -89,10 +90,13 @@ def test_two_ranks_give_one_process_s_loss_and_gradient(tiny_model_dir):
     results = mp.Manager().dict()
     mp.start_processes(_rank, args=(free_port(), str(tiny_model_dir), results), nprocs=2, start_method="spawn")
     for case in CASES:
-        one_loss, one_grad = _step(str(tiny_model_dir), case[0], slice(None), case[1])
+        one_loss, one_grad, one_skipped = _step(str(tiny_model_dir), case[0], slice(None), case[1])
         assert float(one_grad.norm()) > 0
+        # the equal group: micro-batches of 3 over its 4 on rank 1 leave 2 out (the last keeps its one)
+        assert [results[(rank, case)][2] for rank in (0, 1)] == ([0, 2] if case[1] else [0, 0])
+        assert one_skipped == (3 if case[1] else 0)  # one process: [a a a] [a b b] [b b]
         for rank in (0, 1):
-            loss, grad = results[(rank, case)]
+            loss, grad, _ = results[(rank, case)]
             assert loss == pytest.approx(one_loss, abs=1e-6), (case, rank)
             assert torch.allclose(torch.tensor(grad), one_grad, atol=1e-6), (case, rank)
 
