@@ -41,6 +41,11 @@ def run(args) -> int:
             print(f"{key:<34} {default:<22} {doc}")
         return 0
     config_path, overrides = config_and_overrides(args.config, args.overrides)
+    if args.from_command_line:
+        # Before anything loads torch: libgomp reads its wait variables once, as it loads.
+        from cputrain.native.openmp_waits import set_before_torch
+
+        set_before_torch()
     from cputrain.distributed.agent import pet_overrides
     from cputrain.training.launch import launch
 

@@ -25,6 +25,7 @@ from cputrain.distributed.addresses import route_address
 from cputrain.distributed.host_watch import HostWatch
 from cputrain.distributed.lost_peer import lost_node_named
 from cputrain.native.allocator import AllocatorChoice, preload_env
+from cputrain.native.openmp_waits import describe as describe_waits
 from cputrain.errors import ConfigError, Diverged, PeerLost, Stopped, UserError
 from cputrain.config.resolve import AGENT_SETTINGS_VAR
 
@@ -102,6 +103,7 @@ class NodeLaunch:
         out.append(f"  cores: {self.placement_reason}")
         lib = self.allocator.library or "none"
         out.append(f"  allocator: {lib} ({self.allocator.reason})")
+        out.append(f"  {describe_waits()}")
         for r in self.ranks:
             cpus = "any (not pinned)" if r.cpus is None else ",".join(map(str, r.cpus))
             out.append(f"  rank {r.rank} (local {r.local_rank}): {r.threads} thread(s), OMP_NUM_THREADS={r.threads}, "

@@ -13,6 +13,7 @@ from cputrain.hardware import detect
 from cputrain.log import setup_logging
 from cputrain.metrics.summary import summary_table
 from cputrain.native.allocator import tune_glibc
+from cputrain.native.openmp_waits import describe as describe_waits
 from cputrain.parallel import needs_process_group
 from cputrain.run_folder.layout import RunFolder
 from cputrain.run_folder.run_config import read_recorded
@@ -69,6 +70,7 @@ def run_worker(cfg: Config, take_over_lock: bool = False) -> dict:
                  hw.physical_cores, hw.memory_gib)
         for key, value, why in res.reasons:
             log.info("auto: %s = %s (%s)", key, value, why)
+        log.info(describe_waits())
     if res.config.hardware.allocator == "glibc-tuned":  # before the model and its steps allocate
         tune_glibc()
     # From here on the config is read-only: every part of the run sees the same values.
