@@ -58,6 +58,7 @@ BLOCK_PAGES: tuple[tuple[str, str, str | None], ...] = (
     ("two_ranks_34m", "network.md", "## A sharded rank against the single strategy"),
     ("two_ranks_overlap", "network.md", "## gather_once's reduce-scatter left running behind the backward"),
     ("zero3_fetch", "network.md", "## A sharded rank against the single strategy"),
+    ("openmp_waits", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_persistence", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_reduce_bucket", "network.md", "## A sharded rank against the single strategy"),
     ("zero3_reduce_bucket_fp32", "network.md", "## A sharded rank against the single strategy"),
