@@ -39,7 +39,7 @@ from benchmarks.network.sharded_rank import (SINGLE, SIZES, ZERO3, common, media
 from benchmarks.runner.blocks import command_as_run, print_and_write_block  # noqa: E402
 from benchmarks.runner.cputrain_run import train_measured  # noqa: E402
 from benchmarks.runner.machine import machine_line  # noqa: E402
-from cputrain.native.openmp_waits import WAITS  # noqa: E402
+from cputrain.native.openmp_waits import WAITS, WAITS_TEXT  # noqa: E402
 
 # libgomp's own defaults, written out: a variable set by the user keeps cputrain's waits out.
 LIBGOMP_DEFAULTS = {"GOMP_SPINCOUNT": "300000"}
@@ -125,6 +125,7 @@ def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tm
             tcmalloc: str | None) -> list[dict]:
     cases = [(f"{strategy}, {side}", overrides, extra) for strategy, overrides in (("single", SINGLE), ("zero3", ZERO3))
              for side, extra in SIDES.items()]
+    other_side = dict(zip(SIDES, reversed(list(SIDES))))
     alloc = "tcmalloc" if tcmalloc else "system"
     results = []
     for size in sizes:
@@ -142,9 +143,8 @@ def measure(sizes: list[str], precisions: list[str], rounds: int, steps: int, tm
             single_s = statistics.median(times["single, cputrain's waits"])
             for label, _, _ in cases:
                 step_s = statistics.median(times[label])
-                other = label.replace("cputrain's waits", "libgomp defaults") if "cputrain" in label else \
-                    label.replace("libgomp defaults", "cputrain's waits")
-                drift = max(abs(a - b) for a, b in zip(losses[label], losses[other]))
+                strategy, side = label.split(", ", 1)
+                drift = max(abs(a - b) for a, b in zip(losses[label], losses[f"{strategy}, {other_side[side]}"]))
                 results.append({"size": size, "precision": precision, "case": label, "step_s": step_s,
                                 "rounds_s": times[label], "vs_single": step_s / single_s, "loss_drift": drift})
     return results
@@ -157,7 +157,7 @@ def write(mechanism: list[dict], results: list[dict], threads: int, rounds: int,
              f"400 after a pause of Python, in a fresh process per side and round ({rounds} alternated rounds, "
              "median), before the process forms a gloo group and after one all-gather on a group of one rank. "
              "Side \"libgomp defaults\" is GOMP_SPINCOUNT=300000 set alone (libgomp's own default, which "
-             f"cputrain then keeps); \"cputrain's waits\" is {', '.join(f'{k}={v}' for k, v in WAITS.items())}.", "",
+             f"cputrain then keeps); \"cputrain's waits\" is {WAITS_TEXT}.", "",
              "| side | when | process threads | " + " | ".join(f"after {g} µs, µs" for g in GAPS_US) + " |",
              "| --- | --- | ---: | " + " | ".join("---:" for _ in GAPS_US) + " |"]
     for r in mechanism:

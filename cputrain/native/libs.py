@@ -27,7 +27,7 @@ def find_intel_openmp() -> str | None:
 
 def report_lines() -> list[str]:
     from cputrain.native.allocator import find_allocator
-    from cputrain.native.openmp_waits import WAITS
+    from cputrain.native.openmp_waits import WAITS_TEXT
 
     malloc = find_allocator()
     iomp = find_intel_openmp()
@@ -40,6 +40,5 @@ def report_lines() -> list[str]:
         "OpenMP         " + (f"torch's libgomp; Intel's libiomp5 is installed at {iomp} (not preloaded: "
                              "its effect is not measured yet)" if iomp else
                              "torch's libgomp (Intel's libiomp5 not installed: pip install intel-openmp)"),
-        "               `cputrain train` sets " + ", ".join(f"{k}={v}" for k, v in WAITS.items())
-        + " where neither is set (cputrain/native/openmp_waits.py)",
+        f"               `cputrain train` sets {WAITS_TEXT} where neither is set (cputrain/native/openmp_waits.py)",
     ]

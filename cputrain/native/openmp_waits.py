@@ -23,37 +23,37 @@ its knob), keeps their own.
 from __future__ import annotations
 
 import os
-import sys
 
 WAITS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+WAITS_TEXT = ", ".join(f"{name}={value}" for name, value in WAITS.items())
 WHY = ("libgomp's throttled spin, the mode gloo's threads put a rank in, raised from 100 to 1,000; "
        "its normal spin kept at its default")
 
 
-def waits_to_set(environ: dict) -> dict[str, str]:
+def _intel_runtime(environ) -> bool:
+    """Intel's OpenMP runtime preloaded, or its wait set: its own knob (KMP_BLOCKTIME) governs."""
+    return "libiomp" in environ.get("LD_PRELOAD", "") or "KMP_BLOCKTIME" in environ
+
+
+def waits_to_set(environ) -> dict[str, str]:
     """The variables to add to `environ`: none where the user chose their own waits or runtime."""
-    if any(name in environ for name in WAITS):
-        return {}
-    preloaded = environ.get("LD_PRELOAD", "")
-    if "libiomp" in preloaded or "KMP_BLOCKTIME" in environ:
+    if any(name in environ for name in WAITS) or _intel_runtime(environ):
         return {}
     return dict(WAITS)
 
 
-def set_before_torch(environ=None) -> bool:
-    """Add the waits to this process's environment (which its ranks inherit). Returns whether
-    libgomp will read them here: False once torch is loaded (an embedding caller's, a test's)."""
-    env = os.environ if environ is None else environ
-    env.update(waits_to_set(env))
-    return "torch" not in sys.modules
+def set_before_torch() -> None:
+    """Add the waits to this process's environment, which its ranks inherit. Called before torch
+    is imported: a process that has loaded it already keeps the waits libgomp read then."""
+    os.environ.update(waits_to_set(os.environ))
 
 
 def describe(environ=None) -> str:
     """One line for a launch plan: the waits this process and its ranks run with, and why."""
     env = os.environ if environ is None else environ
-    values = ", ".join(f"{name}={env[name]}" for name in WAITS if name in env)
     if {name: env.get(name) for name in WAITS} == WAITS:
-        return f"OpenMP waits: {values} ({WHY})"
-    if "libiomp" in env.get("LD_PRELOAD", "") or "KMP_BLOCKTIME" in env:
+        return f"OpenMP waits: {WAITS_TEXT} ({WHY})"
+    if _intel_runtime(env):
         return "OpenMP waits: Intel's runtime's own (KMP_BLOCKTIME); libgomp's variables not set"
-    return f"OpenMP waits: {values or 'libgomp defaults'} (set in the environment, kept)"
+    own = ", ".join(f"{name}={env[name]}" for name in WAITS if name in env)
+    return f"OpenMP waits: {own} (set in the environment, kept)" if own else "OpenMP waits: libgomp's defaults"
